@@ -1,0 +1,123 @@
+//! The GPT-2 language model: embeddings, blocks, final norm, tied LM head, cross-entropy.
+//! It knows nothing about distribution, optimisers or data: those are applied from outside.
+
+use burn::module::Module;
+use burn::nn::{Dropout, DropoutConfig, Embedding};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::module::linear;
+use burn::tensor::{Device, Int, Tensor};
+
+use crate::config::GptConfig;
+use crate::init::{Init, param};
+use crate::layers::{Block, LayerNorm};
+
+/// A GPT-2-architecture model. Module paths equal Hugging Face names minus `transformer.`.
+#[derive(Module, Debug)]
+pub struct Gpt {
+    /// Token embedding `[V, d]`, also the LM head (weight tying, as GPT-2).
+    pub wte: Embedding,
+    /// Learned position embedding `[T, d]`.
+    pub wpe: Embedding,
+    /// The transformer blocks.
+    pub h: Vec<Block>,
+    /// Final LayerNorm.
+    pub ln_f: LayerNorm,
+    drop: Dropout,
+}
+
+impl GptConfig {
+    /// Builds the model with weights drawn from seed 0 (see [`GptConfig::init_with_seed`]).
+    pub fn init(&self, device: &Device) -> Gpt {
+        self.init_with_seed(0, device)
+    }
+
+    /// Builds the model; every weight is a pure function of (`seed`, its path), so all
+    /// processes that call this agree bit for bit. Panics on an invalid config: call
+    /// [`GptConfig::validate`] first where the config comes from a user.
+    pub fn init_with_seed(&self, seed: u64, device: &Device) -> Gpt {
+        if let Err(e) = self.validate() {
+            panic!("invalid GptConfig: {e}");
+        }
+        let (v, t, d) = (self.vocab_size, self.block_size, self.n_embd);
+        let std = Init::Normal(self.init_std);
+        Gpt {
+            wte: Embedding {
+                weight: param(std, seed, "wte.weight", [v, d], device),
+            },
+            wpe: Embedding {
+                weight: param(std, seed, "wpe.weight", [t, d], device),
+            },
+            h: (0..self.n_layer)
+                .map(|i| Block::init(self, seed, &format!("h.{i}"), device))
+                .collect(),
+            ln_f: LayerNorm {
+                weight: param(Init::Ones, seed, "ln_f.weight", [d], device),
+                bias: param(Init::Zeros, seed, "ln_f.bias", [d], device),
+            },
+            drop: DropoutConfig::new(self.dropout).init(),
+        }
+    }
+}
+
+impl Gpt {
+    /// Number of positions the model was built with.
+    pub fn block_size(&self) -> usize {
+        self.wpe.weight.shape().dims::<2>()[0]
+    }
+
+    /// Vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.wte.weight.shape().dims::<2>()[0]
+    }
+
+    /// Next-token logits for every position.
+    ///
+    /// # Shapes
+    /// - idx: `[B, T]` token ids, `T <= block_size`
+    /// - output: `[B, T, V]`
+    pub fn forward(&self, idx: Tensor<2, Int>) -> Tensor<3> {
+        let [_, t] = idx.dims();
+        assert!(
+            t <= self.block_size(),
+            "sequence of {t} tokens exceeds block_size {}",
+            self.block_size()
+        );
+        let device = idx.device();
+        let pos = Tensor::<1, Int>::arange(0..t as i64, &device).unsqueeze::<2>(); // [1, T]
+        let x = self.wte.forward(idx) + self.wpe.forward(pos); // [B, T, d]
+        let mut x = self.drop.forward(x);
+        for block in &self.h {
+            x = block.forward(x);
+        }
+        let x = self.ln_f.forward(x); // [B, T, d]
+        // Tied head: logits = x wte^T.
+        linear(x, self.wte.weight.val().transpose(), None) // [B, T, V]
+    }
+
+    /// Logits and mean cross-entropy of predicting `targets`.
+    ///
+    /// # Shapes
+    /// - idx, targets: `[B, T]`
+    /// - output: (`[B, T, V]`, `[1]`)
+    pub fn forward_loss(
+        &self,
+        idx: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+    ) -> (Tensor<3>, Tensor<1>) {
+        let logits = self.forward(idx);
+        let loss = cross_entropy(logits.clone(), targets);
+        (logits, loss)
+    }
+}
+
+/// Mean token-level cross-entropy (nats).
+///
+/// # Shapes
+/// - logits: `[B, T, V]`, targets: `[B, T]`
+/// - output: `[1]`
+pub fn cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+    let [b, t, v] = logits.dims();
+    let logp = log_softmax(logits.reshape([b * t, v]), 1); // [B*T, V]
+    let picked = logp.gather(1, targets.reshape([b * t, 1])); // [B*T, 1]
+    picked.mean().neg()
+}

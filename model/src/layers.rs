@@ -1,0 +1,206 @@
+//! The parts of a GPT-2 block: LayerNorm, causal self-attention, MLP, and the block itself.
+//! Field names are Hugging Face GPT-2's (`ln_1`, `attn.c_attn`, `mlp.c_fc`, ...), so a module
+//! path plus the `transformer.` prefix is the checkpoint name, with no remapping table.
+
+use burn::module::{Module, Param};
+use burn::nn::{Dropout, DropoutConfig, Linear};
+use burn::tensor::activation::gelu_approximate;
+use burn::tensor::module::{attention, layer_norm};
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Device, Tensor};
+
+use crate::config::GptConfig;
+use crate::init::{Init, param};
+
+/// GPT-2's LayerNorm epsilon (`layer_norm_epsilon = 1e-5`).
+pub const LAYER_NORM_EPS: f64 = 1e-5;
+
+/// LayerNorm with Hugging Face parameter names (`weight`, `bias`) instead of Burn's
+/// (`gamma`, `beta`).
+#[derive(Module, Debug)]
+pub struct LayerNorm {
+    /// Scale, `[d]`, starts at 1.
+    pub weight: Param<Tensor<1>>,
+    /// Shift, `[d]`, starts at 0.
+    pub bias: Param<Tensor<1>>,
+}
+
+impl LayerNorm {
+    fn init(d: usize, seed: u64, path: &str, device: &Device) -> Self {
+        Self {
+            weight: param(Init::Ones, seed, &format!("{path}.weight"), [d], device),
+            bias: param(Init::Zeros, seed, &format!("{path}.bias"), [d], device),
+        }
+    }
+
+    /// # Shapes
+    /// - input: `[..., d]`
+    /// - output: `[..., d]`
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        layer_norm(x, self.weight.val(), Some(self.bias.val()), LAYER_NORM_EPS)
+    }
+}
+
+/// A `[d_in, d_out]` linear layer (Hugging Face Conv1D layout) with a zero bias.
+fn linear(d_in: usize, d_out: usize, std: f64, seed: u64, path: &str, device: &Device) -> Linear {
+    Linear {
+        weight: param(
+            Init::Normal(std),
+            seed,
+            &format!("{path}.weight"),
+            [d_in, d_out],
+            device,
+        ),
+        bias: Some(param(
+            Init::Zeros,
+            seed,
+            &format!("{path}.bias"),
+            [d_out],
+            device,
+        )),
+    }
+}
+
+/// GPT-2's scaled init of the projections that write into the residual stream:
+/// std / sqrt(2 L), so the stream's variance does not grow with depth (GPT-2 paper, 2.3).
+fn residual_std(config: &GptConfig) -> f64 {
+    config.init_std / (2.0 * config.n_layer as f64).sqrt()
+}
+
+/// Multi-head causal self-attention with a fused q, k, v projection.
+#[derive(Module, Debug)]
+pub struct CausalSelfAttention {
+    /// q, k, v projection, `[d, 3d]`.
+    pub c_attn: Linear,
+    /// Output projection, `[d, d]`.
+    pub c_proj: Linear,
+    resid_dropout: Dropout,
+    n_head: usize,
+}
+
+impl CausalSelfAttention {
+    fn init(config: &GptConfig, seed: u64, path: &str, device: &Device) -> Self {
+        let d = config.n_embd;
+        Self {
+            c_attn: linear(
+                d,
+                3 * d,
+                config.init_std,
+                seed,
+                &format!("{path}.c_attn"),
+                device,
+            ),
+            c_proj: linear(
+                d,
+                d,
+                residual_std(config),
+                seed,
+                &format!("{path}.c_proj"),
+                device,
+            ),
+            resid_dropout: DropoutConfig::new(config.dropout).init(),
+            n_head: config.n_head,
+        }
+    }
+
+    /// # Shapes
+    /// - x: `[B, T, d]`
+    /// - output: `[B, T, d]`
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let [b, t, d] = x.dims();
+        let (h, hd) = (self.n_head, d / self.n_head);
+        let qkv = self.c_attn.forward(x); // [B, T, 3d]
+        let heads = |m: Tensor<3>| m.reshape([b, t, h, hd]).swap_dims(1, 2); // [B, H, T, hd]
+        let mut parts = qkv.chunk(3, 2).into_iter().map(heads);
+        let (q, k, v) = (
+            parts.next().unwrap(),
+            parts.next().unwrap(),
+            parts.next().unwrap(),
+        );
+        let options = AttentionModuleOptions {
+            is_causal: true,
+            ..Default::default()
+        };
+        // Dropout on attention probabilities is not applied: the fused attention op has none.
+        let y = attention(q, k, v, None, None, options); // [B, H, T, hd]
+        let y = y.swap_dims(1, 2).reshape([b, t, d]); // [B, T, d]
+        self.resid_dropout.forward(self.c_proj.forward(y))
+    }
+}
+
+/// The position-wise feed-forward network: d -> 4d -> GELU (tanh) -> d.
+#[derive(Module, Debug)]
+pub struct Mlp {
+    /// Expansion, `[d, 4d]`.
+    pub c_fc: Linear,
+    /// Projection back, `[4d, d]`.
+    pub c_proj: Linear,
+    dropout: Dropout,
+}
+
+impl Mlp {
+    fn init(config: &GptConfig, seed: u64, path: &str, device: &Device) -> Self {
+        let d = config.n_embd;
+        Self {
+            c_fc: linear(
+                d,
+                4 * d,
+                config.init_std,
+                seed,
+                &format!("{path}.c_fc"),
+                device,
+            ),
+            c_proj: linear(
+                4 * d,
+                d,
+                residual_std(config),
+                seed,
+                &format!("{path}.c_proj"),
+                device,
+            ),
+            dropout: DropoutConfig::new(config.dropout).init(),
+        }
+    }
+
+    /// # Shapes
+    /// - x: `[B, T, d]`
+    /// - output: `[B, T, d]`
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let x = gelu_approximate(self.c_fc.forward(x)); // [B, T, 4d]
+        self.dropout.forward(self.c_proj.forward(x))
+    }
+}
+
+/// One pre-LayerNorm transformer block.
+#[derive(Module, Debug)]
+pub struct Block {
+    /// Norm before attention.
+    pub ln_1: LayerNorm,
+    /// Causal self-attention.
+    pub attn: CausalSelfAttention,
+    /// Norm before the MLP.
+    pub ln_2: LayerNorm,
+    /// Feed-forward network.
+    pub mlp: Mlp,
+}
+
+impl Block {
+    /// Block `path` (e.g. `h.3`) with weights drawn from `seed`.
+    pub fn init(config: &GptConfig, seed: u64, path: &str, device: &Device) -> Self {
+        let d = config.n_embd;
+        Self {
+            ln_1: LayerNorm::init(d, seed, &format!("{path}.ln_1"), device),
+            attn: CausalSelfAttention::init(config, seed, &format!("{path}.attn"), device),
+            ln_2: LayerNorm::init(d, seed, &format!("{path}.ln_2"), device),
+            mlp: Mlp::init(config, seed, &format!("{path}.mlp"), device),
+        }
+    }
+
+    /// # Shapes
+    /// - x: `[B, T, d]`
+    /// - output: `[B, T, d]`
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let x = x.clone() + self.attn.forward(self.ln_1.forward(x));
+        x.clone() + self.mlp.forward(self.ln_2.forward(x))
+    }
+}
