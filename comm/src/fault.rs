@@ -1,0 +1,154 @@
+//! Ending the whole job instead of hanging it: a panic hook that aborts MPI, and one watchdog
+//! thread that aborts when a collective waits longer than the configured timeout. It deliberately
+//! does not try to recover: after a lost rank the collectives' state is undefined.
+//!
+//! Why one watchdog thread and not one per collective: spawning a thread costs tens of
+//! microseconds, more than a small collective; registering in a shared table costs a lock.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use mpi::ffi;
+
+use crate::counters::Op;
+
+/// Exit code of a job aborted by the watchdog (like `timeout(1)`).
+pub const TIMEOUT_EXIT_CODE: i32 = 124;
+/// Exit code of a job aborted because a rank panicked (like Rust's panic exit code).
+pub const PANIC_EXIT_CODE: i32 = 101;
+
+/// Aborts every rank of the job. Safe to call from any thread: we initialise MPI with
+/// `MPI_THREAD_MULTIPLE` (see `comm`), and `MPI_Abort` does not return.
+pub fn abort_job(code: i32) -> ! {
+    // SAFETY: MPI is initialised while a `Comm` exists, which is the only time this is called.
+    unsafe {
+        ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code);
+    }
+    // MPI_Abort should not return; if a broken MPI lets it, make sure the job still ends.
+    std::process::exit(code)
+}
+
+/// Installs a panic hook that prints the usual message, names this rank and aborts the job,
+/// so the other ranks do not wait forever in their next collective.
+pub fn install_panic_hook(rank: usize) {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        previous(info);
+        eprintln!("ember-comm: rank {rank} panicked; aborting the MPI job");
+        abort_job(PANIC_EXIT_CODE);
+    }));
+}
+
+/// One collective being waited on.
+#[derive(Debug, Clone)]
+struct Waiting {
+    op: Op,
+    scope: String,
+    since: Instant,
+}
+
+#[derive(Debug)]
+struct Shared {
+    slots: Mutex<Vec<Option<Waiting>>>,
+    stop: AtomicBool,
+}
+
+/// The watchdog: a thread that checks the waiting collectives a few times per timeout.
+#[derive(Debug)]
+pub struct Watchdog {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Unregisters its collective when dropped (the wait finished).
+#[derive(Debug)]
+pub struct Armed<'w> {
+    shared: &'w Shared,
+    slot: usize,
+}
+
+impl Watchdog {
+    /// Starts the watchdog thread for `rank` with `timeout`.
+    pub fn start(rank: usize, timeout: Duration) -> Self {
+        let shared = Arc::new(Shared {
+            slots: Mutex::new(Vec::new()),
+            stop: AtomicBool::new(false),
+        });
+        let seen = Arc::clone(&shared);
+        // Check ten times per timeout (at most once a second) so an abort comes at most 10% late.
+        let period = (timeout / 10).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let thread = std::thread::Builder::new()
+            .name("ember-comm-watchdog".into())
+            .spawn(move || {
+                while !seen.stop.load(Ordering::Relaxed) {
+                    std::thread::park_timeout(period);
+                    let overdue = {
+                        let slots = seen.slots.lock().unwrap_or_else(|e| e.into_inner());
+                        slots
+                            .iter()
+                            .flatten()
+                            .find(|w| w.since.elapsed() > timeout)
+                            .cloned()
+                    };
+                    if let Some(w) = overdue {
+                        eprintln!(
+                            "ember-comm: rank {rank}: {} on level {} waited longer than the \
+                             --comm-timeout of {} s; aborting the MPI job",
+                            w.op.name(),
+                            w.scope,
+                            timeout.as_secs_f64()
+                        );
+                        abort_job(TIMEOUT_EXIT_CODE);
+                    }
+                }
+            })
+            .expect("spawning the comm watchdog thread");
+        Self {
+            shared,
+            thread: Some(thread),
+        }
+    }
+
+    /// Registers a wait for `op` on `scope`; the returned guard unregisters it.
+    pub fn arm(&self, op: Op, scope: String) -> Armed<'_> {
+        let mut slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let waiting = Some(Waiting {
+            op,
+            scope,
+            since: Instant::now(),
+        });
+        let slot = match slots.iter().position(Option::is_none) {
+            Some(i) => {
+                slots[i] = waiting;
+                i
+            }
+            None => {
+                slots.push(waiting);
+                slots.len() - 1
+            }
+        };
+        Armed {
+            shared: &self.shared,
+            slot,
+        }
+    }
+}
+
+impl Drop for Armed<'_> {
+    fn drop(&mut self) {
+        let mut slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
+        slots[self.slot] = None;
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            t.thread().unpark();
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! The quantization kernels written once in CubeCL (`#[cube]`) and launched on the client of
+//! whatever runtime the data lives on (wgpu here; CUDA/HIP clients work the same way). Same
+//! numerics as `reference`; it deliberately keeps host <-> device copies to the thin
+//! [`QuantKernels`] adapter at the bottom, which exists for host-resident buffers and tests.
+//!
+//! Storage is u32 words only: WGSL has no 8-bit storage, so int8 values are packed four to a
+//! word and int4 eight to a word (little-endian, the same bytes as the host layout), and scales
+//! travel as their f32 bit patterns so no kernel ever materialises a NaN constant (WGSL forbids
+//! them in constant expressions).
+
+use cubecl::prelude::*;
+
+use super::{BlockSize, QuantFormat, QuantKernels, Quantized};
+
+/// One unit per block: `scales[b]` = bits of `amax / qmax`, or a quiet NaN's bits for a block
+/// holding a non-finite value.
+#[cube(launch_unchecked)]
+fn block_scales(
+    input: &[f32],
+    scales: &mut [u32],
+    #[comptime] block: usize,
+    #[comptime] qmax: u32,
+) {
+    let b = ABSOLUTE_POS;
+    if b < scales.len() {
+        let start = b * block;
+        let end = min(start + block, input.len());
+        let mut amax = 0u32;
+        for i in start..end {
+            amax = max(amax, u32::reinterpret(input[i]) & 0x7fff_ffffu32);
+        }
+        let scale = f32::reinterpret(amax) / f32::cast_from(qmax);
+        let mut bits = u32::reinterpret(scale);
+        if amax >= 0x7f80_0000u32 {
+            bits = 0x7fc0_0000u32;
+        }
+        scales[b] = bits;
+    }
+}
+
+/// One unit per output word: quantizes `32 / width` consecutive elements and packs them.
+#[cube(launch_unchecked)]
+fn quantize_pack(
+    input: &[f32],
+    scales: &[u32],
+    out: &mut [u32],
+    #[comptime] block: usize,
+    #[comptime] qmax: u32,
+    #[comptime] width: u32,
+) {
+    let w = ABSOLUTE_POS;
+    if w < out.len() {
+        let per_word = comptime!((32 / width) as usize);
+        let mask = comptime!((1u32 << width) - 1);
+        let limit = f32::cast_from(qmax);
+        let mut word = 0u32;
+        #[unroll]
+        for j in 0..per_word {
+            let i = w * per_word + j;
+            if i < input.len() {
+                let sbits = scales[i / block];
+                let mut q = 0i32;
+                // Finite and non-zero: scales are never negative, so the bits order like values.
+                if sbits != 0u32 && sbits < 0x7f80_0000u32 {
+                    let y = f32::round(input[i] / f32::reinterpret(sbits));
+                    q = i32::cast_from(max(min(y, limit), -limit));
+                }
+                let shift = comptime!(j as u32 * width);
+                word |= (u32::reinterpret(q) & mask) << shift;
+            }
+        }
+        out[w] = word;
+    }
+}
+
+/// One unit per element: sums `q * scale` over `parts` quantized buffers laid end to end
+/// (each `data.len() / parts` words and `scales.len() / parts` scales), in part order from 0.
+#[cube(launch_unchecked)]
+fn dequantize_sum_kernel(
+    data: &[u32],
+    scales: &[u32],
+    out: &mut [f32],
+    #[comptime] parts: usize,
+    #[comptime] block: usize,
+    #[comptime] width: u32,
+) {
+    let i = ABSOLUTE_POS;
+    if i < out.len() {
+        let per_word = comptime!((32 / width) as usize);
+        let mask = comptime!((1u32 << width) - 1);
+        let words_per_part = data.len() / parts;
+        let scales_per_part = scales.len() / parts;
+        let shift = u32::cast_from(i % per_word) * width;
+        let mut acc = 0.0f32;
+        for p in 0..parts {
+            let raw = (data[p * words_per_part + i / per_word] >> shift) & mask;
+            // Move the value's sign bit to bit 31, then shift back arithmetically.
+            let q = i32::reinterpret(raw << (32 - width)) >> i32::cast_from(32 - width);
+            let scale = f32::reinterpret(scales[p * scales_per_part + i / block]);
+            acc += f32::cast_from(q) * scale;
+        }
+        out[i] = acc;
+    }
+}
+
+/// The kernels on one CubeCL client.
+pub struct CubeKernels {
+    client: cubecl::client::Client,
+    name: String,
+}
+
+impl std::fmt::Debug for CubeKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CubeKernels")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+const CUBE_DIM: u32 = 256;
+
+fn cube_count(units: usize) -> CubeCount {
+    // Spread over x and y: x is limited to 65535 cubes on most runtimes.
+    let cubes = (units as u32).div_ceil(CUBE_DIM).max(1);
+    let x = cubes.min(65_535);
+    CubeCount::Static(x, cubes.div_ceil(x), 1)
+}
+
+fn words(format: QuantFormat, len: usize) -> usize {
+    match format {
+        QuantFormat::Int8 => len.div_ceil(4),
+        QuantFormat::Int4 => len.div_ceil(8),
+    }
+}
+
+fn width(format: QuantFormat) -> u32 {
+    match format {
+        QuantFormat::Int8 => 8,
+        QuantFormat::Int4 => 4,
+    }
+}
+
+fn u32s(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks(4)
+        .map(|c| {
+            let mut w = [0u8; 4];
+            w[..c.len()].copy_from_slice(c);
+            u32::from_le_bytes(w)
+        })
+        .collect()
+}
+
+impl CubeKernels {
+    /// The kernels on the default wgpu device (Vulkan/Metal/DX12; Mesa lavapipe in CI).
+    pub fn wgpu() -> Result<Self, String> {
+        let device = cubecl::Device::wgpu(Default::default()).map_err(|e| {
+            format!("no wgpu device ({e:?}): install a Vulkan driver (Debian: mesa-vulkan-drivers)")
+        })?;
+        Ok(Self::on(device.client(), "wgpu"))
+    }
+
+    /// The kernels on an existing client (e.g. the one a Burn device uses).
+    pub fn on(client: cubecl::client::Client, name: &str) -> Self {
+        Self {
+            client,
+            name: name.to_string(),
+        }
+    }
+
+    fn dequantize_parts(&self, parts: &[Quantized]) -> Vec<f32> {
+        let Some(first) = parts.first() else {
+            return Vec::new();
+        };
+        let (format, block, len) = (first.format, first.block, first.len);
+        if len == 0 {
+            return Vec::new();
+        }
+        let mut data = Vec::new();
+        let mut scales = Vec::new();
+        for p in parts {
+            assert!(
+                p.format == format && p.block == block && p.len == len,
+                "parts agree"
+            );
+            data.extend(u32s(&p.data));
+            scales.extend(p.scales.iter().map(|s| s.to_bits()));
+        }
+        let client = &self.client;
+        let data_h = client.create_from_slice(u32::as_bytes(&data));
+        let scales_h = client.create_from_slice(u32::as_bytes(&scales));
+        let out_h = client.empty(len * 4);
+        // SAFETY: every index the kernel reads or writes is bounds-checked against the buffer
+        // lengths passed alongside the handles, which are the handles' true lengths.
+        unsafe {
+            dequantize_sum_kernel::launch_unchecked(
+                client,
+                cube_count(len),
+                CubeDim::new_1d(CUBE_DIM),
+                BufferArg::from_raw_parts(data_h, data.len()),
+                BufferArg::from_raw_parts(scales_h, scales.len()),
+                BufferArg::from_raw_parts(out_h.clone(), len),
+                parts.len(),
+                block.get(),
+                width(format),
+            );
+        }
+        f32::from_bytes(&client.read_one_unchecked(out_h)).to_vec()
+    }
+}
+
+impl QuantKernels for CubeKernels {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn quantize(&self, x: &[f32], format: QuantFormat, block: BlockSize) -> Quantized {
+        let n_scales = x.len().div_ceil(block.get());
+        let n_words = words(format, x.len());
+        if x.is_empty() {
+            return Quantized {
+                format,
+                block,
+                len: 0,
+                data: Vec::new(),
+                scales: Vec::new(),
+            };
+        }
+        let client = &self.client;
+        let input = client.create_from_slice(f32::as_bytes(x));
+        let scales_h = client.empty(n_scales * 4);
+        let out_h = client.empty(n_words * 4);
+        let qmax = format.qmax() as u32;
+        // SAFETY: as in `dequantize_parts`.
+        unsafe {
+            block_scales::launch_unchecked(
+                client,
+                cube_count(n_scales),
+                CubeDim::new_1d(CUBE_DIM),
+                BufferArg::from_raw_parts(input.clone(), x.len()),
+                BufferArg::from_raw_parts(scales_h.clone(), n_scales),
+                block.get(),
+                qmax,
+            );
+            quantize_pack::launch_unchecked(
+                client,
+                cube_count(n_words),
+                CubeDim::new_1d(CUBE_DIM),
+                BufferArg::from_raw_parts(input, x.len()),
+                BufferArg::from_raw_parts(scales_h.clone(), n_scales),
+                BufferArg::from_raw_parts(out_h.clone(), n_words),
+                block.get(),
+                qmax,
+                width(format),
+            );
+        }
+        let scales = u32::from_bytes(&client.read_one_unchecked(scales_h))
+            .iter()
+            .map(|&b| f32::from_bits(b))
+            .collect();
+        let words = client.read_one_unchecked(out_h);
+        let mut data = words.to_vec();
+        data.truncate(format.data_bytes(x.len()));
+        Quantized {
+            format,
+            block,
+            len: x.len(),
+            data,
+            scales,
+        }
+    }
+
+    fn dequantize(&self, q: &Quantized) -> Vec<f32> {
+        self.dequantize_parts(std::slice::from_ref(q))
+    }
+
+    fn dequantize_sum(&self, parts: &[Quantized]) -> Vec<f32> {
+        self.dequantize_parts(parts)
+    }
+}

@@ -1,0 +1,335 @@
+//! Flat collectives under real `mpirun` at every topology the issue lists: every op, every
+//! element type, blocking and non-blocking, against a sequential reference each rank computes
+//! from the inputs it can regenerate; and the byte counters against the formulas.
+
+mod common;
+
+use common::*;
+use ember_comm::counters::formula;
+use ember_comm::{Bf16, Comm, Element, Group, Op, Reduce, Role, ShardLayout};
+
+/// What the sequential reference needs to know about an element type.
+trait Checked: Element {
+    fn input(rank: usize, n: usize, salt: usize) -> Vec<Self>;
+    fn add(a: Self, b: Self) -> Self;
+    /// `Some(sum / g)` for floating types; `None` where Mean must be refused.
+    fn mean(sum: Self, g: usize) -> Option<Self>;
+}
+
+impl Checked for f32 {
+    fn input(rank: usize, n: usize, salt: usize) -> Vec<Self> {
+        f32_input(rank, n, salt)
+    }
+    fn add(a: Self, b: Self) -> Self {
+        a + b
+    }
+    fn mean(sum: Self, g: usize) -> Option<Self> {
+        Some(sum / g as f32)
+    }
+}
+
+impl Checked for Bf16 {
+    fn input(rank: usize, n: usize, salt: usize) -> Vec<Self> {
+        bf16_input(rank, n, salt)
+    }
+    fn add(a: Self, b: Self) -> Self {
+        Bf16::from_f32(a.to_f32() + b.to_f32())
+    }
+    fn mean(sum: Self, g: usize) -> Option<Self> {
+        Some(Bf16::from_f32(sum.to_f32() / g as f32))
+    }
+}
+
+impl Checked for u8 {
+    fn input(rank: usize, n: usize, salt: usize) -> Vec<Self> {
+        u8_input(rank, n, salt)
+    }
+    fn add(a: Self, b: Self) -> Self {
+        a.wrapping_add(b)
+    }
+    fn mean(_: Self, _: usize) -> Option<Self> {
+        None
+    }
+}
+
+impl Checked for i8 {
+    fn input(rank: usize, n: usize, salt: usize) -> Vec<Self> {
+        i8_input(rank, n, salt)
+    }
+    fn add(a: Self, b: Self) -> Self {
+        a.wrapping_add(b)
+    }
+    fn mean(_: Self, _: usize) -> Option<Self> {
+        None
+    }
+}
+
+/// Asserts that exactly `op` on `bytes` was charged to `group`'s scope since the last reset.
+fn assert_charged(comm: &Comm, group: &Group, op: Op, bytes: usize, role: Role) {
+    let counters = comm.take_counters();
+    let want = formula(op, bytes as u64, group.size(), role);
+    assert_eq!(
+        counters.get(group.scope(), op),
+        want,
+        "{op:?} on {:?}",
+        group.scope()
+    );
+    assert_eq!(
+        counters.entries().count(),
+        usize::from(group.size() > 0),
+        "one entry only"
+    );
+}
+
+fn padded_input<T: Checked>(rank: usize, n: usize, padded: usize, salt: usize) -> Vec<T> {
+    let mut v = T::input(rank, n, salt);
+    v.resize(padded, T::default());
+    v
+}
+
+fn check_group<T: Checked>(comm: &Comm, group: Group, members: &[usize]) {
+    let rank = comm.rank();
+    let g = members.len();
+    let me = group.index();
+    let sz = size_of::<T>();
+    comm.take_counters();
+
+    // All-gather, blocking and non-blocking.
+    let s = 5;
+    let want: Vec<T> = members.iter().flat_map(|&m| T::input(m, s, 1)).collect();
+    assert_eq!(group.all_gather(&T::input(rank, s, 1)).unwrap(), want);
+    assert_charged(comm, &group, Op::AllGather, s * g * sz, Role::Member);
+    let p = group.start_all_gather(T::input(rank, s, 1)).unwrap();
+    assert_eq!(p.wait().unwrap(), want);
+    assert_charged(comm, &group, Op::AllGather, s * g * sz, Role::Member);
+
+    // Reduce-scatter of a length that does not divide by g (padding rule).
+    let n = 7 * g + 3;
+    let layout = ShardLayout::new(n, g, 1);
+    let inputs: Vec<Vec<T>> = members
+        .iter()
+        .map(|&m| padded_input(m, n, layout.padded(), 2))
+        .collect();
+    let sum_at = |i: usize| {
+        inputs
+            .iter()
+            .skip(1)
+            .fold(inputs[0][i], |acc, v| T::add(acc, v[i]))
+    };
+    let want: Vec<T> = layout.range(me).map(sum_at).collect();
+    assert_eq!(
+        group
+            .reduce_scatter(&T::input(rank, n, 2), Reduce::Sum)
+            .unwrap(),
+        want
+    );
+    assert_charged(
+        comm,
+        &group,
+        Op::ReduceScatter,
+        layout.padded() * sz,
+        Role::Member,
+    );
+    let p = group
+        .start_reduce_scatter(T::input(rank, n, 2), Reduce::Sum)
+        .unwrap();
+    assert_eq!(p.wait().unwrap(), want);
+    assert_charged(
+        comm,
+        &group,
+        Op::ReduceScatter,
+        layout.padded() * sz,
+        Role::Member,
+    );
+    match T::mean(T::default(), g) {
+        Some(_) => {
+            let want_mean: Vec<T> = want.iter().map(|&x| T::mean(x, g).unwrap()).collect();
+            let got = group
+                .reduce_scatter(&T::input(rank, n, 2), Reduce::Mean)
+                .unwrap();
+            assert_eq!(got, want_mean);
+            let p = group
+                .start_reduce_scatter(T::input(rank, n, 2), Reduce::Mean)
+                .unwrap();
+            assert_eq!(p.wait().unwrap(), want_mean);
+        }
+        None => {
+            let err = group
+                .reduce_scatter(&T::input(rank, n, 2), Reduce::Mean)
+                .unwrap_err();
+            assert!(err.to_string().contains("Reduce::Sum"), "{err}");
+        }
+    }
+    comm.take_counters();
+
+    // All-reduce.
+    let n = 13;
+    let inputs: Vec<Vec<T>> = members.iter().map(|&m| T::input(m, n, 3)).collect();
+    let want: Vec<T> = (0..n)
+        .map(|i| {
+            inputs
+                .iter()
+                .skip(1)
+                .fold(inputs[0][i], |a, v| T::add(a, v[i]))
+        })
+        .collect();
+    assert_eq!(
+        group
+            .all_reduce(&T::input(rank, n, 3), Reduce::Sum)
+            .unwrap(),
+        want
+    );
+    assert_charged(comm, &group, Op::AllReduce, n * sz, Role::Member);
+    let p = group
+        .start_all_reduce(T::input(rank, n, 3), Reduce::Sum)
+        .unwrap();
+    assert_eq!(p.wait().unwrap(), want);
+    assert_charged(comm, &group, Op::AllReduce, n * sz, Role::Member);
+
+    // Broadcast from the last member.
+    let root = g - 1;
+    let role = if me == root { Role::Root } else { Role::Member };
+    let want = T::input(members[root], 9, 4);
+    let mut buf = T::input(rank, 9, 4);
+    group.broadcast(&mut buf, root).unwrap();
+    assert_eq!(buf, want);
+    assert_charged(comm, &group, Op::Broadcast, 9 * sz, role);
+    let p = group.start_broadcast(T::input(rank, 9, 4), root).unwrap();
+    assert_eq!(p.wait().unwrap(), want);
+    assert_charged(comm, &group, Op::Broadcast, 9 * sz, role);
+    assert!(group.broadcast(&mut buf, g).is_err());
+
+    // All-to-all of a length that does not divide by g.
+    let n = 3 * g + 1;
+    let layout = ShardLayout::new(n, g, 1);
+    let want: Vec<T> = members
+        .iter()
+        .flat_map(|&m| padded_input::<T>(m, n, layout.padded(), 5)[layout.range(me)].to_vec())
+        .collect();
+    assert_eq!(group.all_to_all(&T::input(rank, n, 5)).unwrap(), want);
+    assert_charged(
+        comm,
+        &group,
+        Op::AllToAll,
+        layout.padded() * sz,
+        Role::Member,
+    );
+
+    // Two collectives in flight at once, waited in reverse order (compute/comm overlap).
+    let a = group.start_all_to_all(T::input(rank, n, 5)).unwrap();
+    let b = group.start_all_gather(T::input(rank, s, 1)).unwrap();
+    let gathered: Vec<T> = members.iter().flat_map(|&m| T::input(m, s, 1)).collect();
+    assert_eq!(b.wait().unwrap(), gathered);
+    assert_eq!(a.wait().unwrap(), want);
+    comm.take_counters();
+}
+
+#[test]
+fn flat_collectives_match_sequential_reference_at_every_topology() {
+    if !is_child() {
+        for t in TOPOLOGIES {
+            mpirun_ok(
+                "flat_collectives_match_sequential_reference_at_every_topology",
+                t,
+            );
+        }
+        return;
+    }
+    let comm = child_comm();
+    let topo = comm.topology().clone();
+    for scope in topo.scopes() {
+        let group = comm.group(scope);
+        let members = topo.members(scope, comm.rank());
+        assert_eq!(group.size(), members.len());
+        assert_eq!(members[group.index()], comm.rank(), "{scope:?}");
+        check_group::<f32>(&comm, group, &members);
+        check_group::<Bf16>(&comm, group, &members);
+        check_group::<u8>(&comm, group, &members);
+        check_group::<i8>(&comm, group, &members);
+    }
+    comm.barrier();
+}
+
+#[test]
+fn topology_that_differs_from_world_size_is_refused_naming_both() {
+    if !is_child() {
+        let out = mpirun(
+            "topology_that_differs_from_world_size_is_refused_naming_both",
+            3,
+            "2x2x1",
+            std::time::Duration::from_secs(60),
+            &[],
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return;
+    }
+    let spec = std::env::var(TOPOLOGY_ENV).unwrap();
+    let err = Comm::init(ember_comm::CommConfig {
+        topology: ember_comm::TopologySource::Explicit(ember_comm::Topology::parse(&spec).unwrap()),
+        ..Default::default()
+    })
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains('4') && msg.contains('3'), "{msg}");
+}
+
+fn check_hier<T: Checked>(comm: &Comm, n: usize) {
+    let topo = comm.topology().clone();
+    let rank = comm.rank();
+    let world = comm.world();
+    let input = T::input(rank, n, 6);
+    let flat = world.reduce_scatter(&input, Reduce::Sum).unwrap();
+    comm.take_counters();
+    let hier = ember_comm::hier::reduce_scatter(comm, &input, Reduce::Sum).unwrap();
+    assert_eq!(hier, flat, "hierarchical reduce-scatter at {topo}");
+    // Each level moved the buffer that was left after the inner levels, per the formula.
+    let counters = comm.take_counters();
+    let mut bytes = ShardLayout::new(n, topo.world_size(), 1).padded() * size_of::<T>();
+    for (level, d) in topo.dims().into_iter().enumerate() {
+        let want = if d == 1 {
+            Default::default()
+        } else {
+            formula(Op::ReduceScatter, bytes as u64, d, Role::Member)
+        };
+        assert_eq!(
+            counters.get(ember_comm::Scope::Across(level), Op::ReduceScatter),
+            want
+        );
+        bytes /= d;
+    }
+    if T::mean(T::default(), 2).is_some() {
+        let flat = world.reduce_scatter(&input, Reduce::Mean).unwrap();
+        let hier = ember_comm::hier::reduce_scatter(comm, &input, Reduce::Mean).unwrap();
+        assert_eq!(hier, flat);
+    }
+    // All-gather: the inverse layout.
+    let shard = T::input(rank, 3, 7);
+    let flat = world.all_gather(&shard).unwrap();
+    let hier = ember_comm::hier::all_gather(comm, &shard).unwrap();
+    assert_eq!(hier, flat, "hierarchical all-gather at {topo}");
+}
+
+#[test]
+fn hierarchical_reduce_scatter_and_all_gather_equal_flat_at_every_topology() {
+    if !is_child() {
+        for t in TOPOLOGIES {
+            mpirun_ok(
+                "hierarchical_reduce_scatter_and_all_gather_equal_flat_at_every_topology",
+                t,
+            );
+        }
+        return;
+    }
+    let comm = child_comm();
+    for n in [1, 8, 37, 1000] {
+        check_hier::<f32>(&comm, n);
+        check_hier::<Bf16>(&comm, n);
+        check_hier::<u8>(&comm, n);
+        check_hier::<i8>(&comm, n);
+    }
+    comm.barrier();
+}

@@ -1,0 +1,86 @@
+//! Fault handling under real `mpirun`: a panicking rank, a killed rank and a collective that
+//! waits past the timeout must each end the whole job promptly, with a message that says why.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use ember_comm::{Reduce, Scope};
+
+/// Runs `name` on 4 ranks (2x2x1) and returns (success, seconds, stderr + stdout).
+fn run_failing(name: &str) -> (bool, f64, String) {
+    let start = Instant::now();
+    let out = mpirun(name, 4, "2x2x1", Duration::from_secs(90), &[]);
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    (out.status.success(), start.elapsed().as_secs_f64(), text)
+}
+
+#[test]
+fn a_panic_in_one_rank_ends_the_job_promptly() {
+    if !is_child() {
+        let (ok, secs, text) = run_failing("a_panic_in_one_rank_ends_the_job_promptly");
+        assert!(!ok, "the job must fail\n{text}");
+        assert!(secs < 60.0, "took {secs:.1} s\n{text}");
+        assert!(text.contains("rank 2 panicked"), "{text}");
+        return;
+    }
+    // A long timeout: only the panic hook may end this job.
+    let comm = child_comm_with(Duration::from_secs(600));
+    if comm.rank() == 2 {
+        panic!("deliberate panic in rank 2");
+    }
+    let _ = comm.world().all_reduce(&[1.0f32; 16], Reduce::Sum);
+    unreachable!("rank 2 never joins");
+}
+
+#[test]
+fn a_killed_rank_ends_the_job_promptly() {
+    if !is_child() {
+        let (ok, secs, text) = run_failing("a_killed_rank_ends_the_job_promptly");
+        assert!(!ok, "the job must fail\n{text}");
+        assert!(secs < 60.0, "took {secs:.1} s\n{text}");
+        return;
+    }
+    let comm = child_comm_with(Duration::from_secs(600));
+    if comm.rank() == 1 {
+        let pid = std::process::id().to_string();
+        // SIGKILL: no hook, no unwinding, exactly what a crashed node looks like to MPI.
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &pid])
+            .status();
+        std::thread::sleep(Duration::from_secs(60));
+    }
+    let _ = comm.world().all_gather(&[1u8; 8]);
+    unreachable!("rank 1 never joins");
+}
+
+#[test]
+fn a_collective_past_the_timeout_aborts_naming_op_level_and_rank() {
+    if !is_child() {
+        let (ok, secs, text) =
+            run_failing("a_collective_past_the_timeout_aborts_naming_op_level_and_rank");
+        assert!(!ok, "the job must fail\n{text}");
+        assert!(secs < 45.0, "took {secs:.1} s\n{text}");
+        assert!(
+            text.contains("rank 1: reduce_scatter on level within-gpu waited longer than"),
+            "{text}"
+        );
+        return;
+    }
+    let comm = child_comm_with(Duration::from_secs(2));
+    if comm.rank() == 0 {
+        std::thread::sleep(Duration::from_secs(60));
+    }
+    // Rank 1 waits for rank 0 in their node's group; ranks 2 and 3 finish theirs and idle
+    // outside MPI, so rank 1's watchdog is the only one that can fire.
+    let _ = comm
+        .group(Scope::Within(1))
+        .reduce_scatter(&[1.0f32; 64], Reduce::Sum);
+    std::thread::sleep(Duration::from_secs(60));
+    unreachable!("rank 0 never joins in time");
+}
