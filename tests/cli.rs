@@ -1,0 +1,308 @@
+//! End-to-end tests of the `ember` binary: training quality on the embedded corpus, exact
+//! resume, generate / eval / prepare, and the message and exit code of every bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use ember_data::{TINY_SHAKESPEARE, TokenizerSpec, prepare_cached, unigram_entropy};
+use ember_train::metrics::{StepMetrics, read_metrics};
+
+/// Prepared corpora are shared by every test of this binary (preparation is idempotent and
+/// safe under concurrency).
+fn cache_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ember-cache")
+}
+
+/// Runs `ember args...`, killing it after `limit`.
+fn ember(args: &[&str], limit: Duration) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args(args)
+        .env("EMBER_CACHE_DIR", cache_dir())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawning ember");
+    let start = Instant::now();
+    while child.try_wait().expect("waiting").is_none() {
+        if start.elapsed() > limit {
+            child.kill().ok();
+            panic!("ember {args:?} ran longer than {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().expect("collecting output")
+}
+
+fn ok(args: &[&str]) -> Output {
+    let out = ember(args, Duration::from_secs(600));
+    assert!(
+        out.status.success(),
+        "ember {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn losses(metrics: &[StepMetrics]) -> Vec<(u64, f64)> {
+    metrics.iter().map(|m| (m.step, m.loss)).collect()
+}
+
+#[test]
+fn tiny_learns_below_unigram_entropy_and_then_generates_and_evals() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    ok(&[
+        "train",
+        "--preset",
+        "tiny",
+        "--max-iters",
+        "300",
+        "--batch-size",
+        "16",
+        "--lr",
+        "3e-3",
+        "--warmup-iters",
+        "30",
+        "--eval-interval",
+        "150",
+        "--eval-iters",
+        "10",
+        "--log-interval",
+        "25",
+        "--out-dir",
+        path(&out),
+    ]);
+    let metrics = read_metrics(&out.join("metrics.jsonl")).unwrap();
+    let last = metrics.last().unwrap();
+    assert_eq!(last.step, 300);
+    let val = last.val_loss.expect("the last step is evaluated");
+
+    // The bar: a model that ignores context can do no better than the unigram entropy of
+    // the tokens it predicts.
+    let data = prepare_cached(
+        TINY_SHAKESPEARE,
+        "tinyshakespeare",
+        TokenizerSpec::Train { vocab_size: 512 },
+        &cache_dir(),
+    )
+    .unwrap();
+    let h = unigram_entropy((0..data.val.len()).map(|i| data.val.get(i)));
+    assert!(
+        val < h - 0.5,
+        "val loss {val:.3} is not well below the unigram entropy {h:.3}"
+    );
+    assert!(
+        metrics
+            .iter()
+            .all(|m| m.tokens_per_s > 0.0 && m.mfu.unwrap() > 0.0)
+    );
+
+    let png = std::fs::read(out.join("loss.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    assert!(out.join("step-000300").join("manifest.json").is_file());
+
+    let sample = ok(&[
+        "generate",
+        "--checkpoint",
+        path(&out),
+        "--prompt",
+        "ROMEO:",
+        "--max-new-tokens",
+        "40",
+    ]);
+    let text = String::from_utf8(sample.stdout).unwrap();
+    assert!(
+        text.starts_with("ROMEO:") && text.len() > "ROMEO:".len() + 20,
+        "{text}"
+    );
+
+    let eval = ok(&["eval", "--checkpoint", path(&out)]);
+    let v: serde_json::Value = serde_json::from_slice(&eval.stdout).unwrap();
+    let eval_loss = v["loss"].as_f64().unwrap();
+    assert_eq!(v["tokens"].as_u64().unwrap(), data.val.len() as u64 - 1);
+    // Whole split vs 10 sampled batches: the same model, so close but not equal.
+    assert!(
+        (eval_loss - val).abs() < 0.25,
+        "eval {eval_loss} vs training val {val}"
+    );
+}
+
+#[test]
+fn resume_continues_bit_for_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let common = [
+        "train",
+        "--preset",
+        "tiny",
+        "--batch-size",
+        "8",
+        "--grad-accum",
+        "2",
+        "--dropout",
+        "0.1",
+        "--warmup-iters",
+        "5",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "5",
+        "--eval-iters",
+        "2",
+        "--save-interval",
+        "10",
+    ];
+    let full = tmp.path().join("full");
+    let split = tmp.path().join("split");
+    let run = |dir: &Path, extra: &[&str]| {
+        let mut args: Vec<&str> = common.to_vec();
+        args.extend_from_slice(&["--out-dir", path(dir)]);
+        args.extend_from_slice(extra);
+        ok(&args);
+    };
+    run(&full, &["--max-iters", "20", "--lr-decay-iters", "20"]);
+    // An interrupted run: it got to step 14 but only the checkpoint of step 10 counts (as if
+    // killed before its final save), so steps 11-14 are replayed after the resume.
+    run(&split, &["--max-iters", "14", "--lr-decay-iters", "20"]);
+    let at_10 = split.join("step-000010");
+    ok(&["train", "--resume", path(&at_10), "--max-iters", "20"]);
+    let a = read_metrics(&full.join("metrics.jsonl")).unwrap();
+    let b = read_metrics(&split.join("metrics.jsonl")).unwrap();
+    assert_eq!(losses(&a).len(), 20);
+    assert_eq!(losses(&a), losses(&b), "resumed losses differ");
+    let val = |m: &[StepMetrics]| m.iter().map(|m| m.val_loss).collect::<Vec<_>>();
+    assert_eq!(val(&a), val(&b));
+}
+
+#[test]
+fn prepare_writes_tokens_a_run_can_train_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = tmp.path().join("poem.txt");
+    std::fs::write(&text, TINY_SHAKESPEARE[..60_000].repeat(2)).unwrap();
+    let data = tmp.path().join("prepared");
+    let out = ok(&[
+        "prepare",
+        "--input",
+        path(&text),
+        "--vocab-size",
+        "300",
+        "--out",
+        path(&data),
+    ]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["vocab_size"].as_u64().unwrap(), 300);
+    ok(&[
+        "train",
+        "--preset",
+        "tiny",
+        "--data",
+        path(&data),
+        "--max-iters",
+        "3",
+        "--eval-interval",
+        "0",
+        "--out-dir",
+        path(&tmp.path().join("run")),
+    ]);
+}
+
+/// Runs a bad command and checks its one-line message and exit code.
+fn refused(args: &[&str], code: i32, needle: &str) {
+    let out = ember(args, Duration::from_secs(300));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "ember {args:?}: {stderr}");
+    assert!(
+        stderr.contains(needle),
+        "ember {args:?}: expected {needle:?} in {stderr}"
+    );
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("backtrace"),
+        "ember {args:?} panicked: {stderr}"
+    );
+}
+
+#[test]
+fn bad_input_gets_a_clear_message_and_exit_code() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = |name: &str| tmp.path().join(name);
+    std::fs::write(t("empty.txt"), "  \n").unwrap();
+    std::fs::write(t("bad-tokenizer.json"), "{\"model\": 12").unwrap();
+    std::fs::create_dir(t("not-a-checkpoint")).unwrap();
+    std::fs::write(t("config.toml"), "n_layers = 3\n").unwrap();
+
+    refused(&["train", "--bogus-flag"], 2, "--bogus-flag");
+    refused(
+        &["train", "--n-embd", "100", "--n-head", "3"],
+        2,
+        "--n-embd 100 is not divisible by --n-head 3",
+    );
+    refused(
+        &["train", "--preset", "gpt5"],
+        2,
+        "--preset gpt5 is not a preset",
+    );
+    refused(
+        &["train", "--batch-size", "10", "--grad-accum", "3"],
+        2,
+        "--batch-size 10 is not divisible by --grad-accum 3",
+    );
+    refused(
+        &["train", "--data", path(&t("missing.txt"))],
+        2,
+        "missing.txt: no such file",
+    );
+    refused(
+        &["train", "--data", path(&t("empty.txt"))],
+        1,
+        "empty.txt: the file is empty",
+    );
+    refused(
+        &["train", "--tokenizer", path(&t("bad-tokenizer.json"))],
+        1,
+        "bad-tokenizer.json",
+    );
+    refused(
+        &["train", "--config", path(&t("config.toml"))],
+        2,
+        "n_layers",
+    );
+    refused(
+        &["generate", "--checkpoint", path(&t("not-a-checkpoint"))],
+        1,
+        "is not a checkpoint",
+    );
+    refused(
+        &["eval", "--checkpoint", path(&t("nowhere"))],
+        2,
+        "no such directory",
+    );
+    refused(&["train", "--resume", path(&t("nowhere"))], 2, "--resume");
+
+    // A checkpoint of a 64-position tiny model refuses a longer context and another shape.
+    let run = t("run");
+    ok(&[
+        "train",
+        "--preset",
+        "tiny",
+        "--max-iters",
+        "2",
+        "--eval-interval",
+        "0",
+        "--out-dir",
+        path(&run),
+    ]);
+    refused(
+        &["train", "--resume", path(&run), "--block-size", "128"],
+        2,
+        "exceeds the model's 64 positions",
+    );
+    refused(
+        &["train", "--resume", path(&run), "--n-layer", "3"],
+        2,
+        "--n-layer differs from the checkpoint",
+    );
+}

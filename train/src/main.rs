@@ -1,0 +1,326 @@
+//! The `ember` command line: `train`, `generate`, `eval`, `prepare` and `bench`. Each command
+//! parses its flags (clap), then runs; errors print one line and exit 2 (usage) or 1 (runtime).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+use ember_train::config::{TrainConfig, TrainOverrides};
+use ember_train::error::{CliResult, usage};
+use ember_train::{bench, checkpoint, data, device, eval, generate, log0, plot, trainer};
+
+/// Train GPT models in Rust, single-process or sharded (see README.md).
+#[derive(Debug, Parser)]
+#[command(name = "ember", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Train a GPT (nanoGPT-style flags; --config FILE.toml, which flags override)
+    Train(TrainArgs),
+    /// Sample text from a checkpoint
+    Generate(GenerateArgs),
+    /// Print {"loss", "tokens"}: mean cross-entropy per token of a checkpoint
+    Eval(EvalArgs),
+    /// Train a byte-level BPE tokenizer on a text file and write its tokens
+    Prepare(PrepareArgs),
+    /// Benchmarks (training throughput)
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Debug, Args)]
+struct TrainArgs {
+    /// A TOML file of settings (snake_case keys, e.g. `n_layer = 6`); flags override it
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Continue from a checkpoint directory, or the latest checkpoint of an out dir
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    #[command(flatten)]
+    settings: TrainOverrides,
+}
+
+#[derive(Debug, Args)]
+struct GenerateArgs {
+    /// Checkpoint directory, or an out dir (its latest checkpoint)
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Text to continue
+    #[arg(long, default_value = "\n")]
+    prompt: String,
+    /// Tokens to generate
+    #[arg(long, default_value_t = 200)]
+    max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    /// Sample among the K most likely tokens; 0 = all
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    /// Seed of the sampler
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Debug, Args)]
+struct EvalArgs {
+    /// Checkpoint directory, or an out dir (its latest checkpoint)
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// A text file to score instead of the run's validation split
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Windows scored per forward pass
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+}
+
+#[derive(Debug, Args)]
+struct PrepareArgs {
+    /// Text file to tokenize
+    #[arg(long)]
+    input: PathBuf,
+    /// Vocabulary of the byte-level BPE to train (ignored with --tokenizer)
+    #[arg(long, default_value_t = 512)]
+    vocab_size: usize,
+    /// Use this Hugging Face tokenizer.json instead of training one
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Output directory (tokenizer.json, train.bin, val.bin)
+    #[arg(long)]
+    out: PathBuf,
+    /// Share of the tokens, at the end of the text, held out for validation
+    #[arg(long, default_value_t = 0.1)]
+    val_fraction: f64,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Training tokens/s and MFU per preset on one process
+    Train(BenchTrainArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchTrainArgs {
+    /// Presets to measure, comma-separated
+    #[arg(long, value_delimiter = ',', default_value = "tiny,small-cpu")]
+    presets: Vec<String>,
+    /// Timed steps per preset
+    #[arg(long, default_value_t = 20)]
+    steps: u64,
+    /// Untimed warm-up steps per preset
+    #[arg(long, default_value_t = 3)]
+    warmup: u64,
+    /// One JSON object per line instead of a table
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    settings: TrainOverrides,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(args) => train(args),
+        Command::Generate(args) => generate_cmd(args),
+        Command::Eval(args) => eval_cmd(args),
+        Command::Prepare(args) => prepare(args),
+        Command::Bench(BenchCommand::Train(args)) => bench_train(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(e.exit_code() as u8)
+        }
+    }
+}
+
+fn train(args: TrainArgs) -> CliResult<()> {
+    let file = match &args.config {
+        Some(path) => TrainOverrides::from_toml_file(path)?,
+        None => TrainOverrides::default(),
+    };
+    let settings = file.overridden_by(&args.settings);
+    let (mut config, loaded) = match &args.resume {
+        Some(path) => {
+            let dir = checkpoint::locate(path).map_err(|e| usage(format!("--resume: {e:#}")))?;
+            let loaded = checkpoint::load(&dir)?;
+            let mut config = loaded.manifest.train.clone();
+            config.apply(&settings, false)?;
+            log0!(
+                0,
+                "resuming from {} (step {})",
+                dir.display(),
+                loaded.manifest.step
+            );
+            (config, Some(loaded))
+        }
+        None => (TrainConfig::resolve(&settings)?, None),
+    };
+    let dev = device::device(config.device)?;
+    let prepared = data::load(&config)?;
+    let vocab = prepared.tokenizer.vocab_size();
+    if loaded.is_some() && vocab != config.model.vocab_size {
+        return Err(usage(format!(
+            "the data's tokenizer has {vocab} tokens but the checkpoint's model has {}; resume \
+             with the same --data and --tokenizer",
+            config.model.vocab_size
+        )));
+    }
+    config.model.vocab_size = vocab;
+    ember_data::Sampler::new(&prepared.train, config.block_size, config.seed, 0)
+        .map_err(|e| usage(format!("--block-size {}: {e}", config.block_size)))?;
+    log0!(
+        0,
+        "model {} with {:.2}M parameters; {} train / {} val tokens; batch {} x {} tokens",
+        config.preset,
+        config.model.num_params() as f64 / 1e6,
+        prepared.train.len(),
+        prepared.val.len(),
+        config.batch_size,
+        config.block_size
+    );
+    let out_dir = config.out_dir.clone();
+    let mut t = trainer::Trainer::new(config, dev, prepared, loaded)?;
+    t.run()?;
+    let metrics = ember_train::metrics::read_metrics(&out_dir.join("metrics.jsonl"))?;
+    let png = out_dir.join("loss.png");
+    plot::plot_losses(&metrics, &png, "ember: loss")?;
+    log0!(
+        0,
+        "wrote {} and {}",
+        out_dir.join("metrics.jsonl").display(),
+        png.display()
+    );
+    Ok(())
+}
+
+fn generate_cmd(args: GenerateArgs) -> CliResult<()> {
+    if !args.checkpoint.exists() {
+        return Err(usage(format!(
+            "--checkpoint {}: no such directory",
+            args.checkpoint.display()
+        )));
+    }
+    let dev = burn::tensor::Device::flex();
+    let r = generate::restore(&args.checkpoint, &dev)?;
+    let prompt = generate::encode_prompt(&r.tokenizer, &args.prompt)?;
+    if prompt.len() >= r.model.block_size() {
+        log0!(
+            0,
+            "the prompt is longer than the context; its start is cropped"
+        );
+    }
+    let ids = generate::generate(
+        &r.model,
+        &prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.seed,
+        &dev,
+    );
+    println!("{}{}", args.prompt, r.tokenizer.decode(&ids)?);
+    Ok(())
+}
+
+fn eval_cmd(args: EvalArgs) -> CliResult<()> {
+    if !args.checkpoint.exists() {
+        return Err(usage(format!(
+            "--checkpoint {}: no such directory",
+            args.checkpoint.display()
+        )));
+    }
+    if args.batch_size == 0 {
+        return Err(usage("--batch-size must be positive"));
+    }
+    let dev = burn::tensor::Device::flex();
+    let r = generate::restore(&args.checkpoint, &dev)?;
+    let block = r.loaded.manifest.train.block_size;
+    let ids: Vec<u32> = match &args.data {
+        Some(path) => r.tokenizer.encode(&data::read_text("--data", path)?)?,
+        None => {
+            let config = &r.loaded.manifest.train;
+            let prepared = data::load(config)?;
+            (0..prepared.val.len())
+                .map(|i| prepared.val.get(i))
+                .collect()
+        }
+    };
+    if ids.len() < 2 {
+        return Err(usage("the text has fewer than 2 tokens: nothing to score"));
+    }
+    let (total, count) = eval::score(&r.model, &ids, block, args.batch_size, &dev);
+    println!(
+        "{}",
+        serde_json::json!({"loss": total / count as f64, "tokens": count})
+    );
+    Ok(())
+}
+
+fn prepare(args: PrepareArgs) -> CliResult<()> {
+    if !(args.val_fraction > 0.0 && args.val_fraction < 1.0) {
+        return Err(usage(format!(
+            "--val-fraction {} must be between 0 and 1",
+            args.val_fraction
+        )));
+    }
+    let text = data::read_text("--input", &args.input)?;
+    let tokenizer = match data::tokenizer_spec(args.tokenizer.as_deref(), args.vocab_size)? {
+        ember_data::TokenizerSpec::File(p) => ember_data::Tokenizer::from_file(&p),
+        ember_data::TokenizerSpec::Train { vocab_size } => {
+            if vocab_size < 257 {
+                return Err(usage(format!(
+                    "--vocab-size {vocab_size} is too small for a byte-level BPE; use 257 or more"
+                )));
+            }
+            ember_data::Tokenizer::train_byte_level_bpe(&text, vocab_size)
+        }
+    }
+    .map_err(anyhow::Error::new)?;
+    let name = args.input.display().to_string();
+    let p = ember_data::prepare(&text, &tokenizer, &args.out, args.val_fraction, &name)
+        .map_err(anyhow::Error::new)?;
+    println!(
+        "{}",
+        serde_json::json!({
+            "out": args.out, "vocab_size": tokenizer.vocab_size(),
+            "train_tokens": p.train.len(), "val_tokens": p.val.len(),
+        })
+    );
+    Ok(())
+}
+
+fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
+    if args.steps == 0 {
+        return Err(usage("--steps must be at least 1"));
+    }
+    let results = bench::bench_train(&args.presets, &args.settings, args.steps, args.warmup)?;
+    for r in &results {
+        if args.json {
+            println!("{}", serde_json::to_string(r).map_err(anyhow::Error::new)?);
+        } else {
+            println!(
+                "{:<10} {:>6} {:>8.2}M params  batch {} x {}  {} threads  {:>8.1} ms/step  \
+                 {:>8.0} tok/s  {:>6.1} GFLOP/s  MFU {}",
+                r.preset,
+                r.device,
+                r.params as f64 / 1e6,
+                r.batch_size,
+                r.block_size,
+                r.threads,
+                r.step_ms_median,
+                r.tokens_per_s,
+                r.gflops,
+                r.mfu.map_or("n/a".into(), |m| format!("{:.1}%", m * 100.0)),
+            );
+        }
+    }
+    Ok(())
+}

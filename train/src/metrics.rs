@@ -1,0 +1,119 @@
+//! Run output: rank-0 log lines on stderr, `metrics.jsonl` (one JSON object per logged
+//! step), and the progress bar, which indicatif hides when stderr is not a terminal.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+/// Prints a log line from rank 0 only (llm.c's `printf0`); other ranks stay quiet.
+#[macro_export]
+macro_rules! log0 {
+    ($rank:expr, $($arg:tt)*) => {
+        if $rank == 0 {
+            eprintln!("[ember] {}", format!($($arg)*));
+        }
+    };
+}
+
+/// One line of `metrics.jsonl`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// Mean training loss of this step's global batch (nats/token).
+    pub loss: f64,
+    /// Learning rate used for this step.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Training throughput since the previous logged step.
+    pub tokens_per_s: f64,
+    /// Model FLOPs utilisation (6N + 12LdT per token over the device peak), if known.
+    pub mfu: Option<f64>,
+    /// Seconds since the run (or resume) started.
+    pub elapsed_s: f64,
+    /// Validation loss, on evaluation steps.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub val_loss: Option<f64>,
+}
+
+/// Appends to `metrics.jsonl`, flushing each line so a crash loses at most one.
+#[derive(Debug)]
+pub struct MetricsWriter {
+    path: PathBuf,
+    file: File,
+}
+
+impl MetricsWriter {
+    /// Opens `out_dir/metrics.jsonl`. When resuming at `resume_step`, lines of later steps
+    /// (written after that checkpoint by the interrupted run) are dropped first, so the file
+    /// never holds two histories.
+    pub fn open(out_dir: &Path, resume_step: Option<u64>) -> Result<Self> {
+        fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+        let path = out_dir.join("metrics.jsonl");
+        match resume_step {
+            Some(step) if path.exists() => {
+                let kept: Vec<StepMetrics> = read_metrics(&path)?
+                    .into_iter()
+                    .filter(|m| m.step <= step)
+                    .collect();
+                let mut f = File::create(&path)?;
+                for m in kept {
+                    writeln!(f, "{}", serde_json::to_string(&m)?)?;
+                }
+            }
+            None => {
+                File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+            }
+            Some(_) => {}
+        }
+        let file = OpenOptions::new().append(true).create(true).open(&path)?;
+        Ok(Self { path, file })
+    }
+
+    /// Writes one line.
+    pub fn write(&mut self, m: &StepMetrics) -> Result<()> {
+        writeln!(self.file, "{}", serde_json::to_string(m)?)
+            .with_context(|| format!("writing {}", self.path.display()))?;
+        self.file.flush()?;
+        Ok(())
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Reads every line of a metrics file.
+pub fn read_metrics(path: &Path) -> Result<Vec<StepMetrics>> {
+    let f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    BufReader::new(f)
+        .lines()
+        .filter(|l| l.as_ref().map_or(true, |l| !l.trim().is_empty()))
+        .map(|l| {
+            let l = l?;
+            serde_json::from_str(&l).with_context(|| format!("{}: bad line {l}", path.display()))
+        })
+        .collect()
+}
+
+/// A progress bar over training steps on a terminal; hidden otherwise (and on ranks > 0).
+pub fn progress_bar(total: u64, start: u64, rank: usize) -> indicatif::ProgressBar {
+    if rank != 0 {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:30}] {pos}/{len} steps  {msg}  (eta {eta})",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
+    );
+    bar.set_position(start);
+    bar
+}
