@@ -49,7 +49,7 @@ impl GptConfig {
         Self::new(2, 2, 64, 64, 512)
     }
 
-    /// The CPU default: 3.4M parameters, a few hundred milliseconds per step on 2 cores.
+    /// The CPU default: 3.3M parameters, trains to readable text on 2 CPU cores in minutes.
     pub fn small_cpu() -> Self {
         Self::new(4, 4, 256, 128, 512)
     }

@@ -164,6 +164,14 @@ fn train(args: TrainArgs) -> CliResult<()> {
         None => (TrainConfig::resolve(&settings)?, None),
     };
     let dev = device::device(config.device)?;
+    if config.dtype == ember_train::config::Dtype::Bf16
+        && !dev.supports_dtype(burn::tensor::DType::BF16)
+    {
+        return Err(usage(format!(
+            "--dtype bf16 is not supported by --device {:?}; use --dtype f32",
+            config.device
+        )));
+    }
     let prepared = data::load(&config)?;
     let vocab = prepared.tokenizer.vocab_size();
     if loaded.is_some() && vocab != config.model.vocab_size {

@@ -67,6 +67,7 @@ pub fn plot_losses(metrics: &[StepMetrics], path: &Path, title: &str) -> Result<
     }
     chart
         .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .label_font(("sans-serif", 16))
