@@ -5,7 +5,7 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Embedding};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::module::linear;
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::{DType, Device, Int, Tensor};
 
 use crate::config::GptConfig;
 use crate::init::{Init, param};
@@ -110,13 +110,19 @@ impl Gpt {
     }
 }
 
-/// Mean token-level cross-entropy (nats).
+/// Mean token-level cross-entropy (nats), computed in f32 whatever the logits' dtype: a
+/// bf16 log-softmax over the vocabulary loses too much to be a training signal.
 ///
 /// # Shapes
 /// - logits: `[B, T, V]`, targets: `[B, T]`
 /// - output: `[1]`
 pub fn cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
     let [b, t, v] = logits.dims();
+    let logits = if logits.dtype() == DType::F32 {
+        logits
+    } else {
+        logits.cast(DType::F32)
+    };
     let logp = log_softmax(logits.reshape([b * t, v]), 1); // [B*T, V]
     let picked = logp.gather(1, targets.reshape([b * t, 1])); // [B*T, 1]
     picked.mean().neg()
