@@ -2,7 +2,8 @@
 //! once at start-up; plus the per-step byte counters. It deliberately holds no collective
 //! algorithms (see `collective`, `hier`, `quant`).
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use mpi::collective::{CommunicatorCollectives, SystemOperation, UnsafeUserOperation};
@@ -76,6 +77,8 @@ pub struct Comm {
     across: Vec<SimpleCommunicator>,
     bf16_sum: UnsafeUserOperation,
     watchdog: Watchdog,
+    // True while the panic hook may call MPI_Abort; cleared before MPI is finalised.
+    panic_hook_live: Option<Arc<AtomicBool>>,
     counters: Mutex<Counters>,
     topology: Topology,
     rank: usize,
@@ -152,14 +155,16 @@ impl Comm {
         // SAFETY: `bf16_sum` reads and writes exactly `len` u16 values, never panics, and is
         // commutative and associative up to rounding (as MPI_SUM on floats is).
         let bf16_sum = unsafe { UnsafeUserOperation::commutative(bf16_sum) };
-        if config.panic_policy == PanicPolicy::AbortJob {
-            install_panic_hook(rank);
-        }
+        let panic_hook_live = match config.panic_policy {
+            PanicPolicy::AbortJob => Some(install_panic_hook(rank)),
+            PanicPolicy::KeepHook => None,
+        };
         Ok(Self {
             within,
             across,
             bf16_sum,
-            watchdog: Watchdog::start(rank, config.timeout),
+            watchdog: Watchdog::start(rank, &topology, config.timeout),
+            panic_hook_live,
             counters: Mutex::new(Counters::default()),
             topology,
             rank,
@@ -220,7 +225,8 @@ impl Comm {
 
     /// Blocks until every rank of the world arrives (not counted: it moves no payload).
     pub fn barrier(&self) {
-        let _armed = self.watchdog.arm(Op::AllReduce, "world (barrier)".into());
+        // Charged to nothing, but watched like an all-reduce of the world (what it is).
+        let _armed = self.watchdog.arm(Op::AllReduce, Scope::World);
         self.world.barrier();
     }
 
@@ -242,11 +248,20 @@ impl Comm {
     }
 
     pub(crate) fn arm(&self, op: Op, scope: Scope) -> Armed<'_> {
-        self.watchdog.arm(op, self.topology.scope_name(scope))
+        self.watchdog.arm(op, scope)
     }
 
     fn lock_counters(&self) -> MutexGuard<'_, Counters> {
         self.counters.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        // After this MPI is finalised: a later panic must not call MPI_Abort.
+        if let Some(live) = &self.panic_hook_live {
+            live.store(false, Ordering::SeqCst);
+        }
     }
 }
 

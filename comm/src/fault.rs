@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use mpi::ffi;
 
 use crate::counters::Op;
+use crate::topology::{Scope, Topology};
 
 /// Exit code of a job aborted by the watchdog (like `timeout(1)`).
 pub const TIMEOUT_EXIT_CODE: i32 = 124;
@@ -31,21 +32,27 @@ pub fn abort_job(code: i32) -> ! {
 }
 
 /// Installs a panic hook that prints the usual message, names this rank and aborts the job,
-/// so the other ranks do not wait forever in their next collective.
-pub fn install_panic_hook(rank: usize) {
+/// so the other ranks do not wait forever in their next collective. The hook only aborts while
+/// the returned flag is true (the `Comm` clears it before finalising MPI).
+pub fn install_panic_hook(rank: usize) -> Arc<AtomicBool> {
+    let live = Arc::new(AtomicBool::new(true));
+    let seen = Arc::clone(&live);
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         previous(info);
-        eprintln!("ember-comm: rank {rank} panicked; aborting the MPI job");
-        abort_job(PANIC_EXIT_CODE);
+        if seen.load(Ordering::SeqCst) {
+            eprintln!("ember-comm: rank {rank} panicked; aborting the MPI job");
+            abort_job(PANIC_EXIT_CODE);
+        }
     }));
+    live
 }
 
 /// One collective being waited on.
 #[derive(Debug, Clone)]
 struct Waiting {
     op: Op,
-    scope: String,
+    scope: Scope,
     since: Instant,
 }
 
@@ -70,8 +77,10 @@ pub struct Armed<'w> {
 }
 
 impl Watchdog {
-    /// Starts the watchdog thread for `rank` with `timeout`.
-    pub fn start(rank: usize, timeout: Duration) -> Self {
+    /// Starts the watchdog thread for `rank` of `topology` with `timeout`.
+    pub fn start(rank: usize, topology: &Topology, timeout: Duration) -> Self {
+        // Names are formatted once here so arming a collective never allocates.
+        let topology = topology.clone();
         let shared = Arc::new(Shared {
             slots: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
@@ -97,7 +106,7 @@ impl Watchdog {
                             "ember-comm: rank {rank}: {} on level {} waited longer than the \
                              --comm-timeout of {} s; aborting the MPI job",
                             w.op.name(),
-                            w.scope,
+                            topology.scope_name(w.scope),
                             timeout.as_secs_f64()
                         );
                         abort_job(TIMEOUT_EXIT_CODE);
@@ -112,7 +121,7 @@ impl Watchdog {
     }
 
     /// Registers a wait for `op` on `scope`; the returned guard unregisters it.
-    pub fn arm(&self, op: Op, scope: String) -> Armed<'_> {
+    pub fn arm(&self, op: Op, scope: Scope) -> Armed<'_> {
         let mut slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
         let waiting = Some(Waiting {
             op,

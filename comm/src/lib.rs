@@ -3,6 +3,7 @@
 //! (ZeRO++ qwZ / qgZ) forms, byte accounting per level and op, and fault handling.
 //! It deliberately knows nothing about models, tensors or Burn.
 
+pub mod bench;
 pub mod collective;
 pub mod comm;
 pub mod counters;

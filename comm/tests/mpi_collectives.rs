@@ -333,3 +333,28 @@ fn hierarchical_reduce_scatter_and_all_gather_equal_flat_at_every_topology() {
     }
     comm.barrier();
 }
+
+#[test]
+fn topology_is_detected_from_shared_memory_and_the_gcd_environment() {
+    if !is_child() {
+        let out = mpirun(
+            "topology_is_detected_from_shared_memory_and_the_gcd_environment",
+            4,
+            "detect",
+            std::time::Duration::from_secs(60),
+            &[(ember_comm::comm::GCDS_PER_GPU_ENV, "2")],
+        );
+        assert!(
+            out.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return;
+    }
+    // One machine: every rank shares memory, so one node of 4 ranks = 2 GPUs x 2 GCDs.
+    let comm = Comm::init(ember_comm::CommConfig::default()).unwrap();
+    assert_eq!(comm.topology().to_string(), "1x2x2");
+    assert_eq!(comm.topology().levels()[0].name, "gcd");
+    comm.barrier();
+}

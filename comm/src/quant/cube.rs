@@ -14,6 +14,8 @@ use super::{BlockSize, QuantFormat, QuantKernels, Quantized};
 
 /// One unit per block: `scales[b]` = bits of `amax / qmax`, or a quiet NaN's bits for a block
 /// holding a non-finite value.
+// CubeCL kernels loop over ranges: iterator adaptors don't exist inside `#[cube]`.
+#[allow(clippy::needless_range_loop)]
 #[cube(launch_unchecked)]
 fn block_scales(
     input: &[f32],
