@@ -126,7 +126,7 @@ impl GptConfig {
                 return Err(format!("{name} must be at least 1"));
             }
         }
-        if self.n_embd % self.n_head != 0 {
+        if !self.n_embd.is_multiple_of(self.n_head) {
             return Err(format!(
                 "n_embd ({}) must be divisible by n_head ({}): pick n_embd = n_head x head size, e.g. {}",
                 self.n_embd,

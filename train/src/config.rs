@@ -360,7 +360,7 @@ impl TrainConfig {
     /// Refuses inconsistent settings, naming the flag and the fix.
     pub fn validate(&self) -> CliResult<()> {
         let m = &self.model;
-        if m.n_head > 0 && m.n_embd % m.n_head != 0 {
+        if m.n_head > 0 && !m.n_embd.is_multiple_of(m.n_head) {
             return Err(usage(format!(
                 "--n-embd {} is not divisible by --n-head {}: the head size must be a whole \
                  number; try --n-embd {}",
@@ -383,10 +383,10 @@ impl TrainConfig {
             ("--lr", self.lr),
             ("--log-interval", self.log_interval as f64),
         ];
-        if let Some((flag, v)) = positive.iter().find(|(_, v)| !(*v > 0.0)) {
+        if let Some((flag, v)) = positive.iter().find(|(_, v)| v.is_nan() || *v <= 0.0) {
             return Err(usage(format!("{flag} must be positive, got {v}")));
         }
-        if self.batch_size % self.grad_accum != 0 {
+        if !self.batch_size.is_multiple_of(self.grad_accum) {
             return Err(usage(format!(
                 "--batch-size {} is not divisible by --grad-accum {}: each micro-batch must \
                  hold the same number of sequences",
@@ -420,7 +420,7 @@ impl TrainConfig {
             )));
         }
         if let Some(p) = self.peak_tflops
-            && !(p > 0.0)
+            && (p.is_nan() || p <= 0.0)
         {
             return Err(usage(format!("--peak-tflops must be positive, got {p}")));
         }

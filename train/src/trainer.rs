@@ -360,7 +360,7 @@ impl Trainer {
             window.1 += c.tokens_per_step() as u64;
             let step = self.step;
             let last = step == c.max_iters;
-            let eval_now = c.eval_interval > 0 && (step % c.eval_interval == 0 || last);
+            let eval_now = c.eval_interval > 0 && (step.is_multiple_of(c.eval_interval) || last);
             let val_loss = if eval_now {
                 Some(self.val_loss()?)
             } else {
@@ -368,7 +368,7 @@ impl Trainer {
             };
             bar.set_position(step);
             bar.set_message(format!("loss {loss:.4}"));
-            if step % c.log_interval == 0 || eval_now || last {
+            if step.is_multiple_of(c.log_interval) || eval_now || last {
                 let tokens_per_s = window.1 as f64 / window.0.max(1e-9);
                 let m = StepMetrics {
                     step,
@@ -395,7 +395,7 @@ impl Trainer {
                 logged.push(m);
                 window = (0.0, 0);
             }
-            if (c.save_interval > 0 && step % c.save_interval == 0) || last {
+            if (c.save_interval > 0 && step.is_multiple_of(c.save_interval)) || last {
                 let dir = self.save()?;
                 bar.suspend(|| log0!(0, "saved {}", dir.display()));
             }
