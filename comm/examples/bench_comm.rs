@@ -1,6 +1,6 @@
 //! Runs `ember_comm::bench::run_comm_bench` under mpirun until the `ember bench comm`
 //! subcommand exists: `mpirun -np 8 target/release/examples/bench_comm --topology 2x2x2
-//! [--sizes 4K,1M,64M] [--json] [--no-kernels]`. Only rank 0 prints. Deliberately no CLI crate.
+//! [--sizes 4K,1M,64M] [--json] [--no-kernels] [--no-collectives] [--bytes-per-size 4G]`. Only rank 0 prints. Deliberately no CLI crate.
 
 use ember_comm::bench::{BenchConfig, KernelBench, run_comm_bench};
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
@@ -38,6 +38,9 @@ fn main() {
     let mut config = BenchConfig::full(&comm);
     if let Some(s) = value("--sizes") {
         config.sizes = s.split(',').map(parse_size).collect();
+    }
+    if let Some(b) = value("--bytes-per-size") {
+        config.bytes_per_size = parse_size(&b);
     }
     if args.iter().any(|a| a == "--no-kernels") {
         config.kernels = KernelBench::Skip;

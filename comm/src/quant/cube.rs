@@ -17,7 +17,7 @@ use super::{BlockSize, QuantFormat, QuantKernels, Quantized};
 // CubeCL kernels loop over ranges: iterator adaptors don't exist inside `#[cube]`.
 #[allow(clippy::needless_range_loop)]
 #[cube(launch_unchecked)]
-fn block_scales(
+pub fn block_scales(
     input: &[f32],
     scales: &mut [u32],
     #[comptime] block: usize,
@@ -42,7 +42,7 @@ fn block_scales(
 
 /// One unit per output word: quantizes `32 / width` consecutive elements and packs them.
 #[cube(launch_unchecked)]
-fn quantize_pack(
+pub fn quantize_pack(
     input: &[f32],
     scales: &[u32],
     out: &mut [u32],
@@ -78,7 +78,7 @@ fn quantize_pack(
 /// One unit per element: sums `q * scale` over `parts` quantized buffers laid end to end
 /// (each `data.len() / parts` words and `scales.len() / parts` scales), in part order from 0.
 #[cube(launch_unchecked)]
-fn dequantize_sum_kernel(
+pub fn dequantize_sum_kernel(
     data: &[u32],
     scales: &[u32],
     out: &mut [f32],
