@@ -43,8 +43,20 @@ pub enum Dtype {
     I8,
 }
 
-/// An element a collective can carry. Implemented for `f32`, [`Bf16`], `u8` and `i8` only.
-pub trait Element: Copy + Default + PartialEq + std::fmt::Debug + Send + Sync + 'static {
+mod sealed {
+    /// Keeps [`super::Element`] closed: a wrong MPI datatype would corrupt memory.
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for super::Bf16 {}
+    impl Sealed for u8 {}
+    impl Sealed for i8 {}
+}
+
+/// An element a collective can carry. Implemented for `f32`, [`Bf16`], `u8` and `i8` only
+/// (sealed: a wrong MPI datatype would make MPI write past the buffer).
+pub trait Element:
+    sealed::Sealed + Copy + Default + PartialEq + std::fmt::Debug + Send + Sync + 'static
+{
     /// The runtime tag of this type.
     const DTYPE: Dtype;
     /// The MPI datatype with the same bytes.

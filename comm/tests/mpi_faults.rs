@@ -84,3 +84,25 @@ fn a_collective_past_the_timeout_aborts_naming_op_level_and_rank() {
     std::thread::sleep(Duration::from_secs(60));
     unreachable!("rank 0 never joins in time");
 }
+
+#[test]
+fn a_pending_wait_past_the_timeout_aborts_naming_op_and_level() {
+    if !is_child() {
+        let (ok, secs, text) =
+            run_failing("a_pending_wait_past_the_timeout_aborts_naming_op_and_level");
+        assert!(!ok, "the job must fail\n{text}");
+        assert!(secs < 45.0, "took {secs:.1} s\n{text}");
+        assert!(
+            text.contains(": all_gather on level world waited longer than"),
+            "{text}"
+        );
+        return;
+    }
+    let comm = child_comm_with(Duration::from_secs(2));
+    if comm.rank() == 0 {
+        std::thread::sleep(Duration::from_secs(60));
+    }
+    let pending = comm.world().start_all_gather(vec![1.0f32; 64]).unwrap();
+    let _ = pending.wait();
+    unreachable!("rank 0 never joins in time");
+}
