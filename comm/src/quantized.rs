@@ -58,6 +58,43 @@ pub fn all_gather_int8(
     shard: &[f32],
     block: BlockSize,
 ) -> Result<Vec<f32>, CommError> {
+    let wire = quantize_to_wire(kernels, shard, block)?;
+    let gathered = group.all_gather(&wire)?;
+    Ok(dequantize_wires(
+        kernels,
+        &gathered,
+        wire.len(),
+        shard.len(),
+        block,
+    ))
+}
+
+/// qwZ over the world composed level by level (outermost first, as `hier::all_gather`): the
+/// same result as `all_gather_int8` on the world group, with the least data on the slowest
+/// link.
+pub fn all_gather_int8_hier(
+    comm: &Comm,
+    kernels: &dyn QuantKernels,
+    shard: &[f32],
+    block: BlockSize,
+) -> Result<Vec<f32>, CommError> {
+    let wire = quantize_to_wire(kernels, shard, block)?;
+    let gathered = crate::hier::all_gather(comm, &wire)?;
+    Ok(dequantize_wires(
+        kernels,
+        &gathered,
+        wire.len(),
+        shard.len(),
+        block,
+    ))
+}
+
+/// This rank's shard quantized to int8 in wire form (data, then scales).
+fn quantize_to_wire(
+    kernels: &dyn QuantKernels,
+    shard: &[f32],
+    block: BlockSize,
+) -> Result<Vec<u8>, CommError> {
     if !shard.len().is_multiple_of(block.get()) {
         return Err(CommError::Shape(format!(
             "qwZ shard of {} elements is not a whole number of {}-element blocks: pad with \
@@ -69,17 +106,24 @@ pub fn all_gather_int8(
     let q = kernels.quantize(shard, QuantFormat::Int8, block);
     let mut wire = Vec::with_capacity(Quantized::wire_bytes(q.format, block, q.len));
     q.write_wire(&mut wire);
-    let gathered = group.all_gather(&wire)?;
-    let parts: Vec<Quantized> = gathered
-        .chunks_exact(wire.len().max(1))
-        .take(group.size())
-        .map(|w| Quantized::read_wire(QuantFormat::Int8, block, shard.len(), w))
-        .collect();
-    let mut out = Vec::with_capacity(shard.len() * group.size());
-    for p in &parts {
-        out.extend(kernels.dequantize(p));
+    Ok(wire)
+}
+
+/// Every rank's dequantized shard from the gathered wire forms, in rank order.
+fn dequantize_wires(
+    kernels: &dyn QuantKernels,
+    gathered: &[u8],
+    wire_len: usize,
+    shard_len: usize,
+    block: BlockSize,
+) -> Vec<f32> {
+    let ranks = gathered.len().checked_div(wire_len).unwrap_or(0);
+    let mut out = Vec::with_capacity(shard_len * ranks);
+    for w in gathered.chunks_exact(wire_len.max(1)).take(ranks) {
+        let part = Quantized::read_wire(QuantFormat::Int8, block, shard_len, w);
+        out.extend(kernels.dequantize(&part));
     }
-    Ok(out)
+    out
 }
 
 /// qgZ: int4 hierarchical all-to-all reduce-scatter over the world, averaged (see the module

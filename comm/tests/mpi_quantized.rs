@@ -9,7 +9,9 @@ use ember_comm::counters::formula;
 use ember_comm::hier::digit_reversed_position;
 use ember_comm::quant::host::HostKernels;
 use ember_comm::quant::{BlockSize, QuantFormat, Quantized, reference};
-use ember_comm::quantized::{ErrorFeedback, Residuals, all_gather_int8, reduce_scatter_int4};
+use ember_comm::quantized::{
+    ErrorFeedback, Residuals, all_gather_int8, all_gather_int8_hier, reduce_scatter_int4,
+};
 use ember_comm::{Op, Role, Scope, ShardLayout, Topology};
 
 /// Rank `rank`'s gradient: smooth values of varying magnitude per block, so scales differ.
@@ -145,6 +147,25 @@ fn quantized_collectives_match_simulation_at_every_topology() {
             formula(Op::AllGather, wire as u64, members.len(), Role::Member)
         );
         assert!(all_gather_int8(&group, &HostKernels, &shard[..40], block).is_err());
+    }
+
+    // Hierarchical qwZ equals flat qwZ over the world, bit for bit, and each level moves the
+    // wire bytes gathered so far (outermost level first).
+    let shard = grad(rank, 32, 2);
+    let flat = all_gather_int8(&comm.world(), &HostKernels, &shard, block).unwrap();
+    comm.take_counters();
+    let hier = all_gather_int8_hier(&comm, &HostKernels, &shard, block).unwrap();
+    let counters = comm.take_counters();
+    assert_eq!(bits(&hier), bits(&flat), "hierarchical qwZ at {topo}");
+    let mut wire = Quantized::wire_bytes(QuantFormat::Int8, block, 32);
+    for (level, d) in topo.dims().into_iter().enumerate().rev() {
+        let want = if d == 1 {
+            Default::default()
+        } else {
+            formula(Op::AllGather, (wire * d) as u64, d, Role::Member)
+        };
+        assert_eq!(counters.get(Scope::Across(level), Op::AllGather), want);
+        wire *= d;
     }
 
     // qgZ over the world, lengths that do and don't divide by W * block.
