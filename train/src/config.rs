@@ -67,17 +67,17 @@ pub struct TrainOverrides {
     /// Micro-batches accumulated per optimizer step [default: 1]
     #[arg(long)]
     pub grad_accum: Option<usize>,
-    /// Optimizer steps to train for [default: 1200]
+    /// Optimizer steps to train for [default: 400]
     #[arg(long)]
     pub max_iters: Option<u64>,
-    /// Peak learning rate [default: 1e-3]
+    /// Peak learning rate [default: 2e-3]
     #[arg(long)]
     #[serde(alias = "learning_rate")]
     pub lr: Option<f64>,
-    /// Learning rate at the end of the cosine decay [default: 1e-4]
+    /// Learning rate at the end of the cosine decay [default: 2e-4]
     #[arg(long)]
     pub min_lr: Option<f64>,
-    /// Steps of linear warmup [default: 100]
+    /// Steps of linear warmup [default: 50]
     #[arg(long)]
     pub warmup_iters: Option<u64>,
     /// Step at which the cosine decay reaches --min-lr [default: --max-iters]
@@ -95,10 +95,10 @@ pub struct TrainOverrides {
     /// Clip the global gradient norm to this value; 0 disables [default: 1.0]
     #[arg(long)]
     pub grad_clip: Option<f64>,
-    /// Evaluate the validation loss every N steps; 0 disables [default: 200]
+    /// Evaluate the validation loss every N steps; 0 disables [default: 100]
     #[arg(long)]
     pub eval_interval: Option<u64>,
-    /// Validation micro-batches per evaluation [default: 20]
+    /// Validation micro-batches per evaluation [default: 10]
     #[arg(long)]
     pub eval_iters: Option<u64>,
     /// Dropout probability [default: 0]
@@ -256,7 +256,9 @@ impl TrainConfig {
                 PRESETS.join(", ")
             ))
         })?;
-        let max_iters = o.max_iters.unwrap_or(1200);
+        // Sized so the default run (small-cpu on 2 CPU cores) ends in about 7 minutes with
+        // readable text; see BENCHMARKS.md.
+        let max_iters = o.max_iters.unwrap_or(400);
         let mut config = TrainConfig {
             preset,
             block_size: model.block_size,
@@ -265,17 +267,17 @@ impl TrainConfig {
             batch_size: 8,
             grad_accum: 1,
             max_iters,
-            lr: 1e-3,
-            min_lr: 1e-4,
-            warmup_iters: 100,
+            lr: 2e-3,
+            min_lr: 2e-4,
+            warmup_iters: 50,
             lr_decay_iters: max_iters,
             weight_decay: 0.1,
             beta1: 0.9,
             // 0.95 rather than Adam's 0.999: the GPT-3 / nanoGPT setting, steadier for LMs.
             beta2: 0.95,
             grad_clip: 1.0,
-            eval_interval: 200,
-            eval_iters: 20,
+            eval_interval: 100,
+            eval_iters: 10,
             dtype: Dtype::F32,
             device: DeviceKind::Flex,
             seed: 1337,
