@@ -280,7 +280,16 @@ fn bad_input_gets_a_clear_message_and_exit_code() {
         2,
         "no such directory",
     );
-    refused(&["train", "--resume", path(&t("nowhere"))], 2, "--resume");
+    refused(
+        &["train", "--resume", path(&t("nowhere"))],
+        2,
+        "no such file or directory",
+    );
+    refused(
+        &["train", "--resume", path(&t("not-a-checkpoint"))],
+        1,
+        "is not a checkpoint",
+    );
 
     // A checkpoint of a 64-position tiny model refuses a longer context and another shape.
     let run = t("run");
@@ -304,6 +313,35 @@ fn bad_input_gets_a_clear_message_and_exit_code() {
         &["train", "--resume", path(&run), "--n-layer", "3"],
         2,
         "--n-layer differs from the checkpoint",
+    );
+    refused(
+        &["train", "--resume", path(&run), "--max-iters", "2"],
+        2,
+        "is not past the checkpoint's step 2",
+    );
+    refused(
+        &[
+            "train",
+            "--preset",
+            "tiny",
+            "--max-iters",
+            "2",
+            "--out-dir",
+            path(&run),
+        ],
+        2,
+        "already holds checkpoints",
+    );
+    refused(
+        &[
+            "generate",
+            "--checkpoint",
+            path(&run),
+            "--temperature",
+            "NaN",
+        ],
+        2,
+        "--temperature NaN",
     );
 }
 

@@ -286,6 +286,17 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let text = fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let manifest: Manifest = serde_json::from_str(&text)
         .with_context(|| format!("{} is not a valid ember manifest", path.display()))?;
+    let mut names: Vec<&str> = manifest.tensors.iter().map(|t| t.name.as_str()).collect();
+    names.sort_unstable();
+    ensure!(
+        names.windows(2).all(|w| w[0] != w[1]),
+        "{}: a tensor is listed twice",
+        path.display()
+    );
+    manifest
+        .train
+        .validate()
+        .map_err(|e| anyhow::anyhow!("{}: invalid configuration: {e}", path.display()))?;
     ensure!(
         manifest.format == FORMAT && manifest.version == 1,
         "{}: format {:?} version {} is not {FORMAT} version 1",
@@ -414,7 +425,11 @@ pub fn load(dir: &Path) -> Result<Loaded> {
             })?[k];
             let n = view.shape()[0];
             ensure!(
-                range.global_numel == target.len() && range.offset + n <= target.len(),
+                range.global_numel == target.len()
+                    && range
+                        .offset
+                        .checked_add(n)
+                        .is_some_and(|end| end <= target.len()),
                 "{}: {key} covers [{}, {}) of {} elements, but the manifest's shape has {}",
                 path.display(),
                 range.offset,

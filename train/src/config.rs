@@ -372,7 +372,10 @@ impl TrainConfig {
             )));
         }
         m.validate().map_err(|e| usage(format!("model: {e}")))?;
-        if self.block_size == 0 || self.block_size > m.block_size {
+        if self.block_size == 0 {
+            return Err(usage("--block-size must be at least 1"));
+        }
+        if self.block_size > m.block_size {
             return Err(usage(format!(
                 "--block-size {} exceeds the model's {} positions; use --block-size {} or less",
                 self.block_size, m.block_size, m.block_size
@@ -406,7 +409,7 @@ impl TrainConfig {
                 return Err(usage(format!("{flag} {beta} must be in [0, 1)")));
             }
         }
-        if self.weight_decay < 0.0 || self.grad_clip < 0.0 {
+        if !(self.weight_decay >= 0.0 && self.grad_clip >= 0.0) {
             return Err(usage("--weight-decay and --grad-clip must not be negative"));
         }
         if self.eval_interval > 0 && self.eval_iters == 0 {

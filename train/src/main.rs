@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 
 use ember_train::config::{TrainConfig, TrainOverrides};
-use ember_train::error::{CliResult, usage};
+use ember_train::error::{CliError, CliResult, usage};
 use ember_train::{bench, checkpoint, data, device, eval, generate, log0, plot, trainer};
 
 /// Train GPT models in Rust, single-process or sharded (see README.md).
@@ -149,10 +149,28 @@ fn train(args: TrainArgs) -> CliResult<()> {
     let settings = file.overridden_by(&args.settings);
     let (mut config, loaded) = match &args.resume {
         Some(path) => {
-            let dir = checkpoint::locate(path).map_err(|e| usage(format!("--resume: {e:#}")))?;
+            if !path.exists() {
+                return Err(usage(format!(
+                    "--resume {}: no such file or directory",
+                    path.display()
+                )));
+            }
+            let dir = checkpoint::locate(path)?;
             let loaded = checkpoint::load(&dir)?;
             let mut config = loaded.manifest.train.clone();
+            // A checkpoint continues where it lives (it may have been moved since), unless
+            // --out-dir says otherwise.
+            if let Some(parent) = dir.parent() {
+                config.out_dir = parent.to_path_buf();
+            }
             config.apply(&settings, false)?;
+            if config.max_iters <= loaded.manifest.step {
+                return Err(usage(format!(
+                    "--max-iters {} is not past the checkpoint's step {}: nothing to train; \
+                     raise --max-iters",
+                    config.max_iters, loaded.manifest.step
+                )));
+            }
             log0!(
                 0,
                 "resuming from {} (step {})",
@@ -161,7 +179,17 @@ fn train(args: TrainArgs) -> CliResult<()> {
             );
             (config, Some(loaded))
         }
-        None => (TrainConfig::resolve(&settings)?, None),
+        None => {
+            let config = TrainConfig::resolve(&settings)?;
+            if checkpoint::locate(&config.out_dir).is_ok() {
+                return Err(usage(format!(
+                    "--out-dir {} already holds checkpoints of a run; continue it with --resume \
+                     {0}, or pick another --out-dir",
+                    config.out_dir.display()
+                )));
+            }
+            (config, None)
+        }
     };
     let dev = device::device(config.device)?;
     if config.dtype == ember_train::config::Dtype::Bf16
@@ -175,7 +203,7 @@ fn train(args: TrainArgs) -> CliResult<()> {
     let prepared = data::load(&config)?;
     let vocab = prepared.tokenizer.vocab_size();
     if loaded.is_some() && vocab != config.model.vocab_size {
-        return Err(usage(format!(
+        return Err(CliError::Runtime(anyhow::anyhow!(
             "the data's tokenizer has {vocab} tokens but the checkpoint's model has {}; resume \
              with the same --data and --tokenizer",
             config.model.vocab_size
@@ -184,6 +212,16 @@ fn train(args: TrainArgs) -> CliResult<()> {
     config.model.vocab_size = vocab;
     ember_data::Sampler::new(&prepared.train, config.block_size, config.seed, 0)
         .map_err(|e| usage(format!("--block-size {}: {e}", config.block_size)))?;
+    if config.eval_interval > 0 {
+        ember_data::Sampler::new(&prepared.val, config.block_size, config.seed, 1).map_err(
+            |e| {
+                usage(format!(
+                    "--block-size {} on the validation split: {e}; or pass --eval-interval 0",
+                    config.block_size
+                ))
+            },
+        )?;
+    }
     log0!(
         0,
         "model {} with {:.2}M parameters; {} train / {} val tokens; batch {} x {} tokens",
@@ -214,6 +252,12 @@ fn generate_cmd(args: GenerateArgs) -> CliResult<()> {
         return Err(usage(format!(
             "--checkpoint {}: no such directory",
             args.checkpoint.display()
+        )));
+    }
+    if args.temperature.is_nan() || args.temperature < 0.0 {
+        return Err(usage(format!(
+            "--temperature {} must be 0 (greedy) or positive",
+            args.temperature
         )));
     }
     let dev = burn::tensor::Device::flex();
@@ -256,6 +300,13 @@ fn eval_cmd(args: EvalArgs) -> CliResult<()> {
         None => {
             let config = &r.loaded.manifest.train;
             let prepared = data::load(config)?;
+            if prepared.tokenizer.sha256() != r.loaded.manifest.tokenizer_sha256 {
+                return Err(CliError::Runtime(anyhow::anyhow!(
+                    "the run's data now tokenizes differently from when {} was saved; pass \
+                     --data FILE to score a text with the checkpoint's own tokenizer",
+                    r.loaded.dir.display()
+                )));
+            }
             (0..prepared.val.len())
                 .map(|i| prepared.val.get(i))
                 .collect()
