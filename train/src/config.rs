@@ -256,7 +256,7 @@ impl TrainConfig {
                 PRESETS.join(", ")
             ))
         })?;
-        // Sized so the default run (small-cpu on 2 CPU cores) ends in about 7 minutes with
+        // Sized so the default run (small-cpu on 2 CPU cores) ends in about 6 minutes with
         // readable text; see BENCHMARKS.md.
         let max_iters = o.max_iters.unwrap_or(400);
         let mut config = TrainConfig {
