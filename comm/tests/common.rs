@@ -4,7 +4,10 @@
 
 #![allow(dead_code)]
 
+use std::path::PathBuf;
 use std::process::{Command, Output};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use ember_comm::{Bf16, Comm, CommConfig, PanicPolicy, Topology, TopologySource};
@@ -22,6 +25,21 @@ pub fn is_child() -> bool {
     std::env::var_os(CHILD_ENV).is_some()
 }
 
+/// One `mpirun` at a time per test binary: the test harness runs tests on several threads, and
+/// concurrent launchers race to create Open MPI's session directory (`/tmp/ompi.HOST.UID`
+/// "File exists"); eight oversubscribed ranks per job also saturate two cores on their own.
+static LAUNCH: Mutex<()> = Mutex::new(());
+static LAUNCHES: AtomicUsize = AtomicUsize::new(0);
+
+/// A session directory of its own for each launch, so jobs of different test binaries or of a
+/// previous crashed run never share Open MPI's temporary files either.
+fn session_dir() -> PathBuf {
+    let n = LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("ember-mpi-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("creating the mpirun session directory");
+    dir
+}
+
 /// Runs test `name` of this binary on `np` ranks under `mpirun`, killed after `limit`.
 pub fn mpirun(
     name: &str,
@@ -31,6 +49,9 @@ pub fn mpirun(
     env: &[(&str, &str)],
 ) -> Output {
     let exe = std::env::current_exe().expect("test binary path");
+    // A failed job must not poison the lock for the tests after it.
+    let _one_at_a_time = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = session_dir();
     let mut cmd = Command::new("timeout");
     // TERM first so mpirun can take its ranks down with it; KILL if it doesn't within 5 s.
     cmd.arg("--kill-after=5")
@@ -38,6 +59,8 @@ pub fn mpirun(
         .arg("mpirun")
         .args(["-np", &np.to_string(), "--oversubscribe"])
         .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
+        .args(["--mca", "orte_tmpdir_base"])
+        .arg(&tmp)
         .args([
             "-x",
             "RAYON_NUM_THREADS=1",
@@ -56,8 +79,11 @@ pub fn mpirun(
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .envs(env.iter().copied());
-    cmd.output()
-        .expect("running mpirun (is openmpi-bin installed?)")
+    let out = cmd
+        .output()
+        .expect("running mpirun (is openmpi-bin installed?)");
+    let _ = std::fs::remove_dir_all(&tmp);
+    out
 }
 
 /// Runs `name` at `topology` and fails the test with the ranks' output if the job failed.
