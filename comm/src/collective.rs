@@ -1,7 +1,7 @@
 //! The flat collectives on one group, blocking forms: all-gather, reduce-scatter, all-reduce,
 //! broadcast, all-to-all over f32 / bf16 / u8 / i8 host buffers. Each one charges the counters
 //! and is watched by the timeout. Non-blocking forms live in `pending`; compositions over
-//! several levels in `hier`.
+//! several hops in `hier` (and `quantized`).
 //!
 //! The `_into` forms are thin wrappers over the MPI call on the caller's buffers (no copy, no
 //! allocation), so they run at MPI's speed; the plain forms allocate the output and apply the
@@ -42,7 +42,8 @@ fn bytes_of<T>(n: usize) -> u64 {
 }
 
 impl<'c> Group<'c> {
-    /// The scope this group was created for.
+    /// The scope of this group in canonical form (`Topology::canonical`): the key its
+    /// collectives are charged to.
     pub fn scope(&self) -> Scope {
         self.scope
     }

@@ -1,7 +1,23 @@
 //! `Comm`: MPI started once, the topology resolved, and every group's communicator created
-//! once at start-up; plus the per-step byte counters. It deliberately holds no collective
-//! algorithms (see `collective`, `hier`, `quant`).
+//! once at start-up; plus the per-step byte counters and the background worker. It
+//! deliberately holds no collective algorithms (see `collective`, `hier`, `quantized`).
+//!
+//! # Invariants
+//!
+//! - One communicator per distinct group: every level range `lo..hi` (`Topology::scopes`, 6 on
+//!   three levels) is split once in [`Comm::init`]; any spelling of a scope is normalised by
+//!   `Topology::canonical` first, so `Within(0)` and `Across(0)` are the same communicator and
+//!   the same counter key. `Span{0, depth}` is the world communicator itself.
+//! - Two lanes: the caller's collectives run on those communicators; background collectives
+//!   (`start_*` of `hier` / `quantized`, see `background`) run on one worker thread over a
+//!   second, duplicated set. MPI matches collectives per communicator, so a background job can
+//!   never be confused with a collective the caller issues meanwhile, whatever the timing.
+//! - MPI runs with `MPI_THREAD_MULTIPLE` (refused otherwise), which is what makes `Comm`
+//!   `Sync` (see the `unsafe impl` on `Core`); it is not `Send`, so MPI is finalised on the
+//!   thread that started it. The worker is joined before the communicators are freed.
 
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -12,6 +28,7 @@ use mpi::ffi;
 use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 
+use crate::background::{Job, Worker};
 use crate::counters::{Counters, Op, Traffic};
 use crate::element::{Dtype, Element, bf16_sum};
 use crate::error::CommError;
@@ -69,12 +86,43 @@ impl Default for CommConfig {
 
 /// The communication context of one rank: MPI, the topology and one communicator per scope.
 ///
-/// Create exactly one per process; dropping it finalises MPI.
+/// Create exactly one per process; dropping it finalises MPI. It is `Sync`: threads may share
+/// `&Comm` (MPI runs with `MPI_THREAD_MULTIPLE`), but collectives on one group must still be
+/// issued in the same order on every rank, so two threads must not race collectives on the same
+/// group; use the `start_*` forms to overlap a collective with compute.
 pub struct Comm {
+    // Declaration order is drop order: the worker is stopped and joined (finishing every job
+    // already queued) before the last reference to `core` can finalise MPI.
+    worker: Option<Worker>,
+    core: Arc<Core>,
+    lane: Lane,
+    // Not `Send` (but `Sync`): MPI is finalised where the `Comm` drops, which should be the
+    // thread that initialised it (MPI 4.0 section 11.2.1).
+    _not_send: PhantomData<MutexGuard<'static, ()>>,
+}
+
+// `Comm` must be shareable with the worker thread and with callers' threads.
+const _: fn() = || {
+    fn assert_sync<T: Sync>() {}
+    assert_sync::<Comm>();
+};
+
+/// Which set of communicators a `Comm` value issues collectives on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lane {
+    /// The caller's: the communicators created by `init` (the world itself for `World`).
+    Main,
+    /// The worker thread's: duplicates of every group, so background jobs never interleave
+    /// with the caller's collectives on the same communicator.
+    Background,
+}
+
+/// Everything MPI-related a rank holds, shared by the caller's `Comm` and the worker's view.
+pub(crate) struct Core {
     // Declaration order is drop order: communicators and the user op must be freed before
     // `universe` finalises MPI.
-    within: Vec<SimpleCommunicator>,
-    across: Vec<SimpleCommunicator>,
+    spans: BTreeMap<(usize, usize), SimpleCommunicator>,
+    background: BTreeMap<(usize, usize), SimpleCommunicator>,
     bf16_sum: UnsafeUserOperation,
     watchdog: Watchdog,
     // True while the panic hook may call MPI_Abort; cleared before MPI is finalised.
@@ -86,11 +134,31 @@ pub struct Comm {
     _universe: Universe,
 }
 
+// SAFETY: the fields that are not `Send`/`Sync` are MPI handles (communicators, the user op):
+// plain integers or pointers into the MPI library that our code never dereferences, only passes
+// to MPI calls. `Comm::init` refuses to run unless MPI grants `MPI_THREAD_MULTIPLE`, under which
+// every MPI call may be made from any thread concurrently (MPI 4.0 section 11.6). The handles are
+// freed only in `Drop`, which runs once, after the worker thread has been joined (the only other
+// owner of an `Arc<Core>`). Counters are behind a mutex; the rest is immutable after `init`.
+unsafe impl Send for Core {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Core {}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        // After this MPI is finalised: a later panic must not call MPI_Abort.
+        if let Some(live) = &self.panic_hook_live {
+            live.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
 impl std::fmt::Debug for Comm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Comm")
-            .field("topology", &self.topology.to_string())
-            .field("rank", &self.rank)
+            .field("topology", &self.core.topology.to_string())
+            .field("rank", &self.core.rank)
+            .field("lane", &self.lane)
             .finish_non_exhaustive()
     }
 }
@@ -116,8 +184,9 @@ impl std::fmt::Debug for Group<'_> {
 }
 
 impl Comm {
-    /// Starts MPI (with `MPI_THREAD_MULTIPLE`, so the watchdog may abort from its thread),
-    /// resolves the topology and creates every group's communicator.
+    /// Starts MPI (with `MPI_THREAD_MULTIPLE`: the watchdog aborts from its thread and
+    /// background collectives run on a worker thread), resolves the topology, creates every
+    /// group's communicator (twice: one set per lane) and starts the worker.
     pub fn init(config: CommConfig) -> Result<Self, CommError> {
         let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| {
@@ -126,11 +195,13 @@ impl Comm {
                 )
             })?;
         if threading != Threading::Multiple {
-            // The abort still works with OpenMPI, but the standard does not promise it.
-            eprintln!(
-                "ember-comm: MPI provides {threading:?} threading, not Multiple; \
-                 timeout aborts from the watchdog thread rely on the implementation"
-            );
+            // Without it, the worker and watchdog threads calling MPI would be undefined
+            // behaviour, and `Comm: Sync` would be unsound.
+            return Err(CommError::Unsupported(format!(
+                "MPI provides {threading:?} threading, but ember-comm needs Multiple (its \
+                 watchdog and background collectives call MPI from other threads): use an MPI \
+                 built with thread support (Open MPI >= 3 and MPICH have it by default)"
+            )));
         }
         let world = universe.world();
         let rank = world.rank() as usize;
@@ -140,18 +211,29 @@ impl Comm {
             TopologySource::Detect { gcds_per_gpu } => detect(&world, gcds_per_gpu)?,
         };
         topology.check_world(world_size)?;
-        let split = |scope: Scope| {
-            let (color, index) = topology.color_and_index(scope, rank);
-            world
-                .split_by_color_with_key(Color::with_value(color as i32), index as i32)
-                .expect("every rank passes a defined colour")
-        };
-        let within = (0..topology.depth())
-            .map(|i| split(Scope::Within(i)))
-            .collect();
-        let across = (0..topology.depth())
-            .map(|i| split(Scope::Across(i)))
-            .collect();
+        let depth = topology.depth();
+        let mut spans = BTreeMap::new();
+        let mut background = BTreeMap::new();
+        for scope in topology.scopes() {
+            let bounds = topology.bounds(scope);
+            let comm = if bounds == (0, depth) {
+                world.duplicate()
+            } else {
+                let (color, index) = topology.color_and_index(scope, rank);
+                let comm = world
+                    .split_by_color_with_key(Color::with_value(color as i32), index as i32)
+                    .ok_or_else(|| {
+                        CommError::Topology(format!(
+                            "MPI_Comm_split for {} gave no communicator",
+                            topology.scope_name(scope)
+                        ))
+                    })?;
+                let dup = comm.duplicate();
+                spans.insert(bounds, comm);
+                dup
+            };
+            background.insert(bounds, comm);
+        }
         // SAFETY: `bf16_sum` reads and writes exactly `len` u16 values, never panics, and is
         // commutative and associative up to rounding (as MPI_SUM on floats is).
         let bf16_sum = unsafe { UnsafeUserOperation::commutative(bf16_sum) };
@@ -159,9 +241,9 @@ impl Comm {
             PanicPolicy::AbortJob => Some(install_panic_hook(rank)),
             PanicPolicy::KeepHook => None,
         };
-        Ok(Self {
-            within,
-            across,
+        let core = Arc::new(Core {
+            spans,
+            background,
             bf16_sum,
             watchdog: Watchdog::start(rank, &topology, config.timeout),
             panic_hook_live,
@@ -170,33 +252,52 @@ impl Comm {
             rank,
             world,
             _universe: universe,
+        });
+        Ok(Self {
+            worker: Some(Worker::spawn(Arc::clone(&core))?),
+            core,
+            lane: Lane::Main,
+            _not_send: PhantomData,
         })
+    }
+
+    /// The worker thread's view: the same core, the background lane, no worker of its own.
+    pub(crate) fn background_view(core: Arc<Core>) -> Self {
+        Self {
+            worker: None,
+            core,
+            lane: Lane::Background,
+            _not_send: PhantomData,
+        }
     }
 
     /// This rank's number in the world.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.core.rank
     }
 
     /// The resolved topology.
     pub fn topology(&self) -> &Topology {
-        &self.topology
+        &self.core.topology
     }
 
-    /// The group of `scope` that contains this rank. Panics on a level the topology lacks.
-    pub fn group(&self, scope: Scope) -> Group<'_> {
-        let comm = match scope {
-            Scope::World => &self.world,
-            Scope::Within(i) => &self.within[i],
-            Scope::Across(i) => &self.across[i],
-        };
-        Group {
+    /// The group of `scope` that contains this rank (any spelling; the group reports the
+    /// canonical one). Refuses a scope naming levels the topology lacks.
+    pub fn try_group(&self, scope: Scope) -> Result<Group<'_>, CommError> {
+        let comm = self.communicator(scope)?;
+        Ok(Group {
             comm: self,
-            scope,
+            scope: self.core.topology.canonical(scope),
             raw: comm.as_raw(),
             size: comm.size() as usize,
             index: comm.rank() as usize,
-        }
+        })
+    }
+
+    /// The group of `scope` that contains this rank. Panics on a level the topology lacks
+    /// (use [`Comm::try_group`] for scopes built from user input).
+    pub fn group(&self, scope: Scope) -> Group<'_> {
+        self.try_group(scope).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// The world group.
@@ -205,12 +306,27 @@ impl Comm {
     }
 
     /// The rsmpi communicator of `scope`, for callers that need a raw MPI call (the benchmark).
+    /// Panics on a level the topology lacks.
     pub fn raw(&self, scope: Scope) -> &SimpleCommunicator {
-        match scope {
-            Scope::World => &self.world,
-            Scope::Within(i) => &self.within[i],
-            Scope::Across(i) => &self.across[i],
-        }
+        self.communicator(scope).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn communicator(&self, scope: Scope) -> Result<&SimpleCommunicator, CommError> {
+        let topology = &self.core.topology;
+        topology.check_scope(scope)?;
+        let bounds = topology.bounds(scope);
+        let found = match self.lane {
+            Lane::Main if bounds == (0, topology.depth()) => Some(&self.core.world),
+            Lane::Main => self.core.spans.get(&bounds),
+            Lane::Background => self.core.background.get(&bounds),
+        };
+        // `init` created one communicator per valid level range, so this cannot miss.
+        found.ok_or_else(|| {
+            CommError::Topology(format!(
+                "no communicator for {}: Comm::init creates one per level range",
+                topology.scope_name(scope)
+            ))
+        })
     }
 
     /// A copy of the counters since the last reset.
@@ -218,7 +334,8 @@ impl Comm {
         self.lock_counters().clone()
     }
 
-    /// Returns the counters and resets them (call once per step).
+    /// Returns the counters and resets them (call once per step). Background collectives
+    /// charge when they run, so wait for them first.
     pub fn take_counters(&self) -> Counters {
         std::mem::take(&mut *self.lock_counters())
     }
@@ -226,8 +343,8 @@ impl Comm {
     /// Blocks until every rank of the world arrives (not counted: it moves no payload).
     pub fn barrier(&self) {
         // Charged to nothing, but watched like an all-reduce of the world (what it is).
-        let _armed = self.watchdog.arm(Op::AllReduce, Scope::World);
-        self.world.barrier();
+        let _armed = self.arm(Op::AllReduce, Scope::World);
+        self.raw(Scope::World).barrier();
     }
 
     /// Runtime of MPI's wall clock, identical in meaning on every rank.
@@ -238,7 +355,7 @@ impl Comm {
     /// The element-wise sum for `T` (MPI_SUM, or our bf16 operation).
     pub(crate) fn sum_op<T: Element>(&self) -> ffi::MPI_Op {
         match T::DTYPE {
-            Dtype::Bf16 => self.bf16_sum.as_raw(),
+            Dtype::Bf16 => self.core.bf16_sum.as_raw(),
             Dtype::F32 | Dtype::U8 | Dtype::I8 => SystemOperation::sum().as_raw(),
         }
     }
@@ -248,20 +365,23 @@ impl Comm {
     }
 
     pub(crate) fn arm(&self, op: Op, scope: Scope) -> Armed<'_> {
-        self.watchdog.arm(op, scope)
+        self.core.watchdog.arm(op, scope)
+    }
+
+    /// Queues `job` on the worker thread (background lane, FIFO).
+    pub(crate) fn submit(&self, job: Job) -> Result<(), CommError> {
+        match &self.worker {
+            Some(worker) => worker.submit(job),
+            None => Err(CommError::Unsupported(
+                "a background collective was started from inside another one: start it from \
+                 the thread that owns the Comm"
+                    .into(),
+            )),
+        }
     }
 
     fn lock_counters(&self) -> MutexGuard<'_, Counters> {
-        self.counters.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-impl Drop for Comm {
-    fn drop(&mut self) {
-        // After this MPI is finalised: a later panic must not call MPI_Abort.
-        if let Some(live) = &self.panic_hook_live {
-            live.store(false, Ordering::SeqCst);
-        }
+        self.core.counters.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

@@ -106,7 +106,7 @@ pub fn formula(op: Op, bytes: u64, group: usize, role: Role) -> Traffic {
     }
 }
 
-/// Accumulated traffic per (scope, op) since the last reset.
+/// Accumulated traffic per (canonical scope, op) since the last reset.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Counters {
     by_key: BTreeMap<(Scope, Op), Traffic>,
@@ -118,7 +118,8 @@ impl Counters {
         *self.by_key.entry((scope, op)).or_default() += traffic;
     }
 
-    /// Traffic charged to `(scope, op)` (zero if none).
+    /// Traffic charged to `(scope, op)` (zero if none). Charges are keyed by the canonical
+    /// scope (`Topology::canonical`, what `Group::scope` returns): pass that form.
     pub fn get(&self, scope: Scope, op: Op) -> Traffic {
         self.by_key.get(&(scope, op)).copied().unwrap_or_default()
     }

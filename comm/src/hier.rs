@@ -1,133 +1,189 @@
-//! Hierarchical all-gather and reduce-scatter over the world, composed level by level from the
-//! `Across(i)` groups, producing exactly the layout of the flat world collectives. It
-//! deliberately adds no algorithm of its own beyond one chunk permutation.
+//! Hierarchical all-gather and reduce-scatter over a [`Path`]: the collective over the group
+//! `G = Span{0, hi}` composed hop by hop, producing exactly the layout of the flat collective on
+//! `G` (rank with `G` index `i` gets padded chunk `i`; all-gather returns shards in `G` index
+//! order). Blocking and non-blocking forms. It deliberately adds no algorithm of its own beyond
+//! the one chunk permutation of `path` (see its module doc for why and which).
 //!
-//! # Why a permutation, and which
-//!
-//! Flat reduce-scatter over `W` ranks gives rank `r` chunk `r` of the (padded) buffer. Doing it
-//! innermost level first (largest volume on the fastest link), the first step over
-//! `Across(0)` hands the rank with coordinate `c_0` part `c_0` of the buffer; for the final
-//! result to be chunk `r = c_0 + d_0 (c_1 + d_1 (...))`, part `c_0` must hold every chunk with
-//! that `c_0`. So chunks are first reordered to *digit-reversed* order: chunk `r` goes to
-//! position `p(r) = c_0 d_1 ... d_{L-1} + c_1 d_2 ... d_{L-1} + ... + c_{L-1}` (`c_0` most
-//! significant). Each later step splits by the next coordinate, and after the last one rank `r`
-//! holds chunk `r`. All-gather runs the steps in reverse (outermost first, so the smallest
-//! volume crosses the slowest link) and undoes the permutation at the end.
+//! Reduce-scatter runs the hops innermost first (the largest volume on the fastest link),
+//! all-gather outermost first (the smallest volume on the slowest link). Hops of size 1 are
+//! skipped (they move nothing). Hop `k` charges its own scope per the formulas in `counters`:
+//! a reduce-scatter hop of size `D_k` on the buffer left by the inner hops, an all-gather hop on
+//! the buffer it produces. The original world-only functions ([`reduce_scatter`],
+//! [`all_gather`]) are the one-hop-per-level path over the world.
 
+use crate::background::{self, Background};
 use crate::collective::Reduce;
-use crate::comm::Comm;
+use crate::comm::{Comm, Group};
 use crate::element::Element;
 use crate::error::CommError;
-use crate::padding::{ShardLayout, pad_zeros};
-use crate::topology::{Scope, Topology};
+use crate::padding::ShardLayout;
+use crate::path::{Path, from_hop_order, to_hop_order};
+use crate::pending::Pending;
+use crate::topology::Topology;
 
-/// Position of world chunk `r` in digit-reversed order (see the module doc).
+/// Position of world chunk `r` in digit-reversed order: the chunk permutation of the
+/// one-hop-per-level path over the world ([`Path::per_level`]).
 pub fn digit_reversed_position(topology: &Topology, r: usize) -> usize {
-    let dims = topology.dims();
-    topology
-        .coords(r)
-        .iter()
-        .zip(&dims)
-        .fold(0, |acc, (c, d)| acc * d + c)
+    Path::per_level(topology).chunk_position(topology, r)
 }
 
-/// Copies `chunks` of `chunk` elements from `src` into `dst`, chunk `r` of `src` landing at
-/// position `position(r)` of `dst` (or the inverse with `Direction::Gather`).
-fn permute<T: Copy>(
-    src: &[T],
-    dst: &mut [T],
-    chunk: usize,
-    map: impl Fn(usize) -> usize,
-    dir: Direction,
-) {
-    for r in 0..src.len() / chunk.max(1) {
-        let p = map(r);
-        let (from, to) = match dir {
-            Direction::Scatter => (r, p),
-            Direction::Gather => (p, r),
-        };
-        dst[to * chunk..(to + 1) * chunk].copy_from_slice(&src[from * chunk..(from + 1) * chunk]);
+/// The groups of `path`'s hops that move data (size > 1), innermost first; checks the path.
+pub(crate) fn live_hops<'c>(comm: &'c Comm, path: &Path) -> Result<Vec<Group<'c>>, CommError> {
+    let topology = comm.topology();
+    path.check(topology)?;
+    let mut groups = Vec::with_capacity(path.hop_count());
+    for hop in path.hops(topology) {
+        let group = comm.try_group(hop)?;
+        if group.size() > 1 {
+            groups.push(group);
+        }
     }
+    Ok(groups)
 }
 
-/// Which way a chunk permutation goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Direction {
-    /// Natural order to digit-reversed order.
-    Scatter,
-    /// Digit-reversed order back to natural order.
-    Gather,
-}
-
-/// Buffer permuted to digit-reversed order, padded per `padding` for the world.
-pub(crate) fn to_digit_reversed<T: Element>(
-    topology: &Topology,
-    data: &[T],
-    layout: ShardLayout,
-) -> Vec<T> {
-    let padded = pad_zeros(data, layout.padded());
-    let mut out = vec![T::default(); layout.padded()];
-    permute(
-        &padded,
-        &mut out,
-        layout.shard,
-        |r| digit_reversed_position(topology, r),
-        Direction::Scatter,
-    );
-    out
-}
-
-/// Hierarchical reduce-scatter over the world: the same result as
-/// `comm.world().reduce_scatter(data, reduce)` (this rank's padded chunk), moved innermost
-/// level first. Levels of size 1 are skipped (they move nothing).
-pub fn reduce_scatter<T: Element>(
+/// Reduce-scatter over `path`'s group `G`, innermost hop first: the same result as
+/// `comm.group(path.group(topology)).reduce_scatter(data, reduce)` (this rank's chunk of
+/// `ShardLayout::new(data.len(), |G|, 1)`). `Mean` divides by `|G|` once, at the end.
+pub fn reduce_scatter_path<T: Element>(
     comm: &Comm,
     data: &[T],
+    path: &Path,
     reduce: Reduce,
 ) -> Result<Vec<T>, CommError> {
     let topology = comm.topology();
-    let world = topology.world_size();
-    let layout = ShardLayout::new(data.len(), world, 1);
+    let hops = live_hops(comm, path)?;
+    let p = topology.group_size(path.group(topology));
     if reduce == Reduce::Mean {
+        // Refuse integer means before anything moves, so the ranks stay in step.
         T::divide(&mut [], 1)?;
     }
-    let mut buf = to_digit_reversed(topology, data, layout);
-    for level in 0..topology.depth() {
-        let group = comm.group(Scope::Across(level));
-        if group.size() == 1 {
-            continue;
-        }
+    let layout = ShardLayout::new(data.len(), p, 1);
+    let mut buf = to_hop_order(topology, path, data, layout);
+    for group in &hops {
         let mut out = vec![T::default(); buf.len() / group.size()];
         group.reduce_scatter_into(&buf, &mut out, Reduce::Sum)?;
         buf = out;
     }
     if reduce == Reduce::Mean {
-        T::divide(&mut buf, world)?;
+        T::divide(&mut buf, p)?;
     }
     Ok(buf)
 }
 
-/// Hierarchical all-gather over the world: the same result as `comm.world().all_gather(shard)`
-/// (every rank's shard in rank order), moved outermost level first.
-pub fn all_gather<T: Element>(comm: &Comm, shard: &[T]) -> Result<Vec<T>, CommError> {
-    let topology = comm.topology();
+/// All-gather over `path`'s group `G`, outermost hop first: the same result as
+/// `comm.group(path.group(topology)).all_gather(shard)` (every member's shard in `G` index
+/// order).
+pub fn all_gather_path<T: Element>(
+    comm: &Comm,
+    shard: &[T],
+    path: &Path,
+) -> Result<Vec<T>, CommError> {
+    let hops = live_hops(comm, path)?;
     let mut buf = shard.to_vec();
-    for level in (0..topology.depth()).rev() {
-        let group = comm.group(Scope::Across(level));
-        if group.size() == 1 {
-            continue;
-        }
+    for group in hops.iter().rev() {
         buf = group.all_gather(&buf)?;
     }
-    let mut out = vec![T::default(); buf.len()];
-    permute(
-        &buf,
-        &mut out,
-        shard.len(),
-        |r| digit_reversed_position(topology, r),
-        Direction::Gather,
-    );
-    Ok(out)
+    Ok(from_hop_order(comm.topology(), path, &buf, shard.len()))
+}
+
+/// Hierarchical reduce-scatter over the world, one hop per level: the same result as
+/// `comm.world().reduce_scatter(data, reduce)`.
+pub fn reduce_scatter<T: Element>(
+    comm: &Comm,
+    data: &[T],
+    reduce: Reduce,
+) -> Result<Vec<T>, CommError> {
+    reduce_scatter_path(comm, data, &Path::per_level(comm.topology()), reduce)
+}
+
+/// Hierarchical all-gather over the world, one hop per level: the same result as
+/// `comm.world().all_gather(shard)`.
+pub fn all_gather<T: Element>(comm: &Comm, shard: &[T]) -> Result<Vec<T>, CommError> {
+    all_gather_path(comm, shard, &Path::per_level(comm.topology()))
+}
+
+/// A path collective in flight; `wait` returns what the blocking form returns, dropping it
+/// waits. Where the path moves data over one hop only it is plain MPI non-blocking
+/// ([`Pending`], the caller's communicators); over several hops it runs on the background
+/// worker ([`Background`], see `background` for why that is safe); with no hop to move it is
+/// done already.
+#[derive(Debug)]
+#[must_use = "a collective's result is only available through `wait`"]
+pub struct PathPending<'c, T: Element> {
+    state: State<'c, T>,
+}
+
+#[derive(Debug)]
+enum State<'c, T: Element> {
+    Ready(Vec<T>),
+    Mpi(Pending<'c, T>),
+    Worker(Background<Vec<T>>),
+}
+
+impl<T: Element> PathPending<'_, T> {
+    /// True once the collective has completed (then `wait` returns at once).
+    pub fn is_complete(&mut self) -> bool {
+        match &mut self.state {
+            State::Ready(_) => true,
+            State::Mpi(p) => p.is_complete(),
+            State::Worker(b) => b.is_complete(),
+        }
+    }
+
+    /// Blocks until the collective completes and returns its output.
+    pub fn wait(self) -> Result<Vec<T>, CommError> {
+        match self.state {
+            State::Ready(v) => Ok(v),
+            State::Mpi(p) => p.wait(),
+            State::Worker(b) => b.wait(),
+        }
+    }
+}
+
+/// Starts [`reduce_scatter_path`]; refuses a bad path or an integer `Mean` at once.
+pub fn start_reduce_scatter_path<'c, T: Element>(
+    comm: &'c Comm,
+    data: Vec<T>,
+    path: &Path,
+    reduce: Reduce,
+) -> Result<PathPending<'c, T>, CommError> {
+    let hops = live_hops(comm, path)?;
+    if reduce == Reduce::Mean {
+        T::divide(&mut [], 1)?;
+    }
+    let state = match hops.as_slice() {
+        [] => State::Ready(reduce_scatter_path(comm, &data, path, reduce)?),
+        // One hop: its index is the `G` index and its size `|G|`, so no permutation.
+        [one] => State::Mpi(one.start_reduce_scatter(data, reduce)?),
+        _ => {
+            let path = path.clone();
+            State::Worker(background::spawn(comm, move |c| {
+                reduce_scatter_path(c, &data, &path, reduce)
+            })?)
+        }
+    };
+    Ok(PathPending { state })
+}
+
+/// Starts [`all_gather_path`] (e.g. to prefetch the next unit's parameters); refuses a bad
+/// path at once.
+pub fn start_all_gather_path<'c, T: Element>(
+    comm: &'c Comm,
+    shard: Vec<T>,
+    path: &Path,
+) -> Result<PathPending<'c, T>, CommError> {
+    let hops = live_hops(comm, path)?;
+    let state = match hops.as_slice() {
+        [] => State::Ready(shard),
+        [one] => State::Mpi(one.start_all_gather(shard)?),
+        _ => {
+            let path = path.clone();
+            State::Worker(background::spawn(comm, move |c| {
+                all_gather_path(c, &shard, &path)
+            })?)
+        }
+    };
+    Ok(PathPending { state })
 }
 
 #[cfg(test)]
@@ -147,23 +203,15 @@ mod tests {
                 .collect();
             seen.sort();
             assert_eq!(seen, (0..t.world_size()).collect::<Vec<_>>());
+            // The coordinates read with c_0 most significant.
+            for r in 0..t.world_size() {
+                let want = t
+                    .coords(r)
+                    .iter()
+                    .zip(t.dims())
+                    .fold(0, |acc, (c, d)| acc * d + c);
+                assert_eq!(digit_reversed_position(&t, r), want);
+            }
         }
-    }
-
-    #[test]
-    fn permutation_round_trips() {
-        let t = Topology::parse("4x1x2").unwrap();
-        let layout = ShardLayout::new(21, 8, 1);
-        let data: Vec<f32> = (0..21).map(|i| i as f32).collect();
-        let perm = to_digit_reversed(&t, &data, layout);
-        let mut back = vec![0.0; perm.len()];
-        permute(
-            &perm,
-            &mut back,
-            layout.shard,
-            |r| digit_reversed_position(&t, r),
-            Direction::Gather,
-        );
-        assert_eq!(&back[..21], &data[..]);
     }
 }

@@ -17,6 +17,22 @@
 //! - `Scope::Across(i)`: ranks sharing every coordinate *except* `c_i` (the same local rank
 //!   on every node for the node level). Its size is `d_i`; a member's index is `c_i`.
 //! - `Scope::World`: every rank, index = rank.
+//! - `Scope::Span { lo, hi }`: ranks sharing every coordinate outside levels `lo..hi`, i.e.
+//!   varying exactly `c_lo, ..., c_{hi-1}`. Its size is `d_lo * ... * d_{hi-1}`; a member's
+//!   index is the mixed-radix number of `(c_lo, ..., c_{hi-1})` with `c_lo` fastest. Every
+//!   other scope is a span: `Within(i) = Span{0, i+1}`, `Across(i) = Span{i, i+1}`,
+//!   `World = Span{0, depth}`.
+//!
+//! # Canonical form (one group, one communicator, one counter key)
+//!
+//! Since several spellings name the same group, every scope is normalised by
+//! [`Topology::canonical`] before it picks a communicator, a counter key or a name, in this
+//! order of preference: `Span{0, depth}` is `World`; `Span{i, i+1}` is `Across(i)` (so
+//! `Within(0)` is `Across(0)`); `Span{0, h}` is `Within(h-1)`; anything else stays a `Span`.
+//! So a topology of depth `L` has exactly `L (L+1) / 2` distinct scopes (6 for three
+//! levels), listed by [`Topology::scopes`]. Groups are compared by their level range, not by
+//! their member set: on `2x4x1` (one GCD per GPU) `Across(1)` and `Within(1)` hold the same
+//! ranks but stay two scopes, so counters keep saying which hop moved the bytes.
 
 use std::fmt;
 
@@ -51,6 +67,13 @@ pub enum Scope {
     Within(usize),
     /// Ranks sharing every coordinate except that of level `i`.
     Across(usize),
+    /// Ranks sharing every coordinate outside levels `lo..hi` (`lo < hi <= depth`).
+    Span {
+        /// Innermost level the members differ in.
+        lo: usize,
+        /// One past the outermost level the members differ in.
+        hi: usize,
+    },
 }
 
 impl Topology {
@@ -210,29 +233,65 @@ impl Topology {
             .fold(0, |acc, (c, l)| acc * l.size + c)
     }
 
-    /// Number of ranks in `scope`'s group.
-    pub fn group_size(&self, scope: Scope) -> usize {
+    /// The level range `lo..hi` whose coordinates the members of `scope` vary (see the module
+    /// doc). Does not check that the levels exist (see [`Topology::check_scope`]).
+    pub fn bounds(&self, scope: Scope) -> (usize, usize) {
         match scope {
-            Scope::World => self.world_size(),
-            Scope::Within(i) => self.stride(i + 1),
-            Scope::Across(i) => self.levels[i].size,
+            Scope::World => (0, self.depth()),
+            Scope::Within(i) => (0, i + 1),
+            Scope::Across(i) => (i, i + 1),
+            Scope::Span { lo, hi } => (lo, hi),
         }
+    }
+
+    /// Refuses a scope naming levels this topology lacks, or an empty span.
+    pub fn check_scope(&self, scope: Scope) -> Result<(), CommError> {
+        let (lo, hi) = self.bounds(scope);
+        if lo < hi && hi <= self.depth() {
+            Ok(())
+        } else {
+            Err(CommError::Topology(format!(
+                "scope {scope:?} covers levels {lo}..{hi}, but `{self}` has levels 0..{}: \
+                 use 0 <= lo < hi <= {}",
+                self.depth(),
+                self.depth()
+            )))
+        }
+    }
+
+    /// The canonical spelling of `scope` (see the module doc): the same group always gives the
+    /// same value. Does not check that the levels exist.
+    pub fn canonical(&self, scope: Scope) -> Scope {
+        match self.bounds(scope) {
+            (0, hi) if hi == self.depth() => Scope::World,
+            (lo, hi) if hi == lo + 1 => Scope::Across(lo),
+            (0, hi) => Scope::Within(hi - 1),
+            (lo, hi) => Scope::Span { lo, hi },
+        }
+    }
+
+    /// The canonical scope of the ranks varying levels `lo..hi`, validated.
+    pub fn span(&self, lo: usize, hi: usize) -> Result<Scope, CommError> {
+        let scope = Scope::Span { lo, hi };
+        self.check_scope(scope)?;
+        Ok(self.canonical(scope))
+    }
+
+    /// Number of ranks in `scope`'s group: `d_lo * ... * d_{hi-1}`.
+    pub fn group_size(&self, scope: Scope) -> usize {
+        let (lo, hi) = self.bounds(scope);
+        self.levels[lo..hi].iter().map(|l| l.size).product()
     }
 
     /// `(color, index)` of `rank` in `scope`: ranks with equal colour form one group, ordered
     /// by index. These are exactly the arguments of `MPI_Comm_split`.
     pub fn color_and_index(&self, scope: Scope, rank: usize) -> (usize, usize) {
-        match scope {
-            Scope::World => (0, rank),
-            Scope::Within(i) => {
-                let size = self.stride(i + 1);
-                (rank / size, rank % size)
-            }
-            Scope::Across(i) => {
-                let c = self.coords(rank)[i];
-                (rank - c * self.stride(i), c)
-            }
-        }
+        // rank = inner + stride(lo) * (index + size * outer): the index is the mixed-radix
+        // number of (c_lo, ..., c_{hi-1}), and removing it leaves a value unique per group.
+        let (lo, _) = self.bounds(scope);
+        let (stride, size) = (self.stride(lo), self.group_size(scope));
+        let index = rank / stride % size;
+        (rank - index * stride, index)
     }
 
     /// World ranks of the group `scope` that contains `rank`, in index order.
@@ -243,22 +302,33 @@ impl Topology {
             .collect()
     }
 
-    /// Every scope this topology has: the world, then `Within(i)` and `Across(i)` per level.
+    /// Every distinct scope of this topology, one per level range `lo..hi`
+    /// (`0 <= lo < hi <= depth`), in canonical form, ordered by `lo` then `hi`.
     pub fn scopes(&self) -> Vec<Scope> {
-        let mut out = vec![Scope::World];
-        for i in 0..self.depth() {
-            out.push(Scope::Within(i));
-            out.push(Scope::Across(i));
-        }
-        out
+        let depth = self.depth();
+        (0..depth)
+            .flat_map(|lo| (lo + 1..=depth).map(move |hi| (lo, hi)))
+            .map(|(lo, hi)| self.canonical(Scope::Span { lo, hi }))
+            .collect()
     }
 
-    /// Human name of a scope for counters and messages: `world`, `within-gpu`, `across-node`.
+    /// Human name of a scope for counters and messages, from its canonical form: `world`,
+    /// `within-gpu` (levels 0..=gpu), `across-node` (the node level alone), and for other
+    /// spans the levels it varies joined by `+`: `across-gpu+node`.
     pub fn scope_name(&self, scope: Scope) -> String {
-        match scope {
+        let name = |i: usize| {
+            self.levels
+                .get(i)
+                .map_or_else(|| format!("level{i}"), |l| l.name.clone())
+        };
+        match self.canonical(scope) {
             Scope::World => "world".into(),
-            Scope::Within(i) => format!("within-{}", self.levels[i].name),
-            Scope::Across(i) => format!("across-{}", self.levels[i].name),
+            Scope::Within(i) => format!("within-{}", name(i)),
+            Scope::Across(i) => format!("across-{}", name(i)),
+            Scope::Span { lo, hi } => {
+                let names: Vec<String> = (lo..hi).map(name).collect();
+                format!("across-{}", names.join("+"))
+            }
         }
     }
 }
@@ -330,6 +400,77 @@ mod tests {
                 assert_eq!(m.len(), t.group_size(scope));
                 assert_eq!(m[t.color_and_index(scope, r).1], r);
             }
+        }
+    }
+
+    /// The definition, written out: members share every coordinate outside `lo..hi`, ordered
+    /// by the mixed-radix number of `(c_lo, ..., c_{hi-1})`, `c_lo` fastest.
+    fn members_by_definition(t: &Topology, lo: usize, hi: usize, rank: usize) -> Vec<usize> {
+        let mine = t.coords(rank);
+        let index = |c: &[usize]| (lo..hi).rev().fold(0, |acc, l| acc * t.dims()[l] + c[l]);
+        let mut m: Vec<(usize, usize)> = (0..t.world_size())
+            .map(|r| (r, t.coords(r)))
+            .filter(|(_, c)| (0..t.depth()).all(|l| (lo..hi).contains(&l) || c[l] == mine[l]))
+            .map(|(r, c)| (index(&c), r))
+            .collect();
+        m.sort();
+        m.into_iter().map(|(_, r)| r).collect()
+    }
+
+    #[test]
+    fn spans_match_their_definition_and_every_spelling_is_one_canonical_scope() {
+        for spec in ["1", "2x1x1", "1x2x2", "2x2x2", "2x4x1", "4x1x2", "3x2x4"] {
+            let t = Topology::parse(spec).unwrap();
+            let depth = t.depth();
+            let mut seen = Vec::new();
+            for lo in 0..depth {
+                for hi in lo + 1..=depth {
+                    let span = Scope::Span { lo, hi };
+                    let canon = t.span(lo, hi).unwrap();
+                    assert_eq!(t.canonical(span), canon);
+                    assert_eq!(t.canonical(canon), canon, "canonical is idempotent");
+                    assert_eq!(t.bounds(canon), (lo, hi));
+                    for r in 0..t.world_size() {
+                        let want = members_by_definition(&t, lo, hi, r);
+                        assert_eq!(t.members(span, r), want, "{spec} {lo}..{hi} rank {r}");
+                        assert_eq!(t.members(canon, r), want);
+                        let (_, index) = t.color_and_index(span, r);
+                        assert_eq!(want[index], r);
+                        assert_eq!(t.group_size(span), want.len());
+                    }
+                    seen.push(canon);
+                }
+            }
+            assert_eq!(seen, t.scopes());
+            let mut distinct = seen.clone();
+            distinct.sort();
+            distinct.dedup();
+            assert_eq!(
+                distinct.len(),
+                depth * (depth + 1) / 2,
+                "one scope per level range"
+            );
+            for i in 0..depth {
+                assert_eq!(t.canonical(Scope::Within(i)), t.span(0, i + 1).unwrap());
+                assert_eq!(t.canonical(Scope::Across(i)), t.span(i, i + 1).unwrap());
+            }
+            assert_eq!(t.canonical(Scope::World), t.span(0, depth).unwrap());
+        }
+        let t = Topology::parse("2x2x2").unwrap();
+        assert_eq!(t.canonical(Scope::Within(0)), Scope::Across(0));
+        assert_eq!(t.canonical(Scope::Within(2)), Scope::World);
+        assert_eq!(t.span(1, 3).unwrap(), Scope::Span { lo: 1, hi: 3 });
+        assert_eq!(t.members(Scope::Span { lo: 1, hi: 3 }, 5), vec![1, 3, 5, 7]);
+        assert_eq!(
+            t.scope_name(Scope::Span { lo: 1, hi: 3 }),
+            "across-gpu+node"
+        );
+        assert_eq!(t.scope_name(Scope::Within(0)), "across-gcd");
+        assert_eq!(t.scope_name(Scope::Span { lo: 0, hi: 2 }), "within-gpu");
+        assert_eq!(t.scope_name(Scope::Within(2)), "world");
+        for (lo, hi) in [(0, 0), (2, 1), (0, 4), (3, 4)] {
+            let msg = t.span(lo, hi).unwrap_err().to_string();
+            assert!(msg.contains("0 <= lo < hi <= 3"), "{msg}");
         }
     }
 

@@ -1,12 +1,19 @@
 //! Flat collectives under real `mpirun` at every topology the issue lists: every op, every
 //! element type, blocking and non-blocking, against a sequential reference each rank computes
-//! from the inputs it can regenerate; and the byte counters against the formulas.
+//! from the inputs it can regenerate; and the byte counters against the formulas. Path
+//! (hierarchical) collectives over every path of every prefix group against the flat
+//! collective on that group, bit for bit, with per-hop byte counters and background forms.
 
 mod common;
 
 use common::*;
-use ember_comm::counters::formula;
-use ember_comm::{Bf16, Comm, Element, Group, Op, Reduce, Role, ShardLayout};
+use ember_comm::counters::{Counters, formula};
+use ember_comm::hier::{
+    all_gather_path, reduce_scatter_path, start_all_gather_path, start_reduce_scatter_path,
+};
+use ember_comm::path::all_paths;
+use ember_comm::{Bf16, Comm, Element, Group, Op, Path, Reduce, Role, Scope, ShardLayout, Traffic};
+use mpi::raw::AsRaw;
 
 /// What the sequential reference needs to know about an element type.
 trait Checked: Element {
@@ -237,11 +244,40 @@ fn flat_collectives_match_sequential_reference_at_every_topology() {
     }
     let comm = child_comm();
     let topo = comm.topology().clone();
+    // Every spelling of a level range is one group: one communicator, one canonical scope.
+    for lo in 0..topo.depth() {
+        for hi in lo + 1..=topo.depth() {
+            let canon = topo.span(lo, hi).unwrap();
+            let mut spellings = vec![Scope::Span { lo, hi }];
+            if lo == 0 {
+                spellings.push(Scope::Within(hi - 1));
+            }
+            if hi == lo + 1 {
+                spellings.push(Scope::Across(lo));
+            }
+            if (lo, hi) == (0, topo.depth()) {
+                spellings.push(Scope::World);
+            }
+            for s in spellings {
+                assert_eq!(comm.group(s).scope(), canon, "{s:?}");
+                assert_eq!(comm.raw(s).as_raw(), comm.raw(canon).as_raw(), "{s:?}");
+            }
+        }
+    }
+    assert!(comm.try_group(Scope::Span { lo: 1, hi: 1 }).is_err());
+    assert!(comm.try_group(Scope::Across(topo.depth())).is_err());
+    // Every distinct group (spans included): membership from MPI == the pure definition, and
+    // every collective on it == the sequential reference over those members.
+    assert_eq!(topo.scopes().len(), topo.depth() * (topo.depth() + 1) / 2);
     for scope in topo.scopes() {
         let group = comm.group(scope);
         let members = topo.members(scope, comm.rank());
         assert_eq!(group.size(), members.len());
         assert_eq!(members[group.index()], comm.rank(), "{scope:?}");
+        let ranks = group.all_gather(&[comm.rank() as u8]).unwrap();
+        let want: Vec<u8> = members.iter().map(|&m| m as u8).collect();
+        assert_eq!(ranks, want, "members of {scope:?}");
+        comm.take_counters();
         check_group::<f32>(&comm, group, &members);
         check_group::<Bf16>(&comm, group, &members);
         check_group::<u8>(&comm, group, &members);
@@ -356,5 +392,184 @@ fn topology_is_detected_from_shared_memory_and_the_gcd_environment() {
     let comm = Comm::init(ember_comm::CommConfig::default()).unwrap();
     assert_eq!(comm.topology().to_string(), "1x2x2");
     assert_eq!(comm.topology().levels()[0].name, "gcd");
+    comm.barrier();
+}
+
+/// What each hop of `path` is charged for a reduce-scatter of `bytes` (innermost hop first,
+/// on the buffer the inner hops left) or an all-gather of a `bytes` shard (outermost hop
+/// first, on the buffer it produces). Size-1 hops are charged nothing.
+fn path_charges(comm: &Comm, path: &Path, op: Op, bytes: usize) -> Vec<(Scope, Traffic)> {
+    let topo = comm.topology();
+    let mut out = Vec::new();
+    let mut bytes = bytes;
+    let hops = path.hops(topo);
+    let ordered: Vec<Scope> = match op {
+        Op::AllGather => hops.into_iter().rev().collect(),
+        _ => hops,
+    };
+    for hop in ordered {
+        let d = topo.group_size(hop);
+        if d == 1 {
+            continue;
+        }
+        match op {
+            Op::AllGather => {
+                bytes *= d;
+                out.push((hop, formula(op, bytes as u64, d, Role::Member)));
+            }
+            _ => {
+                out.push((hop, formula(op, bytes as u64, d, Role::Member)));
+                bytes /= d;
+            }
+        }
+    }
+    out
+}
+
+/// Asserts that `counters` hold exactly `charges` for `op`, nothing else.
+fn assert_path_charged(counters: &Counters, op: Op, charges: &[(Scope, Traffic)], what: &str) {
+    for (scope, want) in charges {
+        assert_eq!(
+            counters.get(*scope, op),
+            *want,
+            "{what}: {op:?} on {scope:?}"
+        );
+    }
+    assert_eq!(
+        counters.entries().count(),
+        charges.len(),
+        "{what}: only the hops"
+    );
+}
+
+fn check_paths<T: Checked>(comm: &Comm, n: usize) {
+    let topo = comm.topology().clone();
+    let rank = comm.rank();
+    let sz = size_of::<T>();
+    for hi in 1..=topo.depth() {
+        for path in all_paths(&topo, hi) {
+            let what = format!("path {path} at {topo}, {:?}, n = {n}", T::DTYPE);
+            let g = comm.group(path.group(&topo));
+            let p = g.size();
+            let input = T::input(rank, n, 8);
+
+            // Reduce-scatter: flat on G == path == background, with the same charges.
+            let flat = g.reduce_scatter(&input, Reduce::Sum).unwrap();
+            comm.take_counters();
+            let got = reduce_scatter_path(comm, &input, &path, Reduce::Sum).unwrap();
+            assert_eq!(got, flat, "reduce-scatter {what}");
+            let counters = comm.take_counters();
+            let padded = ShardLayout::new(n, p, 1).padded();
+            let charges = path_charges(comm, &path, Op::ReduceScatter, padded * sz);
+            assert_path_charged(&counters, Op::ReduceScatter, &charges, &what);
+            let pending =
+                start_reduce_scatter_path(comm, input.clone(), &path, Reduce::Sum).unwrap();
+            assert_eq!(
+                pending.wait().unwrap(),
+                flat,
+                "background reduce-scatter {what}"
+            );
+            assert_eq!(comm.take_counters(), counters, "background charges {what}");
+            if T::mean(T::default(), 2).is_some() {
+                let flat = g.reduce_scatter(&input, Reduce::Mean).unwrap();
+                let got = reduce_scatter_path(comm, &input, &path, Reduce::Mean).unwrap();
+                assert_eq!(got, flat, "mean reduce-scatter {what}");
+                let pending =
+                    start_reduce_scatter_path(comm, input.clone(), &path, Reduce::Mean).unwrap();
+                assert_eq!(pending.wait().unwrap(), flat);
+            } else {
+                assert!(reduce_scatter_path(comm, &input, &path, Reduce::Mean).is_err());
+                assert!(
+                    start_reduce_scatter_path(comm, input.clone(), &path, Reduce::Mean).is_err()
+                );
+            }
+            comm.take_counters();
+
+            // All-gather: the inverse layout.
+            let shard = T::input(rank, 3, 9);
+            let flat = g.all_gather(&shard).unwrap();
+            comm.take_counters();
+            let got = all_gather_path(comm, &shard, &path).unwrap();
+            assert_eq!(got, flat, "all-gather {what}");
+            let counters = comm.take_counters();
+            let charges = path_charges(comm, &path, Op::AllGather, shard.len() * sz);
+            assert_path_charged(&counters, Op::AllGather, &charges, &what);
+            let pending = start_all_gather_path(comm, shard.clone(), &path).unwrap();
+            assert_eq!(
+                pending.wait().unwrap(),
+                flat,
+                "background all-gather {what}"
+            );
+            assert_eq!(comm.take_counters(), counters, "background charges {what}");
+        }
+    }
+}
+
+#[test]
+fn path_collectives_equal_flat_on_their_group_at_every_topology() {
+    if !is_child() {
+        for t in TOPOLOGIES {
+            mpirun_ok(
+                "path_collectives_equal_flat_on_their_group_at_every_topology",
+                t,
+            );
+        }
+        return;
+    }
+    let comm = child_comm();
+    let topo = comm.topology().clone();
+    for n in [1, 8, 37] {
+        check_paths::<f32>(&comm, n);
+        check_paths::<Bf16>(&comm, n);
+        check_paths::<u8>(&comm, n);
+        check_paths::<i8>(&comm, n);
+    }
+
+    // Prefetch pattern: two background gathers in flight over the multi-hop ZeRO++ path while
+    // the caller runs its own collectives on the same groups, waited in reverse order.
+    let zero_pp = Path::from_names(&topo, &["gpu", "node"]).unwrap();
+    let per_level = Path::per_level(&topo);
+    let a_in = f32_input(comm.rank(), 4, 10);
+    let b_in = f32_input(comm.rank(), 6, 11);
+    let a_want = comm.world().all_gather(&a_in).unwrap();
+    let b_want = comm.world().all_gather(&b_in).unwrap();
+    let mut a = start_all_gather_path(&comm, a_in, &zero_pp).unwrap();
+    let b = start_all_gather_path(&comm, b_in, &per_level).unwrap();
+    let meanwhile = f32_input(comm.rank(), 10, 12);
+    for hop in zero_pp.hops(&topo).into_iter().chain(per_level.hops(&topo)) {
+        let g = comm.group(hop);
+        let sum = g.all_reduce(&meanwhile, Reduce::Sum).unwrap();
+        let want: Vec<f32> = (0..10)
+            .map(|i| {
+                topo.members(hop, comm.rank())
+                    .iter()
+                    .map(|&m| small(m, i, 12) as f32)
+                    .sum()
+            })
+            .collect();
+        assert_eq!(
+            sum, want,
+            "caller's all-reduce on {hop:?} during background gathers"
+        );
+    }
+    assert_eq!(b.wait().unwrap(), b_want);
+    let _ = a.is_complete();
+    assert_eq!(a.wait().unwrap(), a_want);
+    // Dropping a handle waits; the next collective still matches on every rank.
+    drop(start_all_gather_path(&comm, vec![1.0f32], &per_level).unwrap());
+
+    // A path for another depth is refused before anything moves.
+    let deeper = ember_comm::Topology::new(
+        (0..4)
+            .map(|i| ember_comm::Level {
+                name: format!("l{i}"),
+                size: 1,
+            })
+            .collect(),
+    )
+    .unwrap();
+    let err = all_gather_path(&comm, &[1.0f32], &Path::flat(&deeper)).unwrap_err();
+    assert!(err.to_string().contains("built for 4 levels"), "{err}");
+    assert!(start_all_gather_path(&comm, vec![1.0f32], &Path::flat(&deeper)).is_err());
     comm.barrier();
 }

@@ -1,18 +1,21 @@
 //! Quantized collectives (qwZ, qgZ) under real `mpirun` at every topology: bit-exact against a
 //! sequential simulation built from the scalar reference kernels, error within the summed
-//! half-scales, error feedback exact and converging, and bytes equal to the formulas.
+//! half-scales, error feedback exact and converging, and bytes equal to the formulas; over the
+//! world per level and over every path of every prefix group, blocking and background.
 
 mod common;
 
 use common::*;
-use ember_comm::counters::formula;
-use ember_comm::hier::digit_reversed_position;
+use ember_comm::counters::{Counters, formula};
+use ember_comm::path::all_paths;
 use ember_comm::quant::host::HostKernels;
 use ember_comm::quant::{BlockSize, QuantFormat, Quantized, reference};
 use ember_comm::quantized::{
-    ErrorFeedback, Residuals, all_gather_int8, all_gather_int8_hier, reduce_scatter_int4,
+    ErrorFeedback, Residuals, all_gather_int8, all_gather_int8_hier, all_gather_int8_path,
+    reduce_scatter_int4, reduce_scatter_quantized_path, start_all_gather_int8_path,
+    start_reduce_scatter_quantized_path,
 };
-use ember_comm::{Op, Role, Scope, ShardLayout, Topology};
+use ember_comm::{Comm, Op, Path, Role, Scope, ShardLayout, Topology};
 
 /// Rank `rank`'s gradient: smooth values of varying magnitude per block, so scales differ.
 fn grad(rank: usize, n: usize, step: usize) -> Vec<f32> {
@@ -24,16 +27,44 @@ fn grad(rank: usize, n: usize, step: usize) -> Vec<f32> {
         .collect()
 }
 
-/// The whole qgZ algorithm for every rank at once, using only the reference kernels.
-/// Returns each rank's output and, per element, the bound on its quantization error.
-fn simulate_qgz(
+/// Position of chunk `i` (an index in the group of levels `0..hi`) in hop order, computed from
+/// coordinates (independently of the library): each hop's member index is the mixed-radix
+/// number of its coordinates, and hop 1's is the most significant digit.
+fn hop_position(topo: &Topology, bounds: &[usize], i: usize) -> usize {
+    let dims = topo.dims();
+    let hi = bounds[bounds.len() - 1];
+    let mut rest = i;
+    let coords: Vec<usize> = dims[..hi]
+        .iter()
+        .map(|d| {
+            let c = rest % d;
+            rest /= d;
+            c
+        })
+        .collect();
+    bounds.windows(2).fold(0, |acc, w| {
+        let size: usize = dims[w[0]..w[1]].iter().product();
+        let index = (w[0]..w[1]).rev().fold(0, |m, l| m * dims[l] + coords[l]);
+        acc * size + index
+    })
+}
+
+/// qgZ over the path `bounds` for every rank of the world at once (each in its own group
+/// `Span{0, hi}`), using only the reference kernels. Returns each rank's output and, per
+/// element, the bound on its quantization error. `residuals[rank][hop]` for error feedback.
+fn simulate_path(
     topo: &Topology,
+    bounds: &[usize],
     inputs: &[Vec<f32>],
     block: BlockSize,
+    format: QuantFormat,
     mut residuals: Option<&mut Vec<Vec<Vec<f32>>>>,
 ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let w = topo.world_size();
-    let layout = ShardLayout::new(inputs[0].len(), w, block.get());
+    let dims = topo.dims();
+    let hi = bounds[bounds.len() - 1];
+    let p: usize = dims[..hi].iter().product();
+    let layout = ShardLayout::new(inputs[0].len(), p, block.get());
     let s = layout.shard;
     let mut bufs: Vec<Vec<f32>> = inputs
         .iter()
@@ -41,65 +72,79 @@ fn simulate_qgz(
             let mut padded = x.clone();
             padded.resize(layout.padded(), 0.0);
             let mut out = vec![0.0; layout.padded()];
-            for r in 0..w {
-                let p = digit_reversed_position(topo, r);
-                out[p * s..(p + 1) * s].copy_from_slice(&padded[r * s..(r + 1) * s]);
+            for i in 0..p {
+                let q = hop_position(topo, bounds, i);
+                out[q * s..(q + 1) * s].copy_from_slice(&padded[i * s..(i + 1) * s]);
             }
             out
         })
         .collect();
-    let mut bounds: Vec<Vec<f32>> = bufs.iter().map(|b| vec![0.0; b.len()]).collect();
-    for (level, d) in topo.dims().into_iter().enumerate() {
+    let mut err: Vec<Vec<f32>> = bufs.iter().map(|b| vec![0.0; b.len()]).collect();
+    for (hop, win) in bounds.windows(2).enumerate() {
+        let (lo, hi) = (win[0], win[1]);
+        let d: usize = dims[lo..hi].iter().product();
         if d == 1 {
             continue;
         }
         let mut qs = Vec::new();
         for r in 0..w {
             if let Some(res) = residuals.as_deref_mut() {
-                let e = &mut res[r][level];
+                let e = &mut res[r][hop];
                 if e.is_empty() {
                     *e = vec![0.0; bufs[r].len()];
                 }
                 bufs[r].iter_mut().zip(e.iter()).for_each(|(x, e)| *x += e);
             }
-            let q = reference::quantize(&bufs[r], QuantFormat::Int4, block);
+            let q = reference::quantize(&bufs[r], format, block);
             if let Some(res) = residuals.as_deref_mut() {
                 let back = reference::dequantize(&q);
-                for ((e, x), y) in res[r][level].iter_mut().zip(&bufs[r]).zip(&back) {
+                for ((e, x), y) in res[r][hop].iter_mut().zip(&bufs[r]).zip(&back) {
                     *e = x - y;
                 }
             }
             // Quantizing adds at most scale/2 to each element this rank sends.
-            for (i, b) in bounds[r].iter_mut().enumerate() {
+            for (i, b) in err[r].iter_mut().enumerate() {
                 *b += q.scales[i / block.get()] / 2.0;
             }
             qs.push(q);
         }
         let part = bufs[0].len() / d;
         let mut next = Vec::new();
-        let mut next_bounds = Vec::new();
+        let mut next_err = Vec::new();
         for r in 0..w {
-            let me = topo.coords(r)[level];
-            let members = topo.members(Scope::Across(level), r);
+            let c = topo.coords(r);
+            let me = (lo..hi).rev().fold(0, |m, l| m * dims[l] + c[l]);
+            let members = topo.members(Scope::Span { lo, hi }, r);
             let parts: Vec<Quantized> = members
                 .iter()
                 .map(|&m| qs[m].part(me * part, part))
                 .collect();
             next.push(reference::dequantize_sum(&parts));
-            next_bounds.push(
+            next_err.push(
                 (0..part)
-                    .map(|i| members.iter().map(|&m| bounds[m][me * part + i]).sum())
+                    .map(|i| members.iter().map(|&m| err[m][me * part + i]).sum())
                     .collect(),
             );
         }
         bufs = next;
-        bounds = next_bounds;
+        err = next_err;
     }
-    for (b, e) in bufs.iter_mut().zip(bounds.iter_mut()) {
-        b.iter_mut().for_each(|x| *x /= w as f32);
-        e.iter_mut().for_each(|x| *x /= w as f32);
+    for (b, e) in bufs.iter_mut().zip(err.iter_mut()) {
+        b.iter_mut().for_each(|x| *x /= p as f32);
+        e.iter_mut().for_each(|x| *x /= p as f32);
     }
-    (bufs, bounds)
+    (bufs, err)
+}
+
+/// The whole world qgZ (int4, one hop per level) for every rank at once.
+fn simulate_qgz(
+    topo: &Topology,
+    inputs: &[Vec<f32>],
+    block: BlockSize,
+    residuals: Option<&mut Vec<Vec<Vec<f32>>>>,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let bounds: Vec<usize> = (0..=topo.depth()).collect();
+    simulate_path(topo, &bounds, inputs, block, QuantFormat::Int4, residuals)
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -262,5 +307,248 @@ fn quantized_collectives_match_simulation_at_every_topology() {
             err(&plain)
         );
     }
+    comm.barrier();
+}
+
+/// Asserts that `counters` hold exactly `op` on each hop of `path` with the given wire bytes
+/// (`(scope, payload bytes, group size)`), nothing else.
+fn assert_hops(counters: &Counters, op: Op, want: &[(Scope, usize, usize)], what: &str) {
+    for &(scope, bytes, d) in want {
+        assert_eq!(
+            counters.get(scope, op),
+            formula(op, bytes as u64, d, Role::Member),
+            "{what}: {op:?} on {scope:?}"
+        );
+    }
+    assert_eq!(
+        counters.entries().count(),
+        want.len(),
+        "{what}: only the hops"
+    );
+}
+
+fn check_quantized_path(comm: &Comm, path: &Path, block: BlockSize) {
+    let topo = comm.topology().clone();
+    let rank = comm.rank();
+    let w = topo.world_size();
+    let b = block.get();
+    let g = comm.group(path.group(&topo));
+    let p = g.size();
+    let members = topo.members(path.group(&topo), rank);
+    let hops: Vec<(Scope, usize)> = path
+        .hops(&topo)
+        .into_iter()
+        .map(|h| (h, topo.group_size(h)))
+        .collect();
+
+    // qwZ: path == flat on G bit for bit; background == blocking; bytes per hop.
+    let shard = grad(rank, 32, 3);
+    let flat = all_gather_int8(&g, &HostKernels, &shard, block).unwrap();
+    comm.take_counters();
+    let got = all_gather_int8_path(comm, &HostKernels, &shard, block, path).unwrap();
+    let counters = comm.take_counters();
+    assert_eq!(bits(&got), bits(&flat), "qwZ over {path} at {topo}");
+    let mut wire = Quantized::wire_bytes(QuantFormat::Int8, block, 32);
+    let mut want = Vec::new();
+    for &(hop, d) in hops.iter().rev().filter(|(_, d)| *d > 1) {
+        wire *= d;
+        want.push((hop, wire, d));
+    }
+    assert_hops(&counters, Op::AllGather, &want, &format!("qwZ {path}"));
+    let bg = start_all_gather_int8_path(comm, HostKernels, shard.clone(), block, path).unwrap();
+    assert_eq!(
+        bits(&bg.wait().unwrap()),
+        bits(&got),
+        "background qwZ {path}"
+    );
+    assert_eq!(comm.take_counters(), counters);
+    assert!(all_gather_int8_path(comm, &HostKernels, &shard[..b / 2], block, path).is_err());
+    assert!(
+        start_all_gather_int8_path(comm, HostKernels, shard[..b / 2].to_vec(), block, path)
+            .is_err()
+    );
+
+    // qgZ in both formats: == the simulation bit for bit, within the error bound of the exact
+    // mean over G, bytes per hop, background == blocking.
+    for format in [QuantFormat::Int4, QuantFormat::Int8] {
+        for n in [b * p, b * p * 3 + 5, 7] {
+            let what = format!("qgZ {format:?} n={n} over {path} at {topo}");
+            let inputs: Vec<Vec<f32>> = (0..w).map(|r| grad(r, n, 4)).collect();
+            comm.take_counters();
+            let got = reduce_scatter_quantized_path(
+                comm,
+                &HostKernels,
+                &inputs[rank],
+                format,
+                block,
+                path,
+                ErrorFeedback::Off,
+            )
+            .unwrap();
+            let counters = comm.take_counters();
+            let (sim, bound) = simulate_path(&topo, path.bounds(), &inputs, block, format, None);
+            assert_eq!(bits(&got), bits(&sim[rank]), "{what}");
+            let layout = ShardLayout::new(n, p, b);
+            assert_eq!(got.len(), layout.shard);
+            for (j, i) in layout.range(g.index()).enumerate() {
+                let exact = members
+                    .iter()
+                    .map(|&m| inputs[m].get(i).copied().unwrap_or(0.0))
+                    .sum::<f32>()
+                    / p as f32;
+                assert!(
+                    (got[j] - exact).abs() <= bound[rank][j] * 1.001 + 1e-6,
+                    "{what}: element {i}: {} vs {exact}, bound {}",
+                    got[j],
+                    bound[rank][j]
+                );
+            }
+            let mut len = layout.padded();
+            let mut want = Vec::new();
+            for &(hop, d) in &hops {
+                if d > 1 {
+                    want.push((hop, Quantized::wire_bytes(format, block, len / d) * d, d));
+                }
+                len /= d;
+            }
+            assert_hops(&counters, Op::AllToAll, &want, &what);
+            let bg = start_reduce_scatter_quantized_path(
+                comm,
+                HostKernels,
+                inputs[rank].clone(),
+                format,
+                block,
+                path,
+                None,
+            )
+            .unwrap()
+            .wait()
+            .unwrap();
+            assert_eq!(bits(&bg.shard), bits(&got), "background {what}");
+            assert_eq!(bg.residuals, None);
+            assert_eq!(comm.take_counters(), counters, "background charges {what}");
+        }
+
+        // Error feedback over a few steps: blocking, background and the simulation agree bit
+        // for bit, residuals included.
+        let n = b * p * 2;
+        let inputs: Vec<Vec<f32>> = (0..w).map(|r| grad(r, n, 5)).collect();
+        let mut res = Residuals::default();
+        let mut bg_res = Some(Residuals::default());
+        let mut sim_res: Vec<Vec<Vec<f32>>> = vec![vec![Vec::new(); path.hop_count()]; w];
+        for step in 0..3 {
+            let got = reduce_scatter_quantized_path(
+                comm,
+                &HostKernels,
+                &inputs[rank],
+                format,
+                block,
+                path,
+                ErrorFeedback::On(&mut res),
+            )
+            .unwrap();
+            let bg = start_reduce_scatter_quantized_path(
+                comm,
+                HostKernels,
+                inputs[rank].clone(),
+                format,
+                block,
+                path,
+                bg_res.take(),
+            )
+            .unwrap()
+            .wait()
+            .unwrap();
+            let (sim, _) = simulate_path(
+                &topo,
+                path.bounds(),
+                &inputs,
+                block,
+                format,
+                Some(&mut sim_res),
+            );
+            assert_eq!(
+                bits(&got),
+                bits(&sim[rank]),
+                "feedback step {step} over {path}"
+            );
+            assert_eq!(
+                bits(&bg.shard),
+                bits(&got),
+                "background feedback step {step}"
+            );
+            assert_eq!(bg.residuals.as_ref(), Some(&res));
+            for (hop, e) in sim_res[rank].iter().enumerate() {
+                assert_eq!(bits(res.hop(hop)), bits(e), "residual of hop {hop}");
+            }
+            bg_res = bg.residuals;
+        }
+        // Residuals are bound to their path and format.
+        let other = if format == QuantFormat::Int4 {
+            QuantFormat::Int8
+        } else {
+            QuantFormat::Int4
+        };
+        let err = reduce_scatter_quantized_path(
+            comm,
+            &HostKernels,
+            &inputs[rank],
+            other,
+            block,
+            path,
+            ErrorFeedback::On(&mut res),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("one Residuals per"), "{err}");
+        assert!(
+            start_reduce_scatter_quantized_path(
+                comm,
+                HostKernels,
+                inputs[rank].clone(),
+                other,
+                block,
+                path,
+                Some(res.clone())
+            )
+            .is_err()
+        );
+    }
+    comm.take_counters();
+}
+
+#[test]
+fn quantized_path_collectives_match_simulation_at_every_topology() {
+    if !is_child() {
+        for t in TOPOLOGIES {
+            mpirun_ok(
+                "quantized_path_collectives_match_simulation_at_every_topology",
+                t,
+            );
+        }
+        return;
+    }
+    let comm = child_comm();
+    let topo = comm.topology().clone();
+    let block = BlockSize::new(16).unwrap();
+    for hi in 1..=topo.depth() {
+        for path in all_paths(&topo, hi) {
+            check_quantized_path(&comm, &path, block);
+        }
+    }
+    // The per-level world path is what the world-only functions run.
+    let per_level = Path::per_level(&topo);
+    let g = grad(comm.rank(), 16 * topo.world_size() + 3, 6);
+    let a = reduce_scatter_int4(&comm, &HostKernels, &g, block, ErrorFeedback::Off).unwrap();
+    let b = reduce_scatter_quantized_path(
+        &comm,
+        &HostKernels,
+        &g,
+        QuantFormat::Int4,
+        block,
+        &per_level,
+        ErrorFeedback::Off,
+    )
+    .unwrap();
+    assert_eq!(bits(&a), bits(&b));
     comm.barrier();
 }

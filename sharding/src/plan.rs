@@ -1,0 +1,578 @@
+//! The partition as plain data: which elements of which unit each rank owns at each span, the
+//! model-state bytes every rank holds, and the bytes every collective of a step moves per
+//! group and op. Pure functions of (units, config, topology): `ember plan` prints them without
+//! running anything, and the engine's measurements are tested against them.
+//!
+//! # Layout
+//!
+//! A unit's parameters are concatenated in visit order into one flat buffer of `numel`
+//! elements, padded with zeros at the end to `padded = W * ceil(numel / (W * b)) * b` (`W` the
+//! world size, `b` the quantization block when anything is quantized, else 1). Every span's
+//! group size divides `W`, so the same padded buffer splits evenly at every span: at span `s`
+//! (group size `P`) rank `r` owns `[i * padded / P, (i + 1) * padded / P)` with `i = r mod P`.
+//!
+//! # Traffic
+//!
+//! Per optimizer step of `A` micro-batches (see [`Plan::traffic`]): parameter gathers (forward
+//! and backward recompute of every micro-batch; from the secondary copy once one exists this
+//! step), gradient reductions (every micro-batch when gradients are partitioned, else once),
+//! the parameter all-gather after the update when parameters are replicated but optimizer
+//! state is not, and two scalar all-reduces (the gradient norm over the optimizer group, the
+//! step loss over the world).
+
+use std::collections::BTreeMap;
+
+use ember_comm::counters::{Op, Role, Traffic, formula};
+use ember_comm::quant::{BlockSize, QuantFormat, Quantized};
+use ember_comm::{ShardLayout, Topology};
+use serde::Serialize;
+
+use crate::config::{GradQuant, ShardConfig, Span, WeightQuant};
+use crate::error::ShardError;
+
+/// A unit as the user declares it: a name, its parameters (path and shape, in the module's
+/// visit order) and the other units whose parameters its computation also reads (a tied
+/// output head reads the embedding's).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct UnitSpec {
+    /// Name for messages and plans (`embed`, `h.3`, `head`).
+    pub name: String,
+    /// Parameter paths and shapes owned by this unit.
+    pub params: Vec<(String, Vec<usize>)>,
+    /// Indices of other units this unit's stage also needs gathered.
+    pub uses: Vec<usize>,
+}
+
+/// One parameter's place in its unit's flat buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ParamSlot {
+    /// Module path.
+    pub name: String,
+    /// Logical shape.
+    pub shape: Vec<usize>,
+    /// First element in the unit's flat buffer.
+    pub offset: usize,
+    /// Number of elements.
+    pub numel: usize,
+    /// Whether AdamW's weight decay applies (tensors of two or more dimensions).
+    pub decay: bool,
+}
+
+/// A unit's layout.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct UnitPlan {
+    /// Unit name.
+    pub name: String,
+    /// Parameters in flat order.
+    pub params: Vec<ParamSlot>,
+    /// Real elements.
+    pub numel: usize,
+    /// Elements after padding (see the module doc).
+    pub padded: usize,
+    /// Units gathered for this unit's stage: itself first, then its `uses`.
+    pub needs: Vec<usize>,
+    /// The lowest stage that needs this unit: its gradient is complete once backward has
+    /// passed that stage.
+    pub grad_ready_at: usize,
+}
+
+/// The ranks that vary levels `lo..hi` and share every other coordinate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct Levels {
+    /// Innermost level varied.
+    pub lo: usize,
+    /// One past the outermost level varied.
+    pub hi: usize,
+}
+
+impl Levels {
+    /// Number of ranks in the group.
+    pub fn size(self, topology: &Topology) -> usize {
+        topology.dims()[self.lo..self.hi].iter().product()
+    }
+
+    /// A readable name: the levels varied, joined (`gcd`, `gpu+node`, `gcd+gpu+node`).
+    pub fn name(self, topology: &Topology) -> String {
+        topology.levels()[self.lo..self.hi]
+            .iter()
+            .map(|l| l.name.as_str())
+            .collect::<Vec<_>>()
+            .join("+")
+    }
+}
+
+/// One unit computation in the step's order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Visit {
+    /// Micro-batch index.
+    pub micro: usize,
+    /// Backward (with recompute) or inference-only forward.
+    pub backward: bool,
+    /// The stage (= unit index) computed.
+    pub stage: usize,
+}
+
+/// The levels a communicator scope varies on a topology of `depth` levels.
+pub fn levels_of(scope: ember_comm::Scope, depth: usize) -> Levels {
+    match scope {
+        ember_comm::Scope::World => Levels { lo: 0, hi: depth },
+        ember_comm::Scope::Within(i) => Levels { lo: 0, hi: i + 1 },
+        ember_comm::Scope::Across(i) => Levels { lo: i, hi: i + 1 },
+        ember_comm::Scope::Span { lo, hi } => Levels { lo, hi },
+    }
+}
+
+/// Model-state bytes one rank holds (the same on every rank).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Memory {
+    /// Primary parameter partition, compute dtype.
+    pub params: u64,
+    /// Secondary copy while it exists (from the first forward gather to the optimizer step).
+    pub secondary: u64,
+    /// Gradient accumulation buffer, f32.
+    pub grads: u64,
+    /// f32 master, first and second moments.
+    pub optimizer: u64,
+    /// Peak of gathered whole units alive at once (current stage plus prefetched ones).
+    pub gathered_peak: u64,
+}
+
+impl Memory {
+    /// Everything together.
+    pub fn total(&self) -> u64 {
+        self.params + self.secondary + self.grads + self.optimizer + self.gathered_peak
+    }
+}
+
+/// Bytes per (group, op) of one optimizer step, as one rank sends and receives them.
+pub type TrafficTable = BTreeMap<(Levels, Op), Traffic>;
+
+/// The partition of a model's units over a topology.
+#[derive(Debug, Clone, Serialize)]
+pub struct Plan {
+    /// The configuration it was built for.
+    pub config: ShardConfig,
+    /// The topology it was built for.
+    pub topology: Topology,
+    /// Units in stage order.
+    pub units: Vec<UnitPlan>,
+}
+
+impl Plan {
+    /// Lays `units` out; refuses an invalid config, unknown `uses`, empty or duplicate units.
+    pub fn new(
+        units: Vec<UnitSpec>,
+        config: ShardConfig,
+        topology: Topology,
+    ) -> Result<Self, ShardError> {
+        config.validate(&topology)?;
+        if units.is_empty() {
+            return Err(ShardError::Units("a model needs at least one unit".into()));
+        }
+        let world = topology.world_size();
+        let block = config.pad_block();
+        let mut out = Vec::with_capacity(units.len());
+        for (k, u) in units.iter().enumerate() {
+            if let Some(&bad) = u.uses.iter().find(|&&j| j >= units.len() || j == k) {
+                return Err(ShardError::Units(format!(
+                    "unit `{}` uses unit {bad}, which is itself or out of range (0..{})",
+                    u.name,
+                    units.len()
+                )));
+            }
+            let mut offset = 0;
+            let params = u
+                .params
+                .iter()
+                .map(|(name, shape)| {
+                    let numel = shape.iter().product();
+                    let slot = ParamSlot {
+                        name: name.clone(),
+                        shape: shape.clone(),
+                        offset,
+                        numel,
+                        decay: shape.len() >= 2,
+                    };
+                    offset += numel;
+                    slot
+                })
+                .collect();
+            let mut needs = vec![k];
+            needs.extend(u.uses.iter().copied());
+            out.push(UnitPlan {
+                name: u.name.clone(),
+                params,
+                numel: offset,
+                padded: ShardLayout::new(offset, world, block).padded(),
+                needs,
+                grad_ready_at: k,
+            });
+        }
+        for k in 0..out.len() {
+            for j in out[k].needs.clone() {
+                out[j].grad_ready_at = out[j].grad_ready_at.min(k);
+            }
+        }
+        Ok(Self {
+            config,
+            topology,
+            units: out,
+        })
+    }
+
+    /// Real parameter elements of the model.
+    pub fn numel(&self) -> usize {
+        self.units.iter().map(|u| u.numel).sum()
+    }
+
+    /// Elements of unit `u` a rank holds at `span`.
+    pub fn shard_len(&self, u: usize, span: Span) -> usize {
+        self.units[u].padded / span.group_size(&self.topology)
+    }
+
+    /// Rank `rank`'s element range of unit `u` at `span`.
+    pub fn shard_range(&self, u: usize, span: Span, rank: usize) -> std::ops::Range<usize> {
+        let p = span.group_size(&self.topology);
+        let len = self.units[u].padded / p;
+        let i = rank % p;
+        i * len..(i + 1) * len
+    }
+
+    /// The group a span partitions over.
+    pub fn group(&self, span: Span) -> Levels {
+        Levels { lo: 0, hi: span.0 }
+    }
+
+    /// The hops of the gradient reduce-scatter (and, reversed, of primary parameter gathers).
+    pub fn hops(&self) -> Vec<Levels> {
+        let mut lo = 0;
+        self.config
+            .grad_hops
+            .iter()
+            .map(|s| {
+                let h = Levels { lo, hi: s.0 };
+                lo = s.0;
+                h
+            })
+            .collect()
+    }
+
+    /// Model-state bytes per rank.
+    pub fn memory(&self) -> Memory {
+        let c = self.config.compute.bytes() as u64;
+        let sum = |span: Span| -> u64 {
+            (0..self.units.len())
+                .map(|u| self.shard_len(u, span) as u64)
+                .sum()
+        };
+        let cfg = &self.config;
+        Memory {
+            params: sum(cfg.params) * c,
+            secondary: cfg.secondary.map_or(0, |s| sum(s) * c),
+            grads: if cfg.shard_grads {
+                sum(cfg.optimizer) * 4
+            } else {
+                sum(Span(0)) * 4
+            },
+            optimizer: sum(cfg.optimizer) * 12,
+            gathered_peak: if cfg.params == Span(0) {
+                0
+            } else {
+                self.gathered_peak_elements() as u64 * c
+            },
+        }
+    }
+
+    /// The order units compute in one optimizer step: per micro-batch, the forward of every
+    /// stage but the last (inference only, saving each stage's input), then the backward of
+    /// every stage from the last (recomputing its forward with autodiff; the last stage's
+    /// loss comes from this pass, so its forward runs once).
+    pub fn visits(&self, grad_accum: usize) -> Vec<Visit> {
+        let k = self.units.len();
+        let mut out = Vec::with_capacity(grad_accum * (2 * k - 1));
+        for micro in 0..grad_accum {
+            out.extend((0..k - 1).map(|stage| Visit {
+                micro,
+                backward: false,
+                stage,
+            }));
+            out.extend((0..k).rev().map(|stage| Visit {
+                micro,
+                backward: true,
+                stage,
+            }));
+        }
+        out
+    }
+
+    /// Largest number of gathered elements alive at once: a visit's units plus those of the
+    /// next `prefetch` visits, whose receive buffers exist from the moment their gathers are
+    /// issued. Every visit gathers its own copy, so a unit two visits need counts twice.
+    fn gathered_peak_elements(&self) -> usize {
+        let visits = self.visits(2);
+        let window = self.config.prefetch + 1;
+        (0..visits.len())
+            .map(|start| {
+                visits[start..(start + window).min(visits.len())]
+                    .iter()
+                    .flat_map(|v| self.units[v.stage].needs.iter())
+                    .map(|&u| self.units[u].padded)
+                    .sum()
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The traffic of one gather of unit `u` from the primary partition.
+    fn gather_primary(&self, u: usize, table: &mut TrafficTable) {
+        let c = self.config.compute.bytes();
+        let shard = self.shard_len(u, self.config.params);
+        let mut per_rank = match self.config.quantize_weights {
+            WeightQuant::Off => shard * c,
+            WeightQuant::Int8 => Quantized::wire_bytes(QuantFormat::Int8, self.block(), shard),
+        };
+        // Outermost hop first: each hop multiplies what every rank holds by its group size.
+        for hop in self.hops().into_iter().rev() {
+            let g = hop.size(&self.topology);
+            if g > 1 {
+                add(table, hop, Op::AllGather, (per_rank * g) as u64, g);
+                per_rank *= g;
+            }
+        }
+    }
+
+    /// The traffic of one gather of unit `u` from a secondary partition at `span`.
+    fn gather_secondary(&self, u: usize, span: Span, table: &mut TrafficTable) {
+        let g = span.group_size(&self.topology);
+        if g > 1 {
+            let bytes = self.units[u].padded * self.config.compute.bytes();
+            add(table, self.group(span), Op::AllGather, bytes as u64, g);
+        }
+    }
+
+    /// The traffic of reducing unit `u`'s gradient once.
+    fn reduce(&self, u: usize, table: &mut TrafficTable) {
+        let padded = self.units[u].padded;
+        let world = Levels {
+            lo: 0,
+            hi: self.topology.depth(),
+        };
+        let o = self.config.optimizer;
+        if o == Span(0) {
+            let w = world.size(&self.topology);
+            if w > 1 {
+                add(table, world, Op::AllReduce, (padded * 4) as u64, w);
+            }
+            return;
+        }
+        let mut len = padded;
+        for hop in self.hops() {
+            let g = hop.size(&self.topology);
+            if g == 1 {
+                continue;
+            }
+            let format = match self.config.quantize_grads {
+                GradQuant::Off => None,
+                GradQuant::Int8 => Some(QuantFormat::Int8),
+                GradQuant::Int4 => Some(QuantFormat::Int4),
+            };
+            match format {
+                None => add(table, hop, Op::ReduceScatter, (len * 4) as u64, g),
+                Some(f) => {
+                    let part = Quantized::wire_bytes(f, self.block(), len / g);
+                    add(table, hop, Op::AllToAll, (part * g) as u64, g);
+                }
+            }
+            len /= g;
+        }
+        let across = Levels {
+            lo: o.0,
+            hi: self.topology.depth(),
+        };
+        let g = across.size(&self.topology);
+        if g > 1 {
+            add(table, across, Op::AllReduce, (len * 4) as u64, g);
+        }
+    }
+
+    fn block(&self) -> BlockSize {
+        BlockSize::new(self.config.quant_block).expect("validated: a positive multiple of 8")
+    }
+
+    /// Bytes one rank moves per (group, op) in one optimizer step of `grad_accum`
+    /// micro-batches (the order of events is the engine's; see the module doc).
+    pub fn traffic(&self, grad_accum: usize) -> TrafficTable {
+        let mut t = TrafficTable::new();
+        let cfg = &self.config;
+        let k = self.units.len();
+        if cfg.params != Span(0) {
+            // Whether unit u has its secondary copy yet this step.
+            let mut has_secondary = vec![false; k];
+            let gather = |u: usize, t: &mut TrafficTable, has: &mut Vec<bool>| match cfg.secondary {
+                Some(s) if has[u] => self.gather_secondary(u, s, t),
+                Some(_) => {
+                    self.gather_primary(u, t);
+                    has[u] = true;
+                }
+                None => self.gather_primary(u, t),
+            };
+            for v in self.visits(grad_accum) {
+                for &u in &self.units[v.stage].needs {
+                    gather(u, &mut t, &mut has_secondary);
+                }
+            }
+        }
+        let reductions = if cfg.shard_grads { grad_accum } else { 1 };
+        for _ in 0..reductions {
+            for u in 0..k {
+                self.reduce(u, &mut t);
+            }
+        }
+        if cfg.params == Span(0) && cfg.optimizer != Span(0) {
+            // Replicated parameters are rebuilt from the updated master shards.
+            let c = cfg.compute.bytes();
+            for u in 0..k {
+                let mut per_rank = self.shard_len(u, cfg.optimizer) * c;
+                for hop in self.hops().into_iter().rev() {
+                    let g = hop.size(&self.topology);
+                    if g > 1 {
+                        add(&mut t, hop, Op::AllGather, (per_rank * g) as u64, g);
+                        per_rank *= g;
+                    }
+                }
+            }
+        }
+        let norm_group = self.group(cfg.optimizer);
+        let g = norm_group.size(&self.topology);
+        if g > 1 {
+            add(&mut t, norm_group, Op::AllReduce, 4 * g as u64, g);
+        }
+        let world = self.group(Span(self.topology.depth()));
+        let w = world.size(&self.topology);
+        if w > 1 {
+            add(&mut t, world, Op::AllReduce, 4 * w as u64, w);
+        }
+        t
+    }
+}
+
+/// Charges one collective to `table` by the comm crate's formula. Scalar all-reduces are
+/// passed `4 * g` bytes so the formula's `bytes / g` share rounds to one f32.
+fn add(table: &mut TrafficTable, group: Levels, op: Op, bytes: u64, g: usize) {
+    *table.entry((group, op)).or_default() += formula(op, bytes, g, Role::Member);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn units() -> Vec<UnitSpec> {
+        vec![
+            UnitSpec {
+                name: "embed".into(),
+                params: vec![("wte".into(), vec![10, 4]), ("wpe".into(), vec![3, 4])],
+                uses: vec![],
+            },
+            UnitSpec {
+                name: "h.0".into(),
+                params: vec![("h.0.w".into(), vec![4, 4]), ("h.0.b".into(), vec![4])],
+                uses: vec![],
+            },
+            UnitSpec {
+                name: "head".into(),
+                params: vec![("ln.w".into(), vec![4])],
+                uses: vec![0],
+            },
+        ]
+    }
+
+    fn plan(preset: &str, spec: &str) -> Plan {
+        let t = Topology::parse(spec).unwrap();
+        Plan::new(units(), ShardConfig::preset(preset, 3).unwrap(), t).unwrap()
+    }
+
+    #[test]
+    fn units_are_laid_out_flat_and_padded_for_the_world() {
+        let p = plan("zero3", "2x2x2");
+        assert_eq!(p.units[0].numel, 52);
+        assert_eq!(p.units[0].padded, 56);
+        assert_eq!(p.units[0].params[1].offset, 40);
+        assert!(p.units[0].params[0].decay && !p.units[1].params[1].decay);
+        assert_eq!(p.units[2].needs, vec![2, 0]);
+        // The tied embedding's gradient is complete only after stage 0's backward.
+        assert_eq!(p.units[0].grad_ready_at, 0);
+        assert_eq!(p.shard_range(0, Span(3), 5), 35..42);
+        assert_eq!(p.shard_range(0, Span(1), 5), 28..56);
+        // Quantized presets pad to whole blocks per rank.
+        let q = plan("zeropp", "2x2x2");
+        assert_eq!(q.units[0].padded, 8 * 2048);
+    }
+
+    #[test]
+    fn memory_follows_the_zero_table() {
+        // f32 compute, 8 ranks, psi = padded elements.
+        let psi: u64 = plan("ddp", "2x2x2")
+            .units
+            .iter()
+            .map(|u| u.padded as u64)
+            .sum();
+        let ddp = plan("ddp", "2x2x2").memory();
+        assert_eq!(
+            (ddp.params, ddp.grads, ddp.optimizer),
+            (4 * psi, 4 * psi, 12 * psi)
+        );
+        let z1 = plan("zero1", "2x2x2").memory();
+        assert_eq!(
+            (z1.params, z1.grads, z1.optimizer),
+            (4 * psi, 4 * psi, 12 * psi / 8)
+        );
+        let z2 = plan("zero2", "2x2x2").memory();
+        assert_eq!((z2.params, z2.grads), (4 * psi, 4 * psi / 8));
+        let z3 = plan("zero3", "2x2x2").memory();
+        assert_eq!(
+            (z3.params, z3.grads, z3.optimizer),
+            (4 * psi / 8, 4 * psi / 8, 12 * psi / 8)
+        );
+        // Prefetch 1: backward of the head (head + embed) with h.0 prefetched is the largest
+        // window.
+        assert_eq!(z3.gathered_peak, 4 * psi);
+        let h3 = plan("hier3", "2x2x2").memory();
+        let psi_q: u64 = plan("hier3", "2x2x2")
+            .units
+            .iter()
+            .map(|u| u.padded as u64)
+            .sum();
+        assert_eq!(h3.secondary, 4 * psi_q / 2);
+    }
+
+    #[test]
+    fn zero3_moves_three_model_sizes_and_hier3_a_quarter_across_nodes() {
+        let p = plan("zero3", "2x2x2");
+        let t = p.traffic(1);
+        let world = Levels { lo: 0, hi: 3 };
+        let ag = t[&(world, Op::AllGather)].sent;
+        let rs = t[&(world, Op::ReduceScatter)].sent;
+        // Forward of stages 0 and 1, backward of 2 (head + embed), 1 and 0.
+        let bytes = |u: usize| (p.units[u].padded * 4) as u64 * 7 / 8;
+        assert_eq!(ag, 3 * bytes(0) + 2 * bytes(1) + bytes(2));
+        assert_eq!(rs, bytes(0) + bytes(1) + bytes(2));
+        // hier3 sends far less over the node level than zero3 over the world.
+        let h = plan("hier3", "2x2x2");
+        let th = h.traffic(1);
+        let node = Levels { lo: 2, hi: 3 };
+        let cross: u64 = th
+            .iter()
+            .filter(|((g, _), _)| *g == node)
+            .map(|(_, v)| v.sent)
+            .sum();
+        let zero3_world: u64 = t
+            .iter()
+            .filter(|((g, _), _)| *g == world)
+            .map(|(_, v)| v.sent)
+            .sum();
+        assert!(
+            cross > 0 && 4 * cross <= zero3_world,
+            "{cross} vs {zero3_world}"
+        );
+    }
+}
