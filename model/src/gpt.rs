@@ -76,6 +76,21 @@ impl Gpt {
     /// - idx: `[B, T]` token ids, `T <= block_size`
     /// - output: `[B, T, V]`
     pub fn forward(&self, idx: Tensor<2, Int>) -> Tensor<3> {
+        let mut x = self.embed(idx);
+        for block in &self.h {
+            x = block.forward(x);
+        }
+        self.head(x)
+    }
+
+    /// Token plus position embeddings, after dropout: the input of block 0. The pieces
+    /// `embed`, `h[i].forward` and `head` compose to [`Gpt::forward`], so a caller may run the
+    /// model one piece at a time (the sharded trainer does).
+    ///
+    /// # Shapes
+    /// - idx: `[B, T]`, `T <= block_size`
+    /// - output: `[B, T, d]`
+    pub fn embed(&self, idx: Tensor<2, Int>) -> Tensor<3> {
         let [_, t] = idx.dims();
         assert!(
             t <= self.block_size(),
@@ -85,10 +100,20 @@ impl Gpt {
         let device = idx.device();
         let pos = Tensor::<1, Int>::arange(0..t as i64, &device).unsqueeze::<2>(); // [1, T]
         let x = self.wte.forward(idx) + self.wpe.forward(pos); // [B, T, d]
-        let mut x = self.drop.forward(x);
-        for block in &self.h {
-            x = block.forward(x);
-        }
+        self.drop.forward(x)
+    }
+
+    /// The transformer blocks, in order.
+    pub fn blocks(&self) -> &[Block] {
+        &self.h
+    }
+
+    /// Final LayerNorm and the head tied to `wte`.
+    ///
+    /// # Shapes
+    /// - x: `[B, T, d]`
+    /// - output: `[B, T, V]`
+    pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
         let x = self.ln_f.forward(x); // [B, T, d]
         // Tied head: logits = x wte^T.
         linear(x, self.wte.weight.val().transpose(), None) // [B, T, V]

@@ -344,7 +344,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                         *comm_wait += t.elapsed().as_secs_f64();
                         match msg? {
                             Done::Gathered(v) => return Ok(v),
-                            Done::Reduced(u, s) => add_into(&mut grads[u], &s),
+                            Done::Reduced(u, s) => accumulate(&mut grads[u], s),
                         }
                     }
                 };
@@ -364,7 +364,6 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
 
                 let k = self.plan.units.len();
                 let mut inputs: Vec<Option<Tensor<D>>> = vec![None; k];
-                let mut carry: Option<Tensor<D>> = None;
                 let mut upstream: Option<Tensor<D>> = None;
                 let mut work: Vec<Vec<f32>> = vec![Vec::new(); k];
                 for (i, v) in visits.iter().enumerate() {
@@ -382,13 +381,13 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                     let batch = &micro_batches[v.micro];
                     if !v.backward {
                         let module = self.module_with(&units, full, false);
-                        let input = if v.stage == 0 { None } else { carry.take() };
-                        inputs[v.stage] = input.clone();
+                        // Keep the input for the recompute; the output is the next input.
+                        let input = inputs[v.stage].clone();
                         match self
                             .stages
                             .forward(&module, v.stage, input, batch, &self.device)
                         {
-                            Flow::Hidden(h) => carry = Some(h),
+                            Flow::Hidden(h) => inputs[v.stage + 1] = Some(h),
                             Flow::Loss(_) => return Err(flow_error(v.stage, k)),
                         }
                     } else {
@@ -443,10 +442,8 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                             let full = std::mem::take(&mut work[u]);
                             if cfg.shard_grads {
                                 let _ = job_tx.send(Job::Reduce(u, full));
-                            } else if grads[u].is_empty() {
-                                grads[u] = full;
                             } else {
-                                add_into(&mut grads[u], &full);
+                                accumulate(&mut grads[u], full);
                             }
                         }
                         let held: u64 = grads.iter().map(|g| 4 * g.len() as u64).sum();
@@ -470,7 +467,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                     let Ok(msg) = done_rx.recv() else { break };
                     comm_wait += t.elapsed().as_secs_f64();
                     match msg? {
-                        Done::Reduced(u, s) => add_into(&mut grads[u], &s),
+                        Done::Reduced(u, s) => accumulate(&mut grads[u], s),
                         Done::Gathered(_) => unreachable!("every gather was received"),
                     }
                 }
@@ -607,6 +604,15 @@ fn host_f32(t: Tensor<1>) -> Vec<f32> {
         .convert::<f32>()
         .try_into_vec::<f32>()
         .expect("a float tensor")
+}
+
+/// Adds `x` to `acc`, taking it whole when `acc` is still empty.
+fn accumulate(acc: &mut Vec<f32>, x: Vec<f32>) {
+    if acc.is_empty() {
+        *acc = x;
+    } else {
+        add_into(acc, &x);
+    }
 }
 
 fn add_into(acc: &mut [f32], x: &[f32]) {

@@ -445,19 +445,19 @@ impl Plan {
         let norm_group = self.group(cfg.optimizer);
         let g = norm_group.size(&self.topology);
         if g > 1 {
-            add(&mut t, norm_group, Op::AllReduce, 4 * g as u64, g);
+            add(&mut t, norm_group, Op::AllReduce, 4, g);
         }
         let world = self.group(Span(self.topology.depth()));
         let w = world.size(&self.topology);
         if w > 1 {
-            add(&mut t, world, Op::AllReduce, 4 * w as u64, w);
+            add(&mut t, world, Op::AllReduce, 4, w);
         }
         t
     }
 }
 
-/// Charges one collective to `table` by the comm crate's formula. Scalar all-reduces are
-/// passed `4 * g` bytes so the formula's `bytes / g` share rounds to one f32.
+/// Charges one collective to `table` by the comm crate's formula (the one its counters use;
+/// a 4-byte scalar all-reduce over more than 4 ranks rounds to 0 bytes there too).
 fn add(table: &mut TrafficTable, group: Levels, op: Op, bytes: u64, g: usize) {
     *table.entry((group, op)).or_default() += formula(op, bytes, g, Role::Member);
 }

@@ -13,4 +13,6 @@ pub mod generate;
 pub mod metrics;
 pub mod optim;
 pub mod plot;
+pub mod sharded;
+pub mod stages;
 pub mod trainer;

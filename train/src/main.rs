@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand};
 
 use ember_train::config::{TrainConfig, TrainOverrides};
 use ember_train::error::{CliError, CliResult, usage};
+use ember_train::sharded::{self, ShardArgs};
 use ember_train::{bench, checkpoint, data, device, eval, generate, log0, plot, trainer};
 
 /// Train GPT models in Rust, single-process or sharded (see README.md).
@@ -43,6 +44,8 @@ struct TrainArgs {
     resume: Option<PathBuf>,
     #[command(flatten)]
     settings: TrainOverrides,
+    #[command(flatten)]
+    shard: ShardArgs,
 }
 
 #[derive(Debug, Args)]
@@ -147,6 +150,23 @@ fn train(args: TrainArgs) -> CliResult<()> {
         None => TrainOverrides::default(),
     };
     let settings = file.overridden_by(&args.settings);
+    let comm = match &args.shard.shard {
+        Some(_) => {
+            if args.resume.is_some() {
+                return Err(usage(
+                    "--resume with --shard: sharded checkpoints are not written yet; resume a \
+                     single-process run without --shard",
+                ));
+            }
+            Some(args.shard.init_comm()?)
+        }
+        None => {
+            args.shard.check_unused()?;
+            refuse_unsharded_mpi_job()?;
+            None
+        }
+    };
+    let rank = comm.as_ref().map_or(0, |c| c.rank());
     let (mut config, loaded) = match &args.resume {
         Some(path) => {
             if !path.exists() {
@@ -172,7 +192,7 @@ fn train(args: TrainArgs) -> CliResult<()> {
                 )));
             }
             log0!(
-                0,
+                rank,
                 "resuming from {} (step {})",
                 dir.display(),
                 loaded.manifest.step
@@ -200,7 +220,20 @@ fn train(args: TrainArgs) -> CliResult<()> {
             config.device
         )));
     }
-    let prepared = data::load(&config)?;
+    // Under MPI, rank 0 prepares (and caches) the tokens while the others wait, then read
+    // the cache.
+    let prepared = match &comm {
+        Some(c) if c.rank() == 0 => {
+            let p = data::load(&config);
+            c.barrier();
+            p?
+        }
+        Some(c) => {
+            c.barrier();
+            data::load(&config)?
+        }
+        None => data::load(&config)?,
+    };
     let vocab = prepared.tokenizer.vocab_size();
     if loaded.is_some() && vocab != config.model.vocab_size {
         return Err(CliError::Runtime(anyhow::anyhow!(
@@ -223,7 +256,7 @@ fn train(args: TrainArgs) -> CliResult<()> {
         )?;
     }
     log0!(
-        0,
+        rank,
         "model {} with {:.2}M parameters; {} train / {} val tokens; batch {} x {} tokens",
         config.preset,
         config.model.num_params() as f64 / 1e6,
@@ -233,17 +266,49 @@ fn train(args: TrainArgs) -> CliResult<()> {
         config.block_size
     );
     let out_dir = config.out_dir.clone();
-    let mut t = trainer::Trainer::new(config, dev, prepared, loaded)?;
-    t.run()?;
+    if let Some(comm) = &comm {
+        if config.model.dropout > 0.0 {
+            return Err(usage(format!(
+                "--dropout {} with --shard: units recompute their forward in backward, which \
+                 needs replayable dropout masks (not implemented); use --dropout 0",
+                config.model.dropout
+            )));
+        }
+        let shard = args.shard.resolve(comm.topology(), config.dtype)?;
+        sharded::run(comm, &config, shard, dev, &prepared)?;
+        if rank != 0 {
+            return Ok(());
+        }
+    } else {
+        let mut t = trainer::Trainer::new(config, dev, prepared, loaded)?;
+        t.run()?;
+    }
     let metrics = ember_train::metrics::read_metrics(&out_dir.join("metrics.jsonl"))?;
     let png = out_dir.join("loss.png");
     plot::plot_losses(&metrics, &png, "ember: loss")?;
     log0!(
-        0,
+        rank,
         "wrote {} and {}",
         out_dir.join("metrics.jsonl").display(),
         png.display()
     );
+    Ok(())
+}
+
+/// Several ranks started by a launcher without `--shard` would each train alone and write the
+/// same out dir: refuse, saying what to add.
+fn refuse_unsharded_mpi_job() -> CliResult<()> {
+    for var in ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"] {
+        if let Ok(v) = std::env::var(var)
+            && v.trim().parse::<usize>().is_ok_and(|n| n > 1)
+        {
+            return Err(usage(format!(
+                "started as one of {} ranks ({var}) without --shard: add --shard PRESET \
+                 (e.g. --shard ddp) or run one process",
+                v.trim()
+            )));
+        }
+    }
     Ok(())
 }
 

@@ -38,6 +38,13 @@ pub struct StepMetrics {
     /// Validation loss, on evaluation steps.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub val_loss: Option<f64>,
+    /// Sharded runs: bytes this rank sent during the step, per group of levels (`gcd`,
+    /// `gcd+gpu`, `node`, ...) and op, e.g. `"gcd+gpu+node/all_gather"`.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub comm_bytes: Option<std::collections::BTreeMap<String, u64>>,
+    /// Sharded runs: share of the step's time the training thread waited on communication.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub comm_wait_frac: Option<f64>,
 }
 
 /// Appends to `metrics.jsonl`, flushing each line so a crash loses at most one.

@@ -379,6 +379,8 @@ impl Trainer {
                     mfu: peak.map(|p| tokens_per_s * flops_per_token / p),
                     elapsed_s: start.elapsed().as_secs_f64(),
                     val_loss,
+                    comm_bytes: None,
+                    comm_wait_frac: None,
                 };
                 writer.write(&m)?;
                 let val = val_loss.map_or(String::new(), |v| format!(" val {v:.4}"));

@@ -1,0 +1,176 @@
+//! GPT described to the partitioner: units `embed` (wte, wpe), one per block `h.i`, and
+//! `head` (ln_f, reading the tied wte of `embed`). The model's code is untouched: the stages
+//! call its `embed`, block and `head` pieces.
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use ember_model::{Gpt, GptConfig, cross_entropy};
+use ember_sharding::{Flow, Staged, UnitDecl, UnitSpec};
+
+/// One micro-batch of token windows as host data, row-major `[batch, block]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenBatch {
+    /// Input token ids.
+    pub inputs: Vec<i64>,
+    /// Next-token targets.
+    pub targets: Vec<i64>,
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub block: usize,
+}
+
+impl TokenBatch {
+    fn tensor(&self, values: &[i64], device: &Device) -> Tensor<2, Int> {
+        Tensor::from_data(
+            TensorData::new(values.to_vec(), [self.batch, self.block]),
+            device,
+        )
+    }
+}
+
+/// The unit structure of a GPT with `n_layer` blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GptStages {
+    /// Number of transformer blocks.
+    pub n_layer: usize,
+}
+
+impl GptStages {
+    /// Declared units: `embed`, `h.0` ... `h.{L-1}`, `head` (which also reads `embed`).
+    pub fn decls(&self) -> Vec<UnitDecl> {
+        let mut units = vec![UnitDecl::new("embed", &["wte", "wpe"])];
+        for i in 0..self.n_layer {
+            let name = format!("h.{i}");
+            units.push(UnitDecl::new(name.clone(), &[name.as_str()]));
+        }
+        units.push(UnitDecl::new("head", &["ln_f"]).using(&[0]));
+        units
+    }
+}
+
+impl Staged<3> for GptStages {
+    type Module = Gpt;
+    type Batch = TokenBatch;
+
+    fn units(&self, _module: &Gpt) -> Vec<UnitDecl> {
+        self.decls()
+    }
+
+    fn forward(
+        &self,
+        model: &Gpt,
+        unit: usize,
+        input: Option<Tensor<3>>,
+        batch: &TokenBatch,
+        device: &Device,
+    ) -> Flow<3> {
+        let last = self.n_layer + 1;
+        match (unit, input) {
+            (0, _) => Flow::Hidden(model.embed(batch.tensor(&batch.inputs, device))),
+            (u, Some(x)) if u == last => Flow::Loss(cross_entropy(
+                model.head(x),
+                batch.tensor(&batch.targets, device),
+            )),
+            (u, Some(x)) => Flow::Hidden(model.blocks()[u - 1].forward(x)),
+            (u, None) => panic!("unit {u} of a GPT needs the previous unit's activation"),
+        }
+    }
+}
+
+/// The units of a GPT of `config` with parameter shapes, without building it (for `ember
+/// plan` at sizes that would not fit in memory). Equal to what the partitioner derives from a
+/// built model (tested).
+pub fn gpt_units(config: &GptConfig) -> Vec<UnitSpec> {
+    let (d, v, t) = (config.n_embd, config.vocab_size, config.block_size);
+    let mut units = vec![UnitSpec {
+        name: "embed".into(),
+        params: vec![
+            ("wte.weight".into(), vec![v, d]),
+            ("wpe.weight".into(), vec![t, d]),
+        ],
+        uses: vec![],
+    }];
+    for i in 0..config.n_layer {
+        let p = |s: &str, shape: Vec<usize>| (format!("h.{i}.{s}"), shape);
+        units.push(UnitSpec {
+            name: format!("h.{i}"),
+            params: vec![
+                p("ln_1.weight", vec![d]),
+                p("ln_1.bias", vec![d]),
+                p("attn.c_attn.weight", vec![d, 3 * d]),
+                p("attn.c_attn.bias", vec![3 * d]),
+                p("attn.c_proj.weight", vec![d, d]),
+                p("attn.c_proj.bias", vec![d]),
+                p("ln_2.weight", vec![d]),
+                p("ln_2.bias", vec![d]),
+                p("mlp.c_fc.weight", vec![d, 4 * d]),
+                p("mlp.c_fc.bias", vec![4 * d]),
+                p("mlp.c_proj.weight", vec![4 * d, d]),
+                p("mlp.c_proj.bias", vec![d]),
+            ],
+            uses: vec![],
+        });
+    }
+    units.push(UnitSpec {
+        name: "head".into(),
+        params: vec![
+            ("ln_f.weight".into(), vec![d]),
+            ("ln_f.bias".into(), vec![d]),
+        ],
+        uses: vec![0],
+    });
+    units
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ember_sharding::params::param_shapes;
+    use ember_sharding::stage::assign;
+
+    #[test]
+    fn analytic_units_equal_those_derived_from_a_built_model() {
+        let config = GptConfig::new(3, 4, 32, 16, 100);
+        let model = config.init(&Device::flex());
+        let stages = GptStages { n_layer: 3 };
+        let derived = assign(&param_shapes(&model), &stages.decls()).unwrap();
+        assert_eq!(derived, gpt_units(&config));
+        let total: usize = derived
+            .iter()
+            .flat_map(|u| u.params.iter())
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
+        assert_eq!(total as u64, config.num_params());
+    }
+
+    #[test]
+    fn running_the_stages_in_order_equals_the_whole_forward() {
+        let config = GptConfig::tiny();
+        let device = Device::flex();
+        let model = config.init_with_seed(3, &device);
+        let stages = GptStages {
+            n_layer: config.n_layer,
+        };
+        let batch = TokenBatch {
+            inputs: (0..16).map(|i| (i * 7 % 50) as i64).collect(),
+            targets: (0..16).map(|i| (i * 3 % 50) as i64).collect(),
+            batch: 2,
+            block: 8,
+        };
+        let mut x = None;
+        let mut loss = None;
+        for u in 0..config.n_layer + 2 {
+            match stages.forward(&model, u, x.take(), &batch, &device) {
+                Flow::Hidden(h) => x = Some(h),
+                Flow::Loss(l) => loss = Some(l),
+            }
+        }
+        let (_, whole) = model.forward_loss(
+            batch.tensor(&batch.inputs, &device),
+            batch.tensor(&batch.targets, &device),
+        );
+        let a: f32 = loss.unwrap().into_scalar();
+        let b: f32 = whole.into_scalar();
+        assert_eq!(a, b);
+    }
+}
