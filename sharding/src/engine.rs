@@ -360,13 +360,15 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                         issued += 1;
                     }
                 };
-                issue_through(cfg.prefetch, &mut gathered_live, &mut gathered_peak);
 
                 let k = self.plan.units.len();
                 let mut inputs: Vec<Option<Tensor<D>>> = vec![None; k];
                 let mut upstream: Option<Tensor<D>> = None;
                 let mut work: Vec<Vec<f32>> = vec![Vec::new(); k];
                 for (i, v) in visits.iter().enumerate() {
+                    // This visit's gathers and those of the next `prefetch` visits are in
+                    // flight (or done) while this one computes.
+                    issue_through(i + cfg.prefetch, &mut gathered_live, &mut gathered_peak);
                     let units = self.plan.units[v.stage].needs.clone();
                     let full: Vec<Vec<f32>> = if partitioned {
                         let mut f = Vec::with_capacity(units.len());
@@ -377,7 +379,6 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                     } else {
                         self.replicated(&units)
                     };
-                    issue_through(i + 1 + cfg.prefetch, &mut gathered_live, &mut gathered_peak);
                     let batch = &micro_batches[v.micro];
                     if !v.backward {
                         let module = self.module_with(&units, full, false);

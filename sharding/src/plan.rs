@@ -123,7 +123,7 @@ pub fn levels_of(scope: ember_comm::Scope, depth: usize) -> Levels {
 }
 
 /// Model-state bytes one rank holds (the same on every rank).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Memory {
     /// Primary parameter partition, compute dtype.
     pub params: u64,
@@ -257,8 +257,8 @@ impl Plan {
             .collect()
     }
 
-    /// Model-state bytes per rank.
-    pub fn memory(&self) -> Memory {
+    /// Model-state bytes per rank in a step of `grad_accum` micro-batches.
+    pub fn memory(&self, grad_accum: usize) -> Memory {
         let c = self.config.compute.bytes() as u64;
         let sum = |span: Span| -> u64 {
             (0..self.units.len())
@@ -278,7 +278,7 @@ impl Plan {
             gathered_peak: if cfg.params == Span(0) {
                 0
             } else {
-                self.gathered_peak_elements() as u64 * c
+                self.gathered_peak_elements(grad_accum) as u64 * c
             },
         }
     }
@@ -308,8 +308,9 @@ impl Plan {
     /// Largest number of gathered elements alive at once: a visit's units plus those of the
     /// next `prefetch` visits, whose receive buffers exist from the moment their gathers are
     /// issued. Every visit gathers its own copy, so a unit two visits need counts twice.
-    fn gathered_peak_elements(&self) -> usize {
-        let visits = self.visits(2);
+    /// Prefetch runs across micro-batches but not across steps.
+    fn gathered_peak_elements(&self, grad_accum: usize) -> usize {
+        let visits = self.visits(grad_accum.min(2));
         let window = self.config.prefetch + 1;
         (0..visits.len())
             .map(|start| {
@@ -491,6 +492,29 @@ mod tests {
         Plan::new(units(), ShardConfig::preset(preset, 3).unwrap(), t).unwrap()
     }
 
+    /// Units large enough that quantization blocks are a small part of them.
+    fn big_plan(preset: &str, spec: &str) -> Plan {
+        let units = vec![
+            UnitSpec {
+                name: "embed".into(),
+                params: vec![("wte".into(), vec![4096, 256])],
+                uses: vec![],
+            },
+            UnitSpec {
+                name: "h.0".into(),
+                params: vec![("h.0.w".into(), vec![256, 1024])],
+                uses: vec![],
+            },
+            UnitSpec {
+                name: "head".into(),
+                params: vec![("ln.w".into(), vec![256])],
+                uses: vec![0],
+            },
+        ];
+        let t = Topology::parse(spec).unwrap();
+        Plan::new(units, ShardConfig::preset(preset, 3).unwrap(), t).unwrap()
+    }
+
     #[test]
     fn units_are_laid_out_flat_and_padded_for_the_world() {
         let p = plan("zero3", "2x2x2");
@@ -516,19 +540,19 @@ mod tests {
             .iter()
             .map(|u| u.padded as u64)
             .sum();
-        let ddp = plan("ddp", "2x2x2").memory();
+        let ddp = plan("ddp", "2x2x2").memory(1);
         assert_eq!(
             (ddp.params, ddp.grads, ddp.optimizer),
             (4 * psi, 4 * psi, 12 * psi)
         );
-        let z1 = plan("zero1", "2x2x2").memory();
+        let z1 = plan("zero1", "2x2x2").memory(1);
         assert_eq!(
             (z1.params, z1.grads, z1.optimizer),
             (4 * psi, 4 * psi, 12 * psi / 8)
         );
-        let z2 = plan("zero2", "2x2x2").memory();
+        let z2 = plan("zero2", "2x2x2").memory(1);
         assert_eq!((z2.params, z2.grads), (4 * psi, 4 * psi / 8));
-        let z3 = plan("zero3", "2x2x2").memory();
+        let z3 = plan("zero3", "2x2x2").memory(1);
         assert_eq!(
             (z3.params, z3.grads, z3.optimizer),
             (4 * psi / 8, 4 * psi / 8, 12 * psi / 8)
@@ -536,7 +560,7 @@ mod tests {
         // Prefetch 1: backward of the head (head + embed) with h.0 prefetched is the largest
         // window.
         assert_eq!(z3.gathered_peak, 4 * psi);
-        let h3 = plan("hier3", "2x2x2").memory();
+        let h3 = plan("hier3", "2x2x2").memory(1);
         let psi_q: u64 = plan("hier3", "2x2x2")
             .units
             .iter()
@@ -556,8 +580,9 @@ mod tests {
         let bytes = |u: usize| (p.units[u].padded * 4) as u64 * 7 / 8;
         assert_eq!(ag, 3 * bytes(0) + 2 * bytes(1) + bytes(2));
         assert_eq!(rs, bytes(0) + bytes(1) + bytes(2));
-        // hier3 sends far less over the node level than zero3 over the world.
-        let h = plan("hier3", "2x2x2");
+        // hier3 sends at most a quarter of zero3's bytes over the node level.
+        let t = big_plan("zero3", "2x2x2").traffic(1);
+        let h = big_plan("hier3", "2x2x2");
         let th = h.traffic(1);
         let node = Levels { lo: 2, hi: 3 };
         let cross: u64 = th

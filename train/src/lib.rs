@@ -12,6 +12,7 @@ pub mod eval;
 pub mod generate;
 pub mod metrics;
 pub mod optim;
+pub mod planning;
 pub mod plot;
 pub mod sharded;
 pub mod stages;

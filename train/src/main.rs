@@ -29,9 +29,27 @@ enum Command {
     Eval(EvalArgs),
     /// Train a byte-level BPE tokenizer on a text file and write its tokens
     Prepare(PrepareArgs),
-    /// Benchmarks (training throughput)
+    /// Per-rank memory, per-step traffic and estimated step time of a sharded run, without
+    /// running it
+    Plan(PlanArgs),
+    /// Benchmarks (training throughput, collectives)
     #[command(subcommand)]
     Bench(BenchCommand),
+}
+
+#[derive(Debug, Args)]
+struct PlanArgs {
+    /// One JSON object instead of tables
+    #[arg(long)]
+    json: bool,
+    /// Link bandwidths and compute rate: `frontier`, or a TOML/JSON file with name,
+    /// level_gbps (innermost first), peak_tflops and mfu
+    #[arg(long, default_value = "frontier")]
+    profile: String,
+    #[command(flatten)]
+    settings: TrainOverrides,
+    #[command(flatten)]
+    shard: ShardArgs,
 }
 
 #[derive(Debug, Args)]
@@ -133,6 +151,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate_cmd(args),
         Command::Eval(args) => eval_cmd(args),
         Command::Prepare(args) => prepare(args),
+        Command::Plan(args) => plan_cmd(args),
         Command::Bench(BenchCommand::Train(args)) => bench_train(args),
     };
     match result {
@@ -418,6 +437,46 @@ fn prepare(args: PrepareArgs) -> CliResult<()> {
             "train_tokens": p.train.len(), "val_tokens": p.val.len(),
         })
     );
+    Ok(())
+}
+
+fn plan_cmd(args: PlanArgs) -> CliResult<()> {
+    let Some(spec) = &args.shard.topology else {
+        return Err(usage(
+            "ember plan needs --topology NODESxGPUSxGCDS (e.g. 2x4x2)",
+        ));
+    };
+    if args.shard.shard.is_none() {
+        return Err(usage(
+            "ember plan needs --shard PRESET (e.g. --shard hier3)",
+        ));
+    }
+    let topology =
+        ember_comm::Topology::parse(spec).map_err(|e| usage(format!("--topology {spec}: {e}")))?;
+    let config = TrainConfig::resolve(&args.settings)?;
+    let mut model = config.model.clone();
+    if let Some(v) = args.settings.vocab_size {
+        model.vocab_size = v;
+    }
+    let shard = args.shard.resolve(&topology, config.dtype)?;
+    let profile = ember_train::planning::load_profile(&args.profile)?;
+    let report = ember_train::planning::report(
+        &config.preset,
+        &model,
+        &topology,
+        shard,
+        config.batch_size,
+        config.grad_accum,
+        &profile,
+    )?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(anyhow::Error::new)?
+        );
+    } else {
+        print!("{}", ember_train::planning::render(&report, &profile));
+    }
     Ok(())
 }
 

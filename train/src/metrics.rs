@@ -45,6 +45,10 @@ pub struct StepMetrics {
     /// Sharded runs: share of the step's time the training thread waited on communication.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub comm_wait_frac: Option<f64>,
+    /// Sharded runs: model-state bytes this rank held during the step (peaks for the
+    /// secondary copy, gradients and gathered units), as `ember plan` predicts them.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub model_state_bytes: Option<ember_sharding::Memory>,
 }
 
 /// Appends to `metrics.jsonl`, flushing each line so a crash loses at most one.

@@ -99,7 +99,10 @@ impl ShardArgs {
             timeout: Duration::from_secs_f64(self.comm_timeout),
             panic_policy: PanicPolicy::AbortJob,
         })
-        .map_err(|e| usage(e.to_string()))
+        .map_err(|e| match &self.topology {
+            Some(spec) => usage(format!("--topology {spec}: {e}")),
+            None => usage(e.to_string()),
+        })
     }
 
     /// The preset with the per-state flags applied, validated against `topology`.
@@ -200,7 +203,7 @@ pub fn run(
         n_layer: c.model.n_layer,
     };
     let mut sharded = ShardedModel::new(comm, stages, model, shard, device)?;
-    let memory = sharded.plan().memory();
+    let memory = sharded.plan().memory(c.grad_accum);
     log0!(
         rank,
         "sharding {} over {} ({} ranks): per rank {:.2} MB params, {:.2} MB secondary, {:.2} MB \
@@ -285,6 +288,7 @@ pub fn run(
                 val_loss,
                 comm_bytes: Some(traffic_by_name(comm, &report.traffic)),
                 comm_wait_frac: Some(report.comm_wait_s / report.step_s.max(1e-9)),
+                model_state_bytes: Some(report.memory),
             };
             if let Some(w) = writer.as_mut() {
                 w.write(&m)?;

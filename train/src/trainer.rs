@@ -381,6 +381,7 @@ impl Trainer {
                     val_loss,
                     comm_bytes: None,
                     comm_wait_frac: None,
+                    model_state_bytes: None,
                 };
                 writer.write(&m)?;
                 let val = val_loss.map_or(String::new(), |v| format!(" val {v:.4}"));

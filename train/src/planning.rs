@@ -1,0 +1,221 @@
+//! `ember plan`: the per-rank memory, per-step traffic and an estimated step time of a sharded
+//! GPT run, computed from the partition plan alone (nothing runs, nothing is allocated, so it
+//! answers for `neox-20b` on a laptop). The byte and memory figures are the ones a real run
+//! measures (tests compare them with `metrics.jsonl`).
+
+use std::path::Path;
+
+use ember_comm::Topology;
+use ember_model::GptConfig;
+use ember_sharding::plan::TrafficTable;
+use ember_sharding::profile::Profile;
+use ember_sharding::{Memory, Plan, ShardConfig};
+use serde::Serialize;
+
+use crate::error::{CliResult, usage};
+use crate::stages::gpt_units;
+
+/// One row of the traffic table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TrafficRow {
+    /// Levels the group spans (`gcd`, `gcd+gpu`, `node`, ...).
+    pub group: String,
+    /// Collective.
+    pub op: String,
+    /// Bytes one rank sends per step.
+    pub sent: u64,
+    /// Bytes one rank receives per step.
+    pub received: u64,
+}
+
+/// Step-time estimate from a profile.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Estimate {
+    /// Profile name.
+    pub profile: String,
+    /// Model FLOPs one rank computes per step, with the unit-boundary recompute.
+    pub flops_per_rank: f64,
+    /// Seconds of compute at the profile's sustained rate.
+    pub compute_s: f64,
+    /// Seconds of communication, each group's bytes at its slowest link, one after another.
+    pub comm_s: f64,
+    /// Compute then communication, no overlap.
+    pub step_s_serial: f64,
+    /// Perfect overlap: the larger of the two.
+    pub step_s_overlapped: f64,
+}
+
+/// Everything `ember plan` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanReport {
+    /// Model preset name.
+    pub model: String,
+    /// Parameters (Hugging Face count, head tied).
+    pub params: u64,
+    /// Topology `NODESxGPUSxGCDS`.
+    pub topology: String,
+    /// Ranks.
+    pub world_size: usize,
+    /// The sharding configuration.
+    pub shard: ShardConfig,
+    /// Global batch and micro-batching.
+    pub batch_size: usize,
+    /// Micro-batches per step.
+    pub grad_accum: usize,
+    /// Tokens per sequence.
+    pub block_size: usize,
+    /// Model-state bytes per rank.
+    pub memory: Memory,
+    /// Their sum.
+    pub memory_total: u64,
+    /// Bytes per group and op per step.
+    pub traffic: Vec<TrafficRow>,
+    /// Estimated step time.
+    pub estimate: Estimate,
+}
+
+/// Reads `--profile`: `frontier`, or a TOML/JSON file with the fields of [`Profile`].
+pub fn load_profile(spec: &str) -> CliResult<Profile> {
+    if spec == "frontier" {
+        return Ok(Profile::frontier());
+    }
+    let path = Path::new(spec);
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        usage(format!(
+            "--profile {spec}: {e}; give `frontier` or a TOML file with name, level_gbps, \
+             peak_tflops and mfu"
+        ))
+    })?;
+    let parsed: Result<Profile, String> = if spec.ends_with(".json") {
+        serde_json::from_str(&text).map_err(|e| e.to_string())
+    } else {
+        toml::from_str(&text).map_err(|e| e.to_string())
+    };
+    parsed.map_err(|e| usage(format!("--profile {spec}: {e}")))
+}
+
+/// The report for `model` sharded per `shard` over `topology`.
+pub fn report(
+    preset: &str,
+    model: &GptConfig,
+    topology: &Topology,
+    shard: ShardConfig,
+    batch_size: usize,
+    grad_accum: usize,
+    profile: &Profile,
+) -> CliResult<PlanReport> {
+    let world = topology.world_size();
+    if batch_size == 0 || grad_accum == 0 || !batch_size.is_multiple_of(world * grad_accum) {
+        return Err(usage(format!(
+            "--batch-size {batch_size} does not split into {world} ranks x --grad-accum \
+             {grad_accum}: the global batch must be a multiple of {}",
+            world * grad_accum
+        )));
+    }
+    profile
+        .validate(topology.depth())
+        .map_err(|e| usage(format!("--profile: {e}")))?;
+    let plan = Plan::new(gpt_units(model), shard, topology.clone())
+        .map_err(|e| usage(format!("--shard: {e}")))?;
+    let memory = plan.memory(grad_accum);
+    let table: TrafficTable = plan.traffic(grad_accum);
+    let traffic = table
+        .iter()
+        .filter(|(_, t)| t.sent > 0 || t.received > 0)
+        .map(|((g, op), t)| TrafficRow {
+            group: g.name(topology),
+            op: op.name().to_string(),
+            sent: t.sent,
+            received: t.received,
+        })
+        .collect();
+    let tokens_per_rank = (batch_size / world * model.block_size) as f64;
+    // The unit-boundary recompute repeats the forward (a third of 6N + 12LdT) of every unit
+    // but the last: 4/3 of the model FLOPs, less the head's share, which is not modelled.
+    let flops = tokens_per_rank * model.train_flops_per_token(model.block_size) * 4.0 / 3.0;
+    let compute_s = profile.compute_seconds(flops);
+    let comm_s = profile.comm_seconds(&table);
+    Ok(PlanReport {
+        model: preset.to_string(),
+        params: model.num_params(),
+        topology: topology.to_string(),
+        world_size: world,
+        shard: plan.config.clone(),
+        batch_size,
+        grad_accum,
+        block_size: model.block_size,
+        memory_total: memory.total(),
+        memory,
+        traffic,
+        estimate: Estimate {
+            profile: profile.name.clone(),
+            flops_per_rank: flops,
+            compute_s,
+            comm_s,
+            step_s_serial: compute_s + comm_s,
+            step_s_overlapped: compute_s.max(comm_s),
+        },
+    })
+}
+
+/// The report as a human-readable table.
+pub fn render(r: &PlanReport, profile: &Profile) -> String {
+    let gb = |b: u64| b as f64 / 1e9;
+    let mut out = String::new();
+    let m = &r.memory;
+    out += &format!(
+        "{} ({:.1}M parameters) on {} ({} ranks), shard {}, batch {} x {} tokens, grad accum {}\n",
+        r.model,
+        r.params as f64 / 1e6,
+        r.topology,
+        r.world_size,
+        r.shard.preset,
+        r.batch_size,
+        r.block_size,
+        r.grad_accum
+    );
+    out += "\nmodel-state memory per rank (GB)\n";
+    for (name, v) in [
+        ("parameters (primary)", m.params),
+        ("secondary copy", m.secondary),
+        ("gradients (f32)", m.grads),
+        ("optimizer (f32 master, m, v)", m.optimizer),
+        ("largest gathered units", m.gathered_peak),
+        ("total", m.total()),
+    ] {
+        out += &format!("  {name:<30} {:>12.4}\n", gb(v));
+    }
+    out += "\ncommunication per rank per step\n";
+    out += &format!(
+        "  {:<16} {:<16} {:>14} {:>10}\n",
+        "group", "op", "bytes sent", "GB"
+    );
+    for t in &r.traffic {
+        out += &format!(
+            "  {:<16} {:<16} {:>14} {:>10.4}\n",
+            t.group,
+            t.op,
+            t.sent,
+            gb(t.sent)
+        );
+    }
+    let e = &r.estimate;
+    let links: Vec<String> = profile
+        .level_gbps
+        .iter()
+        .map(|(n, g)| format!("{n} {g} GB/s"))
+        .collect();
+    out += &format!(
+        "\nestimate ({}: {}; {} TFLOP/s peak at an assumed MFU of {}):\n  compute {:.4} s + \
+         communication {:.4} s = {:.4} s per step without overlap, {:.4} s with full overlap\n",
+        e.profile,
+        links.join(", "),
+        profile.peak_tflops,
+        profile.mfu,
+        e.compute_s,
+        e.comm_s,
+        e.step_s_serial,
+        e.step_s_overlapped
+    );
+    out
+}
