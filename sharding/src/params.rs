@@ -165,3 +165,44 @@ pub fn grads_of<M: Module>(
     module.visit(&mut v);
     v.out
 }
+
+/// Every float parameter of `module` replaced by rank 0's value (FSDP's `sync_module_states`):
+/// Burn initialises parameters per process, so replicas built independently differ. Every
+/// rank must call it with a module of the same structure; one broadcast per parameter.
+pub fn sync_from_rank0<M: Module>(
+    comm: &ember_comm::Comm,
+    module: M,
+) -> Result<M, crate::error::ShardError> {
+    let shapes = param_shapes(&module);
+    let mut values = param_values(&module);
+    let device = {
+        #[derive(Default)]
+        struct First(Option<burn::tensor::Device>);
+        impl ModuleVisitor for First {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if self.0.is_none() {
+                    self.0 = Some(param.val().device());
+                }
+            }
+        }
+        let mut f = First::default();
+        module.visit(&mut f);
+        match f.0 {
+            Some(d) => d,
+            None => return Ok(module),
+        }
+    };
+    let mut tensors = HashMap::new();
+    for (name, shape) in &shapes {
+        let mut v = values.remove(name).unwrap_or_default();
+        comm.world().broadcast(&mut v, 0)?;
+        let n = v.len();
+        tensors.insert(
+            name.clone(),
+            Tensor::<1>::from_data(burn::tensor::TensorData::new(v, [n]), &device),
+        );
+        debug_assert_eq!(n, shape.iter().product::<usize>());
+    }
+    let shapes: HashMap<String, Vec<usize>> = shapes.into_iter().collect();
+    Ok(load(module, &mut tensors, &shapes, false, false))
+}

@@ -529,7 +529,7 @@ mod tests {
         assert_eq!(p.shard_range(0, Span(1), 5), 28..56);
         // Quantized presets pad to whole blocks per rank.
         let q = plan("zeropp", "2x2x2");
-        assert_eq!(q.units[0].padded, 8 * 2048);
+        assert_eq!(q.units[0].padded, 8 * 256);
     }
 
     #[test]

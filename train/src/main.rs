@@ -124,6 +124,34 @@ struct PrepareArgs {
 enum BenchCommand {
     /// Training tokens/s and MFU per preset on one process
     Train(BenchTrainArgs),
+    /// Collectives through ember against the raw MPI call, per op, level and size, and the
+    /// quantization kernels against memcpy (run under mpirun; rank 0 prints)
+    Comm(BenchCommArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchCommArgs {
+    /// Rank layout NODESxGPUSxGCDS [default: detected]
+    #[arg(long)]
+    topology: Option<String>,
+    /// Payload sizes, comma-separated, with K, M or G suffixes [default: 4K to 256M by x4]
+    #[arg(long, value_delimiter = ',')]
+    sizes: Option<Vec<String>>,
+    /// Bytes moved per size and side, bounding the iterations [default: the library's]
+    #[arg(long)]
+    bytes_per_size: Option<String>,
+    /// Skip the quantize / dequantize kernel timings
+    #[arg(long)]
+    no_kernels: bool,
+    /// Skip the collectives (kernels only)
+    #[arg(long)]
+    no_collectives: bool,
+    /// One JSON object per line (op, level, bytes, ember_gbps, mpi_gbps, ratio, ...)
+    #[arg(long)]
+    json: bool,
+    /// Abort when a collective waits longer than this many seconds
+    #[arg(long, default_value_t = 300.0)]
+    comm_timeout: f64,
 }
 
 #[derive(Debug, Args)]
@@ -153,6 +181,7 @@ fn main() -> ExitCode {
         Command::Prepare(args) => prepare(args),
         Command::Plan(args) => plan_cmd(args),
         Command::Bench(BenchCommand::Train(args)) => bench_train(args),
+        Command::Bench(BenchCommand::Comm(args)) => bench_comm(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -476,6 +505,79 @@ fn plan_cmd(args: PlanArgs) -> CliResult<()> {
         );
     } else {
         print!("{}", ember_train::planning::render(&report, &profile));
+    }
+    Ok(())
+}
+
+/// Parses `4K`, `1M`, `256M`, `4G` or a plain byte count.
+fn parse_size(flag: &str, s: &str) -> CliResult<u64> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .filter(|&n| n > 0)
+        .map(|n| n * mult)
+        .ok_or_else(|| {
+            usage(format!(
+                "{flag} {s}: write a positive size such as 4K, 1M or 256M"
+            ))
+        })
+}
+
+fn bench_comm(args: BenchCommArgs) -> CliResult<()> {
+    use ember_comm::bench::{BenchConfig, KernelBench, run_comm_bench};
+    let shard = ShardArgs {
+        topology: args.topology.clone(),
+        comm_timeout: args.comm_timeout,
+        ..ShardArgs::default()
+    };
+    let mut sizes = Vec::new();
+    for s in args.sizes.iter().flatten() {
+        sizes.push(parse_size("--sizes", s)?);
+    }
+    let bytes_per_size = args
+        .bytes_per_size
+        .as_deref()
+        .map(|b| parse_size("--bytes-per-size", b))
+        .transpose()?;
+    let comm = shard.init_comm()?;
+    let mut config = BenchConfig::full(&comm);
+    if !sizes.is_empty() {
+        config.sizes = sizes;
+    }
+    if let Some(b) = bytes_per_size {
+        config.bytes_per_size = b;
+    }
+    if args.no_kernels {
+        config.kernels = KernelBench::Skip;
+    }
+    if args.no_collectives {
+        config.scopes.clear();
+    }
+    let records = run_comm_bench(&comm, &config);
+    if comm.rank() != 0 {
+        return Ok(());
+    }
+    if !args.json {
+        println!(
+            "{:<20} {:<16} {:>12} {:>6} {:>10} {:>10} {:>7} {:>8}",
+            "op", "level", "bytes", "ranks", "ember GB/s", "base GB/s", "ratio", "baseline"
+        );
+    }
+    for r in &records {
+        if args.json {
+            println!("{}", serde_json::to_string(r).map_err(anyhow::Error::new)?);
+        } else {
+            println!(
+                "{:<20} {:<16} {:>12} {:>6} {:>10.3} {:>10.3} {:>7.3} {:>8}",
+                r.op, r.level, r.bytes, r.ranks, r.ember_gbps, r.mpi_gbps, r.ratio, r.baseline
+            );
+        }
     }
     Ok(())
 }
