@@ -11,6 +11,10 @@
 //! unit's parameter gradients and the gradient of its input for the visit before. Once a
 //! unit's gradient is complete (after the lowest stage that reads it) it goes to the reducer.
 //!
+//! With replicated parameters (`ddp`, `zero1`, `zero2`) nothing is released, so each
+//! micro-batch instead runs every unit in one autodiff graph and one backward, without
+//! recompute; gradients are reduced after that backward.
+//!
 //! This is activation checkpointing at unit boundaries: only one activation per unit boundary
 //! is kept per micro-batch, and every stage but the last computes its forward twice, so a step
 //! costs about 8N FLOPs per token instead of 6N (4/3 of the arithmetic). Burn's autodiff builds
@@ -365,6 +369,52 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                 let mut inputs: Vec<Option<Tensor<D>>> = vec![None; k];
                 let mut upstream: Option<Tensor<D>> = None;
                 let mut work: Vec<Vec<f32>> = vec![Vec::new(); k];
+                // Replicated parameters are never released, so nothing is gained by running
+                // unit by unit: one autodiff graph per micro-batch, no recompute.
+                let visits: &[crate::plan::Visit] = if partitioned { &visits } else { &[] };
+                if !partitioned {
+                    let all: Vec<usize> = (0..k).collect();
+                    for (micro, batch) in micro_batches.iter().enumerate() {
+                        let module = self.module_with(&all, self.replicated(&all), true);
+                        let mut x: Option<Tensor<D>> = None;
+                        let mut loss = None;
+                        for stage in 0..k {
+                            match self.stages.forward(&module, stage, x.take(), batch, &self.autodiff)
+                            {
+                                Flow::Hidden(h) if stage + 1 < k => x = Some(h),
+                                Flow::Loss(l) if stage + 1 == k => loss = Some(l),
+                                _ => return Err(flow_error(stage, k)),
+                            }
+                        }
+                        let loss = loss.expect("the last stage returned the loss");
+                        micro_losses[micro] = scalar(loss.clone().without_autodiff());
+                        let grads_ad = loss.backward();
+                        let mut wanted = HashMap::new();
+                        for unit in &self.plan.units {
+                            for p in &unit.params {
+                                wanted.insert(p.name.clone(), p.numel);
+                            }
+                        }
+                        let mut g = grads_of(&module, &grads_ad, &wanted);
+                        for (u, unit) in self.plan.units.iter().enumerate() {
+                            let mut full = vec![0.0; unit.padded];
+                            for p in &unit.params {
+                                if let Some(t) = g.remove(&p.name) {
+                                    let vals = host_f32(t);
+                                    add_into(&mut full[p.offset..p.offset + p.numel], &vals);
+                                    reached.insert(p.name.clone());
+                                }
+                            }
+                            if cfg.shard_grads {
+                                let _ = job_tx.send(Job::Reduce(u, full));
+                            } else {
+                                accumulate(&mut grads[u], full);
+                            }
+                        }
+                        let held: u64 = grads.iter().map(|g| 4 * g.len() as u64).sum();
+                        grad_bytes_peak = grad_bytes_peak.max(held);
+                    }
+                }
                 for (i, v) in visits.iter().enumerate() {
                     // This visit's gathers and those of the next `prefetch` visits are in
                     // flight (or done) while this one computes.

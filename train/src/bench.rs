@@ -1,15 +1,22 @@
 //! `ember bench train`: training throughput (tokens/s) and MFU of presets on the chosen
-//! backend, measured on the embedded corpus after warm-up steps. Not a test: numbers go to
-//! BENCHMARKS.md with the command that produced them.
+//! backend, measured on the embedded corpus after warm-up steps; `ember bench shard`: step
+//! time, bytes per group and memory of sharding presets under mpirun beside `ember plan`'s
+//! predictions. Not tests: numbers go to BENCHMARKS.md with the commands that produced them.
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use anyhow::Result;
+use ember_comm::Comm;
+use ember_data::{STREAM_TRAIN, Sampler};
+use ember_sharding::{AdamConfig, Memory, ShardedModel, StepHyper};
 use serde::Serialize;
 
 use crate::config::{TrainConfig, TrainOverrides};
 use crate::device::{device, peak_flops};
 use crate::error::CliResult;
+use crate::sharded::{ShardArgs, batch_plan, micro_batches, traffic_by_name};
+use crate::stages::GptStages;
 use crate::trainer::Trainer;
 
 /// One benchmark result.
@@ -97,4 +104,156 @@ fn summarise(config: &TrainConfig, mut times: Vec<f64>) -> Result<TrainBench> {
         peak_gflops: peak.map(|p| p / 1e9),
         mfu: peak.map(|p| flops / p),
     })
+}
+
+/// One preset of `ember bench shard`, as rank 0 measured it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ShardBench {
+    /// Sharding preset.
+    pub shard: String,
+    /// Model preset.
+    pub model: String,
+    /// Topology.
+    pub topology: String,
+    /// Ranks.
+    pub ranks: usize,
+    /// Global batch (sequences per step) and tokens per sequence.
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    pub block_size: usize,
+    /// Timed steps.
+    pub steps: u64,
+    /// Median step time, ms (the slowest rank's: every step ends in a collective).
+    pub step_ms_median: f64,
+    /// Median step time over the `ddp` preset's, when `ddp` was measured first.
+    pub vs_ddp: Option<f64>,
+    /// Job-wide training tokens per second at the median step.
+    pub tokens_per_s: f64,
+    /// Median share of the step rank 0 waited on communication.
+    pub comm_wait_frac: f64,
+    /// Bytes rank 0 sent per step per `group/op`, measured.
+    pub bytes_sent: BTreeMap<String, u64>,
+    /// The same, predicted by `ember plan`.
+    pub bytes_predicted: BTreeMap<String, u64>,
+    /// Measured bytes sent over groups that span the outermost level.
+    pub outermost_bytes: u64,
+    /// Model-state bytes held, measured.
+    pub memory: Memory,
+    /// The same, predicted.
+    pub memory_predicted: Memory,
+}
+
+/// Times `steps` sharded training steps (after `warmup`) of each sharding preset in `shards`
+/// on the model `base` describes; every rank must call it.
+pub fn bench_shard(
+    comm: &Comm,
+    shard_flags: &ShardArgs,
+    shards: &[String],
+    base: &TrainOverrides,
+    steps: u64,
+    warmup: u64,
+) -> CliResult<Vec<ShardBench>> {
+    let topology = comm.topology().clone();
+    let (rank, world) = (comm.rank(), topology.world_size());
+    let o = TrainOverrides {
+        max_iters: Some(steps + warmup),
+        eval_interval: Some(0),
+        save_interval: Some(0),
+        ..Default::default()
+    }
+    .overridden_by(base);
+    let mut config = TrainConfig::resolve(&o)?;
+    // Rank 0 prepares the tokens (and the cache) first.
+    let data = if rank == 0 {
+        let d = crate::data::load(&config);
+        comm.barrier();
+        d?
+    } else {
+        comm.barrier();
+        crate::data::load(&config)?
+    };
+    config.model.vocab_size = data.tokenizer.vocab_size();
+    let plan = batch_plan(&config, world, rank)?;
+    let sampler = Sampler::new(&data.train, config.block_size, config.seed, STREAM_TRAIN)
+        .map_err(anyhow::Error::new)?;
+    let hyper = StepHyper {
+        lr: config.lr,
+        grad_clip: config.grad_clip,
+        adam: AdamConfig {
+            beta1: config.beta1,
+            beta2: config.beta2,
+            eps: 1e-8,
+            weight_decay: config.weight_decay,
+        },
+    };
+    let mut out: Vec<ShardBench> = Vec::new();
+    for shard in shards {
+        let flags = ShardArgs {
+            shard: Some(shard.clone()),
+            ..shard_flags.clone()
+        };
+        let shard_config = flags.resolve(&topology, config.dtype)?;
+        let dev = device(config.device)?;
+        let model = config.model.init_with_seed(config.seed, &dev);
+        let stages = GptStages {
+            n_layer: config.model.n_layer,
+        };
+        let mut sharded = ShardedModel::new(comm, stages, model, shard_config, dev)
+            .map_err(anyhow::Error::new)?;
+        let mut times = Vec::new();
+        let mut waits = Vec::new();
+        let mut last = None;
+        for step in 0..steps + warmup {
+            let batches = micro_batches(&sampler, &plan, step);
+            let report = sharded
+                .train_step(&batches, &hyper)
+                .map_err(anyhow::Error::new)?;
+            if step >= warmup {
+                times.push(report.step_s);
+                waits.push(report.comm_wait_s / report.step_s.max(1e-9));
+            }
+            last = Some(report);
+        }
+        let last = last.expect("at least one step");
+        times.sort_by(f64::total_cmp);
+        waits.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        let step_ms = median * 1e3;
+        let predicted = sharded.plan().traffic(config.grad_accum);
+        let depth = topology.depth();
+        let bytes_predicted = predicted
+            .iter()
+            .filter(|(_, t)| t.sent > 0)
+            .map(|((g, op), t)| (format!("{}/{}", g.name(&topology), op.name()), t.sent))
+            .collect();
+        let outermost_bytes = last
+            .traffic
+            .entries()
+            .filter(|(scope, _, _)| ember_sharding::plan::levels_of(*scope, depth).hi == depth)
+            .map(|(_, _, t)| t.sent)
+            .sum();
+        let vs_ddp = out
+            .iter()
+            .find(|r| r.shard == "ddp")
+            .map(|d| step_ms / d.step_ms_median);
+        out.push(ShardBench {
+            shard: shard.clone(),
+            model: config.preset.clone(),
+            topology: topology.to_string(),
+            ranks: world,
+            batch_size: config.batch_size,
+            block_size: config.block_size,
+            steps,
+            step_ms_median: step_ms,
+            vs_ddp,
+            tokens_per_s: config.tokens_per_step() as f64 / median,
+            comm_wait_frac: waits[waits.len() / 2],
+            bytes_sent: traffic_by_name(comm, &last.traffic),
+            bytes_predicted,
+            outermost_bytes,
+            memory: last.memory,
+            memory_predicted: sharded.plan().memory(config.grad_accum),
+        });
+    }
+    Ok(out)
 }

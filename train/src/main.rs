@@ -127,6 +127,29 @@ enum BenchCommand {
     /// Collectives through ember against the raw MPI call, per op, level and size, and the
     /// quantization kernels against memcpy (run under mpirun; rank 0 prints)
     Comm(BenchCommArgs),
+    /// Sharded training step time per preset against ddp, bytes per level and memory beside
+    /// `ember plan`'s predictions (run under mpirun; rank 0 prints)
+    Shard(BenchShardArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchShardArgs {
+    /// Sharding presets to measure, comma-separated (put ddp first for the ratio)
+    #[arg(long, value_delimiter = ',', default_value = "ddp,zero1,zero2,zero3,zeropp,hier3")]
+    shards: Vec<String>,
+    /// Timed steps per preset
+    #[arg(long, default_value_t = 8)]
+    steps: u64,
+    /// Untimed warm-up steps per preset
+    #[arg(long, default_value_t = 2)]
+    warmup: u64,
+    /// One JSON object per line instead of a table
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    settings: TrainOverrides,
+    #[command(flatten)]
+    shard: ShardArgs,
 }
 
 #[derive(Debug, Args)]
@@ -182,6 +205,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan_cmd(args),
         Command::Bench(BenchCommand::Train(args)) => bench_train(args),
         Command::Bench(BenchCommand::Comm(args)) => bench_comm(args),
+        Command::Bench(BenchCommand::Shard(args)) => bench_shard(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -577,6 +601,56 @@ fn bench_comm(args: BenchCommArgs) -> CliResult<()> {
                 "{:<20} {:<16} {:>12} {:>6} {:>10.3} {:>10.3} {:>7.3} {:>8}",
                 r.op, r.level, r.bytes, r.ranks, r.ember_gbps, r.mpi_gbps, r.ratio, r.baseline
             );
+        }
+    }
+    Ok(())
+}
+
+fn bench_shard(args: BenchShardArgs) -> CliResult<()> {
+    if args.steps == 0 {
+        return Err(usage("--steps must be at least 1"));
+    }
+    if args.shard.shard.is_some() {
+        return Err(usage("ember bench shard takes --shards LIST, not --shard"));
+    }
+    let comm = args.shard.init_comm()?;
+    let results = bench::bench_shard(
+        &comm,
+        &args.shard,
+        &args.shards,
+        &args.settings,
+        args.steps,
+        args.warmup,
+    )?;
+    if comm.rank() != 0 {
+        return Ok(());
+    }
+    for r in &results {
+        if args.json {
+            println!("{}", serde_json::to_string(r).map_err(anyhow::Error::new)?);
+            continue;
+        }
+        println!(
+            "{:<7} {} on {} ({} ranks), batch {} x {}: {:>9.1} ms/step{} {:>7.0} tok/s, comm \
+             wait {:>3.0}%, outermost level {} B/step, memory {} B (plan {} B)",
+            r.shard,
+            r.model,
+            r.topology,
+            r.ranks,
+            r.batch_size,
+            r.block_size,
+            r.step_ms_median,
+            r.vs_ddp
+                .map_or(String::new(), |x| format!(" ({x:.2}x ddp)")),
+            r.tokens_per_s,
+            100.0 * r.comm_wait_frac,
+            r.outermost_bytes,
+            r.memory.total(),
+            r.memory_predicted.total()
+        );
+        for (k, v) in &r.bytes_sent {
+            let p = r.bytes_predicted.get(k).copied().unwrap_or(0);
+            println!("          {k:<28} {v:>12} B sent (plan {p})");
         }
     }
     Ok(())

@@ -177,6 +177,35 @@ pub fn group_name(levels: Levels, topology: &Topology) -> String {
     levels.name(topology)
 }
 
+/// This rank's micro-batches of optimizer step `step`.
+pub fn micro_batches(sampler: &Sampler<'_>, plan: &BatchPlan, step: u64) -> Vec<TokenBatch> {
+    (0..plan.grad_accum())
+        .map(|m| {
+            let b = sampler.batch(step, plan.samples(m));
+            TokenBatch {
+                inputs: b.inputs,
+                targets: b.targets,
+                batch: b.batch,
+                block: b.block,
+            }
+        })
+        .collect()
+}
+
+/// The batch plan of this rank, refusing a global batch that does not divide.
+pub fn batch_plan(c: &TrainConfig, world: usize, rank: usize) -> Result<BatchPlan> {
+    BatchPlan::new(c.batch_size, c.grad_accum, world, rank).map_err(|_| {
+        anyhow!(
+            "--batch-size {} does not split into {} ranks x --grad-accum {}: the global batch \
+             must be a multiple of {}",
+            c.batch_size,
+            world,
+            c.grad_accum,
+            world * c.grad_accum
+        )
+    })
+}
+
 /// Trains `config` sharded per `shard` over `comm` until `max_iters`.
 pub fn run(
     comm: &Comm,
@@ -188,16 +217,7 @@ pub fn run(
     let rank = comm.rank();
     let world = comm.topology().world_size();
     let c = config;
-    let batch_plan = BatchPlan::new(c.batch_size, c.grad_accum, world, rank).map_err(|_| {
-        anyhow!(
-            "--batch-size {} does not split into {} ranks x --grad-accum {}: the global batch \
-             must be a multiple of {}",
-            c.batch_size,
-            world,
-            c.grad_accum,
-            world * c.grad_accum
-        )
-    })?;
+    let batch_plan = batch_plan(c, world, rank)?;
     let model = c.model.init_with_seed(c.seed, &device);
     let stages = GptStages {
         n_layer: c.model.n_layer,
@@ -242,17 +262,7 @@ pub fn run(
     let mut window = (0.0f64, 0u64);
     let mut logged = Vec::new();
     for step in 0..c.max_iters {
-        let batches: Vec<TokenBatch> = (0..c.grad_accum)
-            .map(|m| {
-                let b = sampler.batch(step, batch_plan.samples(m));
-                TokenBatch {
-                    inputs: b.inputs,
-                    targets: b.targets,
-                    batch: b.batch,
-                    block: b.block,
-                }
-            })
-            .collect();
+        let batches = micro_batches(&sampler, &batch_plan, step);
         let lr = schedule.at(step);
         let report = sharded.train_step(
             &batches,

@@ -1,0 +1,134 @@
+//! Host quantization kernels beside memcpy, single thread, block 2048 (and 256, the sharding
+//! default): `cargo bench -p ember-comm --bench quant`. Plain `Instant`, no harness and no MPI.
+//! It deliberately measures only `HostKernels` writing into caller buffers (no allocation).
+//!
+//! # What the numbers mean
+//!
+//! As in `bench.rs`: GB/s = f32 bytes of the buffer (`4 * n`, the quantize input or the
+//! dequantize output; for the sum of 2 parts still `4 * n`) / time, and `ratio` = memcpy time /
+//! kernel time, memcpy being `copy_from_slice` of the same `4 * n` bytes. Each sample runs a
+//! kernel enough times to move ~16 MiB; samples of every kernel alternate, so drift in the
+//! machine hits all of them; the median sample is reported.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use ember_comm::quant::host::HostKernels;
+use ember_comm::quant::{BlockSize, QuantFormat, QuantKernels, Quantized};
+
+const SIZES: [usize; 6] = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20];
+const SAMPLES: usize = 15;
+/// Bytes per sample: small buffers repeat the kernel so one sample is well above timer noise.
+const SAMPLE_BYTES: usize = 16 << 20;
+
+/// Column names: quantize, dequantize, dequantize-and-sum of 2 parts.
+const KERNELS: [&str; 6] = [
+    "q int8",
+    "q int4",
+    "dq int8",
+    "dq int4",
+    "dqs2 int8",
+    "dqs2 int4",
+];
+
+/// The same input as `bench.rs`: values in [-0.5, 0.5) on a 1e-3 grid.
+fn input(n: usize, salt: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i + salt) * 7919) % 1000) as f32 * 1e-3 - 0.5)
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    for block in [2048, 256] {
+        let block = BlockSize::new(block).unwrap();
+        println!("\nblock {}: GB/s (ratio to memcpy)\n", block.get());
+        print!("| f32 bytes | memcpy |");
+        for k in KERNELS {
+            print!(" {k} |");
+        }
+        println!("\n|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for size in SIZES {
+            bench_size(size, block);
+        }
+    }
+}
+
+fn bench_size(size: usize, block: BlockSize) {
+    let n = size / 4;
+    let reps = (SAMPLE_BYTES / size).max(1);
+    let x = input(n, 0);
+    let mut copy = vec![0.0f32; n];
+    let mut d8 = vec![0u8; QuantFormat::Int8.data_bytes(n)];
+    let mut d4 = vec![0u8; QuantFormat::Int4.data_bytes(n)];
+    let mut scales = vec![0.0f32; n.div_ceil(block.get())];
+    let mut out = vec![0.0f32; n];
+    let parts = |format| -> [Quantized; 2] {
+        [
+            HostKernels.quantize(&x, format, block),
+            HostKernels.quantize(&input(n, 17), format, block),
+        ]
+    };
+    let p8 = parts(QuantFormat::Int8);
+    let p4 = parts(QuantFormat::Int4);
+
+    let mut times = vec![Vec::new(); 7];
+    for s in 0..=SAMPLES {
+        let mut sample = |k: usize, f: &mut dyn FnMut()| {
+            let t0 = Instant::now();
+            for _ in 0..reps {
+                f();
+            }
+            // Sample 0 is the warm-up.
+            if s > 0 {
+                times[k].push(t0.elapsed().as_secs_f64() / reps as f64);
+            }
+        };
+        sample(6, &mut || {
+            copy.copy_from_slice(black_box(&x));
+            black_box(&mut copy);
+        });
+        let mut q = |format, data: &mut [u8]| {
+            HostKernels.quantize_into(black_box(&x), format, block, data, &mut scales);
+            black_box(data);
+        };
+        sample(0, &mut || q(QuantFormat::Int8, &mut d8));
+        sample(1, &mut || q(QuantFormat::Int4, &mut d4));
+        let mut dq = |parts: &[Quantized]| {
+            dequantize_sum_into(black_box(parts), &mut out);
+            black_box(&mut out);
+        };
+        sample(2, &mut || dq(&p8[..1]));
+        sample(3, &mut || dq(&p4[..1]));
+        sample(4, &mut || dq(&p8));
+        sample(5, &mut || dq(&p4));
+    }
+    let t: Vec<f64> = times.into_iter().map(median).collect();
+    let gbps = |t: f64| size as f64 / t / 1e9;
+    print!("| {} | {:.2} |", human(size), gbps(t[6]));
+    for &tk in &t[..6] {
+        print!(" {:.2} ({:.2}) |", gbps(tk), t[6] / tk);
+    }
+    println!();
+}
+
+fn human(bytes: usize) -> String {
+    if bytes >= 1 << 20 {
+        format!("{} MiB", bytes >> 20)
+    } else {
+        format!("{} KiB", bytes >> 10)
+    }
+}
+
+/// BEFORE-RUN SHIM: the old API had no `_into` form; this is what its `dequantize_sum` did,
+/// minus the allocation.
+fn dequantize_sum_into(parts: &[Quantized], out: &mut [f32]) {
+    out.fill(0.0);
+    for p in parts {
+        HostKernels.dequantize_add(p, out);
+    }
+}
