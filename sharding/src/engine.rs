@@ -49,6 +49,9 @@ use crate::plan::{Memory, Plan};
 use crate::route;
 use crate::stage::{Flow, Staged, assign};
 
+/// A parameter's path, shape and values (flattened, f32).
+pub type NamedValues = (String, Vec<usize>, Vec<f32>);
+
 /// The hyper-parameters of one step.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepHyper {
@@ -379,8 +382,13 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                         let mut x: Option<Tensor<D>> = None;
                         let mut loss = None;
                         for stage in 0..k {
-                            match self.stages.forward(&module, stage, x.take(), batch, &self.autodiff)
-                            {
+                            match self.stages.forward(
+                                &module,
+                                stage,
+                                x.take(),
+                                batch,
+                                &self.autodiff,
+                            ) {
                                 Flow::Hidden(h) if stage + 1 < k => x = Some(h),
                                 Flow::Loss(l) if stage + 1 == k => loss = Some(l),
                                 _ => return Err(flow_error(stage, k)),
@@ -615,7 +623,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
 
     /// Every parameter's current value (f32 masters, gathered to every rank), by path, in
     /// unit order. Every rank must call it.
-    pub fn full_parameters(&self) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>, ShardError> {
+    pub fn full_parameters(&self) -> Result<Vec<NamedValues>, ShardError> {
         let mut out = Vec::new();
         for (u, state) in self.optimizer.iter().enumerate() {
             let full = route::all_gather_masters(self.comm, &self.plan, &state.master)?;

@@ -76,14 +76,16 @@ impl ShardState {
         let (b1, b1c) = (c.beta1 as f32, (1.0 - c.beta1) as f32);
         let (b2, b2c) = (c.beta2 as f32, (1.0 - c.beta2) as f32);
         let eps = c.eps as f32;
-        for i in 0..grad.len() {
-            let g = grad[i];
-            let m = self.exp_avg[i] * b1 + g * b1c;
-            let v = self.exp_avg_sq[i] * b2 + (g * g) * b2c;
-            self.exp_avg[i] = m;
-            self.exp_avg_sq[i] = v;
+        let state = self
+            .master
+            .iter_mut()
+            .zip(self.exp_avg.iter_mut())
+            .zip(self.exp_avg_sq.iter_mut());
+        for (((p, m), v), &g) in state.zip(grad) {
+            *m = *m * b1 + g * b1c;
+            *v = *v * b2 + (g * g) * b2c;
             let denom = v.sqrt() / sqrt_bias2 + eps;
-            self.master[i] -= (m / denom) * step_size;
+            *p -= (*m / denom) * step_size;
         }
     }
 }

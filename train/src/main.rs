@@ -135,7 +135,11 @@ enum BenchCommand {
 #[derive(Debug, Args)]
 struct BenchShardArgs {
     /// Sharding presets to measure, comma-separated (put ddp first for the ratio)
-    #[arg(long, value_delimiter = ',', default_value = "ddp,zero1,zero2,zero3,zeropp,hier3")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "ddp,zero1,zero2,zero3,zeropp,hier3"
+    )]
     shards: Vec<String>,
     /// Timed steps per preset
     #[arg(long, default_value_t = 8)]
