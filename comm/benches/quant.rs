@@ -99,7 +99,10 @@ fn bench_size(size: usize, block: BlockSize) {
         sample(0, &mut || q(QuantFormat::Int8, &mut d8));
         sample(1, &mut || q(QuantFormat::Int4, &mut d4));
         let mut dq = |parts: &[Quantized]| {
-            dequantize_sum_into(black_box(parts), &mut out);
+            match parts {
+                [one] => HostKernels.dequantize_into(black_box(one), &mut out),
+                _ => HostKernels.dequantize_sum_into(black_box(parts), &mut out),
+            }
             black_box(&mut out);
         };
         sample(2, &mut || dq(&p8[..1]));
@@ -121,14 +124,5 @@ fn human(bytes: usize) -> String {
         format!("{} MiB", bytes >> 20)
     } else {
         format!("{} KiB", bytes >> 10)
-    }
-}
-
-/// BEFORE-RUN SHIM: the old API had no `_into` form; this is what its `dequantize_sum` did,
-/// minus the allocation.
-fn dequantize_sum_into(parts: &[Quantized], out: &mut [f32]) {
-    out.fill(0.0);
-    for p in parts {
-        HostKernels.dequantize_add(p, out);
     }
 }

@@ -196,6 +196,85 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         self.adam_step
     }
 
+    /// Whether this rank writes its optimizer shard to a checkpoint: the first of the ranks
+    /// holding the same shard (all ranks when the optimizer state spans the world; rank 0
+    /// alone when it is replicated).
+    pub fn is_writer(&self) -> bool {
+        let o = self.plan.config.optimizer.0;
+        self.plan.topology.coords(self.comm.rank())[o..]
+            .iter()
+            .all(|&c| c == 0)
+    }
+
+    /// This rank's share of every parameter for a checkpoint: `(name, offset, [master,
+    /// exp_avg, exp_avg_sq])` for each parameter its optimizer shard overlaps, the offset
+    /// counted in the parameter's flattened elements. Padding is never included; a rank whose
+    /// shard is all padding contributes nothing.
+    pub fn owned_pieces(&self) -> Vec<(String, usize, [Vec<f32>; 3])> {
+        let mut out = Vec::new();
+        for (unit, state) in self.plan.units.iter().zip(&self.optimizer) {
+            for p in &unit.params {
+                let lo = p.offset.max(state.range.start);
+                let hi = (p.offset + p.numel).min(state.range.end);
+                if lo >= hi {
+                    continue;
+                }
+                let local = lo - state.range.start..hi - state.range.start;
+                out.push((
+                    p.name.clone(),
+                    lo - p.offset,
+                    [
+                        state.master[local.clone()].to_vec(),
+                        state.exp_avg[local.clone()].to_vec(),
+                        state.exp_avg_sq[local].to_vec(),
+                    ],
+                ));
+            }
+        }
+        out
+    }
+
+    /// Fills this rank's optimizer shards from a checkpoint of any partition: `read(name,
+    /// range)` returns `[master, exp_avg, exp_avg_sq]` of elements `range` of parameter
+    /// `name`. Only the ranges this rank owns are asked for. Then rebuilds the primary
+    /// parameters. Every rank must call it.
+    pub fn load_state(
+        &mut self,
+        adam_step: u64,
+        read: &mut dyn FnMut(&str, std::ops::Range<usize>) -> Result<[Vec<f32>; 3], String>,
+    ) -> Result<(), ShardError> {
+        for (unit, state) in self.plan.units.iter().zip(self.optimizer.iter_mut()) {
+            let n = state.range.len();
+            let mut fresh = [vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]];
+            for p in &unit.params {
+                let lo = p.offset.max(state.range.start);
+                let hi = (p.offset + p.numel).min(state.range.end);
+                if lo >= hi {
+                    continue;
+                }
+                let got = read(&p.name, lo - p.offset..hi - p.offset).map_err(ShardError::Model)?;
+                let at = lo - state.range.start..hi - state.range.start;
+                for (dst, src) in fresh.iter_mut().zip(got) {
+                    if src.len() != at.len() {
+                        return Err(ShardError::Model(format!(
+                            "{}: {} values read for {} elements",
+                            p.name,
+                            src.len(),
+                            at.len()
+                        )));
+                    }
+                    dst[at.clone()].copy_from_slice(&src);
+                }
+            }
+            let [master, m, v] = fresh;
+            state.master = master;
+            state.exp_avg = m;
+            state.exp_avg_sq = v;
+        }
+        self.adam_step = adam_step;
+        self.refresh_primary()
+    }
+
     /// Replaces this rank's optimizer state (from a checkpoint) and rebuilds the primary
     /// parameter partition from the masters. Every rank must call it.
     pub fn restore(&mut self, state: Vec<ShardState>, adam_step: u64) -> Result<(), ShardError> {

@@ -92,6 +92,12 @@ pub struct Manifest {
     pub tensors: Vec<TensorMeta>,
     /// Every file with its checksum (the tokenizer and the rank shards).
     pub files: Vec<FileEntry>,
+    /// The sharding of the run that wrote it (absent for single-process runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<ember_sharding::ShardConfig>,
+    /// Its topology, `NODESxGPUSxGCDS` (absent for single-process runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topology: Option<String>,
 }
 
 /// One flat range of a tensor held by a shard file.
@@ -162,11 +168,13 @@ pub struct ShardData {
     pub adam_step: u64,
 }
 
-fn shard_file_name(rank: usize) -> String {
+/// The file rank `rank` writes.
+pub fn shard_file_name(rank: usize) -> String {
     format!("rank-{rank:05}.safetensors")
 }
 
-fn write_shard(dir: &Path, shard: &ShardData) -> Result<PathBuf> {
+/// Writes one rank's file (`rank-RRRRR.safetensors`) into `dir` and syncs it.
+pub fn write_shard(dir: &Path, shard: &ShardData) -> Result<PathBuf> {
     let path = dir.join(shard_file_name(shard.rank));
     let mut layout = BTreeMap::new();
     let mut blobs: Vec<(String, usize, Vec<u8>)> = Vec::new();
@@ -193,44 +201,75 @@ fn write_shard(dir: &Path, shard: &ShardData) -> Result<PathBuf> {
 }
 
 /// Writes a complete checkpoint for `manifest.step` under `out_dir` atomically and returns
-/// its final path. `manifest.files` is filled in here.
+/// its final path. `manifest.files` is filled in here. (One process; the sharded trainer
+/// runs the same three steps, [`begin`], [`write_shard`] on every writing rank and
+/// [`finish`] on rank 0.)
 pub fn save(
     out_dir: &Path,
-    mut manifest: Manifest,
+    manifest: Manifest,
     shards: &[ShardData],
     tokenizer_json: &Path,
 ) -> Result<PathBuf> {
+    let tmp = begin(out_dir, manifest.step, std::process::id())?;
+    let mut files = Vec::new();
+    for shard in shards {
+        files.push(file_entry(&write_shard(&tmp, shard)?)?);
+    }
+    finish(out_dir, &tmp, manifest, files, tokenizer_json)
+}
+
+/// Creates the temporary directory a checkpoint of `step` is written into (removing a stale
+/// one a killed run left), named with `token` (the writer's process id) so every rank of a
+/// job can compute it.
+pub fn begin(out_dir: &Path, step: u64, token: u32) -> Result<PathBuf> {
     fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    let name = step_dir_name(manifest.step);
-    let final_dir = out_dir.join(&name);
-    let tmp = out_dir.join(format!(".tmp-{name}-{}", std::process::id()));
+    let tmp = tmp_dir(out_dir, step, token);
     if tmp.exists() {
         fs::remove_dir_all(&tmp)?;
     }
     fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    let mut files = Vec::new();
+    Ok(tmp)
+}
+
+/// The temporary directory of [`begin`].
+pub fn tmp_dir(out_dir: &Path, step: u64, token: u32) -> PathBuf {
+    out_dir.join(format!(".tmp-{}-{token}", step_dir_name(step)))
+}
+
+/// Size and SHA-256 of a written file, for the manifest.
+pub fn file_entry(path: &Path) -> Result<FileEntry> {
+    Ok(FileEntry {
+        path: path
+            .file_name()
+            .context("a file name")?
+            .to_string_lossy()
+            .into_owned(),
+        bytes: fs::metadata(path)?.len(),
+        sha256: sha256_file(path)?,
+    })
+}
+
+/// Adds the tokenizer and the manifest (listing `files` and the tokenizer) to `tmp`, syncs
+/// it and renames it into place as `out_dir/step-NNNNNN`.
+pub fn finish(
+    out_dir: &Path,
+    tmp: &Path,
+    mut manifest: Manifest,
+    mut files: Vec<FileEntry>,
+    tokenizer_json: &Path,
+) -> Result<PathBuf> {
+    let name = step_dir_name(manifest.step);
+    let final_dir = out_dir.join(&name);
     let tok = tmp.join("tokenizer.json");
     fs::copy(tokenizer_json, &tok)
         .with_context(|| format!("copying {}", tokenizer_json.display()))?;
     File::open(&tok)?.sync_all()?;
-    files.push(tok);
-    for shard in shards {
-        files.push(write_shard(&tmp, shard)?);
-    }
-    manifest.files = files
-        .iter()
-        .map(|p| {
-            Ok(FileEntry {
-                path: p.file_name().unwrap().to_string_lossy().into_owned(),
-                bytes: fs::metadata(p)?.len(),
-                sha256: sha256_file(p)?,
-            })
-        })
-        .collect::<Result<_>>()?;
+    files.insert(0, file_entry(&tok)?);
+    manifest.files = files;
     let mut f = File::create(tmp.join(MANIFEST))?;
     f.write_all(serde_json::to_string_pretty(&manifest)?.as_bytes())?;
     f.sync_all()?;
-    fsync_dir(&tmp)?;
+    fsync_dir(tmp)?;
     // Replacing an existing checkpoint of the same step: move it aside first, so that at
     // every instant one complete copy exists under a recognisable name.
     let old = out_dir.join(format!(".old-{name}-{}", std::process::id()));
@@ -238,13 +277,38 @@ pub fn save(
     if had_old {
         fs::rename(&final_dir, &old)?;
     }
-    fs::rename(&tmp, &final_dir)
+    fs::rename(tmp, &final_dir)
         .with_context(|| format!("renaming {} into place", tmp.display()))?;
     fsync_dir(out_dir)?;
     if had_old {
         fs::remove_dir_all(&old)?;
     }
     Ok(final_dir)
+}
+
+/// Deletes all but the newest `keep` complete checkpoints of `out_dir` (`--keep-last`); call
+/// it only after a new checkpoint is complete. Returns the deleted directories.
+pub fn prune(out_dir: &Path, keep: usize) -> Result<Vec<PathBuf>> {
+    let mut steps: Vec<(u64, PathBuf)> = Vec::new();
+    for entry in fs::read_dir(out_dir)? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(step) = name
+            .strip_prefix("step-")
+            .and_then(|s| s.parse::<u64>().ok())
+            && entry.path().join(MANIFEST).is_file()
+        {
+            steps.push((step, entry.path()));
+        }
+    }
+    steps.sort();
+    let excess = steps.len().saturating_sub(keep);
+    let mut removed = Vec::new();
+    for (_, dir) in steps.into_iter().take(excess) {
+        fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+        removed.push(dir);
+    }
+    Ok(removed)
 }
 
 /// Accepts a checkpoint directory, or an out dir (then its latest complete checkpoint).
@@ -309,7 +373,16 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
 
 /// Verifies every file's size and checksum against the manifest.
 pub fn verify_files(dir: &Path, manifest: &Manifest) -> Result<()> {
-    for entry in &manifest.files {
+    verify_some(dir, manifest, |_| true)
+}
+
+/// Verifies the size and checksum of the files whose position in the manifest `pick`
+/// accepts (a sharded job gives each rank a share).
+pub fn verify_some(dir: &Path, manifest: &Manifest, pick: impl Fn(usize) -> bool) -> Result<()> {
+    for (i, entry) in manifest.files.iter().enumerate() {
+        if !pick(i) {
+            continue;
+        }
         let path = dir.join(&entry.path);
         let len = fs::metadata(&path)
             .with_context(|| format!("checkpoint file {} is missing", path.display()))?
@@ -351,117 +424,213 @@ fn check_coverage(ranges: &mut [(usize, usize)], n: usize) -> Result<(), String>
     Ok(())
 }
 
+/// One range of one state of one tensor inside a shard file.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    /// Index into `Index::maps`.
+    file: usize,
+    /// First element in the flattened global tensor.
+    offset: usize,
+    /// Elements.
+    len: usize,
+    /// Byte offset of its data in the file.
+    start: usize,
+}
+
+/// A checkpoint opened for reading: the manifest, every shard file's header parsed and
+/// bounds-checked, and where each range of each tensor lies, checked to tile every tensor.
+/// No tensor data is read until [`Index::read`] asks for a range, so a rank of a resharded
+/// run reads only the bytes of the ranges it owns.
+#[derive(Debug)]
+pub struct Index {
+    /// Its directory.
+    pub dir: PathBuf,
+    /// Its manifest.
+    pub manifest: Manifest,
+    /// Adam's step counter.
+    pub adam_step: u64,
+    maps: Vec<(PathBuf, memmap2::Mmap)>,
+    pieces: HashMap<String, Vec<Piece>>,
+    numel: HashMap<String, usize>,
+}
+
+impl Index {
+    /// Opens `dir`: manifest, file sizes, headers, layouts and coverage. Checksums are
+    /// [`verify_files`]'s job (a sharded job splits it over its ranks).
+    pub fn open(dir: &Path) -> Result<Self> {
+        let manifest = read_manifest(dir)?;
+        let numel: HashMap<String, usize> = manifest
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.shape.iter().product()))
+            .collect();
+        let mut maps = Vec::new();
+        let mut pieces: HashMap<String, Vec<Piece>> = HashMap::new();
+        let mut adam_step = None;
+        for entry in &manifest.files {
+            let path = dir.join(&entry.path);
+            let len = fs::metadata(&path)
+                .with_context(|| format!("checkpoint file {} is missing", path.display()))?
+                .len();
+            ensure!(
+                len == entry.bytes,
+                "{} has {len} bytes, the manifest says {}: the file is truncated or replaced",
+                path.display(),
+                entry.bytes
+            );
+            if !entry.path.ends_with(".safetensors") {
+                continue;
+            }
+            let file = File::open(&path)?;
+            // SAFETY: the file is opened read-only and checkpoints are never modified in
+            // place (they are written under a temporary name and renamed).
+            let map = unsafe { memmap2::Mmap::map(&file)? };
+            // `read_metadata` bounds-checks the header length and every tensor's offsets
+            // against the file before anything is allocated.
+            let (header_len, meta) = SafeTensors::read_metadata(&map)
+                .map_err(|e| anyhow::anyhow!("{}: bad safetensors header: {e}", path.display()))?;
+            let data_start = 8 + header_len;
+            let extra = meta.metadata().clone().unwrap_or_default();
+            let layout: BTreeMap<String, Range> = serde_json::from_str(
+                extra
+                    .get(LAYOUT_KEY)
+                    .with_context(|| format!("{}: no {LAYOUT_KEY} metadata", path.display()))?,
+            )
+            .with_context(|| format!("{}: bad {LAYOUT_KEY}", path.display()))?;
+            let step: u64 = extra
+                .get("ember.adam_step")
+                .and_then(|s| s.parse().ok())
+                .with_context(|| format!("{}: no ember.adam_step metadata", path.display()))?;
+            ensure!(
+                *adam_step.get_or_insert(step) == step,
+                "{}: its Adam step {step} differs from the other shards'",
+                path.display()
+            );
+            let file_index = maps.len();
+            for (key, info) in meta.tensors() {
+                let range = layout.get(&key).with_context(|| {
+                    format!("{}: tensor {key} has no layout entry", path.display())
+                })?;
+                let (kind, name) = key
+                    .split_once('/')
+                    .with_context(|| format!("{}: unexpected tensor name {key}", path.display()))?;
+                ensure!(
+                    KINDS.contains(&kind),
+                    "{}: unknown state kind in {key}",
+                    path.display()
+                );
+                ensure!(
+                    info.dtype == StDtype::F32 && info.shape.len() == 1,
+                    "{}: {key} is {:?} of shape {:?}, expected flat F32",
+                    path.display(),
+                    info.dtype,
+                    info.shape
+                );
+                let total = *numel.get(name).with_context(|| {
+                    format!(
+                        "{}: {name} is not a parameter of this model",
+                        path.display()
+                    )
+                })?;
+                let n = info.shape[0];
+                ensure!(
+                    range.global_numel == total
+                        && range.offset.checked_add(n).is_some_and(|end| end <= total),
+                    "{}: {key} covers [{}, {}) of {} elements, but the manifest's shape has \
+                     {total}",
+                    path.display(),
+                    range.offset,
+                    range.offset.saturating_add(n),
+                    range.global_numel
+                );
+                pieces.entry(key.clone()).or_default().push(Piece {
+                    file: file_index,
+                    offset: range.offset,
+                    len: n,
+                    start: data_start + info.data_offsets.0,
+                });
+            }
+            maps.push((path, map));
+        }
+        for t in &manifest.tensors {
+            let n = numel[&t.name];
+            for kind in KINDS {
+                let key = format!("{kind}/{}", t.name);
+                let mut ranges: Vec<(usize, usize)> = pieces
+                    .get(&key)
+                    .map(|p| p.iter().map(|p| (p.offset, p.len)).collect())
+                    .unwrap_or_default();
+                check_coverage(&mut ranges, n).map_err(|what| {
+                    anyhow::anyhow!(
+                        "{}: {key} {what}; a rank's file is missing or inconsistent",
+                        dir.display()
+                    )
+                })?;
+            }
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            adam_step: adam_step.context("checkpoint has no shard files")?,
+            manifest,
+            maps,
+            pieces,
+            numel,
+        })
+    }
+
+    /// Elements `range` of state `kind` (`param`, `exp_avg`, `exp_avg_sq`) of tensor `name`,
+    /// copied from the pieces that overlap it (only those bytes are read).
+    pub fn read(&self, kind: &str, name: &str, range: std::ops::Range<usize>) -> Result<Vec<f32>> {
+        let n = *self
+            .numel
+            .get(name)
+            .with_context(|| format!("{}: no tensor {name}", self.dir.display()))?;
+        ensure!(
+            range.end <= n,
+            "{}: {name} has {n} elements, [{}, {}) asked",
+            self.dir.display(),
+            range.start,
+            range.end
+        );
+        let mut out = vec![0.0f32; range.len()];
+        for p in self
+            .pieces
+            .get(&format!("{kind}/{name}"))
+            .into_iter()
+            .flatten()
+        {
+            let lo = p.offset.max(range.start);
+            let hi = (p.offset + p.len).min(range.end);
+            if lo >= hi {
+                continue;
+            }
+            let bytes =
+                &self.maps[p.file].1[p.start + 4 * (lo - p.offset)..p.start + 4 * (hi - p.offset)];
+            for (d, c) in out[lo - range.start..hi - range.start]
+                .iter_mut()
+                .zip(bytes.chunks_exact(4))
+            {
+                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// Reads a checkpoint whole: manifest, checksums, every tensor assembled from its ranges.
 /// Nothing is returned unless every check passes.
 pub fn load(dir: &Path) -> Result<Loaded> {
-    let manifest = read_manifest(dir)?;
-    verify_files(dir, &manifest)?;
-    // Per parameter and kind: the values and the (offset, len) ranges written so far.
-    type Parts = [(Vec<f32>, Vec<(usize, usize)>); 3];
-    let mut assembled: HashMap<String, Parts> = manifest
-        .tensors
-        .iter()
-        .map(|t| {
-            let n: usize = t.shape.iter().product();
-            let part = || (vec![0.0f32; n], Vec::new());
-            (t.name.clone(), [part(), part(), part()])
-        })
-        .collect();
-    let mut adam_step = None;
-    for entry in manifest
-        .files
-        .iter()
-        .filter(|f| f.path.ends_with(".safetensors"))
-    {
-        let path = dir.join(&entry.path);
-        let file = File::open(&path)?;
-        // SAFETY: the file is opened read-only and checkpoints are never modified in place
-        // (they are written under a temporary name and renamed).
-        let map = unsafe { memmap2::Mmap::map(&file)? };
-        // `read_metadata` bounds-checks the header length against the file before parsing.
-        let (_, meta) = SafeTensors::read_metadata(&map)
-            .map_err(|e| anyhow::anyhow!("{}: bad safetensors header: {e}", path.display()))?;
-        let extra = meta.metadata().clone().unwrap_or_default();
-        let layout: BTreeMap<String, Range> = serde_json::from_str(
-            extra
-                .get(LAYOUT_KEY)
-                .with_context(|| format!("{}: no {LAYOUT_KEY} metadata", path.display()))?,
-        )
-        .with_context(|| format!("{}: bad {LAYOUT_KEY}", path.display()))?;
-        let step: u64 = extra
-            .get("ember.adam_step")
-            .and_then(|s| s.parse().ok())
-            .with_context(|| format!("{}: no ember.adam_step metadata", path.display()))?;
-        ensure!(
-            *adam_step.get_or_insert(step) == step,
-            "{}: its Adam step {step} differs from the other shards'",
-            path.display()
-        );
-        let st = SafeTensors::deserialize(&map)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        for (key, view) in st.iter() {
-            let range = layout
-                .get(key)
-                .with_context(|| format!("{}: tensor {key} has no layout entry", path.display()))?;
-            let (kind, name) = key
-                .split_once('/')
-                .with_context(|| format!("{}: unexpected tensor name {key}", path.display()))?;
-            let k = KINDS
-                .iter()
-                .position(|x| *x == kind)
-                .with_context(|| format!("{}: unknown state kind in {key}", path.display()))?;
-            ensure!(
-                view.dtype() == StDtype::F32 && view.shape().len() == 1,
-                "{}: {key} is {:?} of shape {:?}, expected flat F32",
-                path.display(),
-                view.dtype(),
-                view.shape()
-            );
-            let (target, ranges) = &mut assembled.get_mut(name).with_context(|| {
-                format!(
-                    "{}: {name} is not a parameter of this model",
-                    path.display()
-                )
-            })?[k];
-            let n = view.shape()[0];
-            ensure!(
-                range.global_numel == target.len()
-                    && range
-                        .offset
-                        .checked_add(n)
-                        .is_some_and(|end| end <= target.len()),
-                "{}: {key} covers [{}, {}) of {} elements, but the manifest's shape has {}",
-                path.display(),
-                range.offset,
-                range.offset + n,
-                range.global_numel,
-                target.len()
-            );
-            let dst = &mut target[range.offset..range.offset + n];
-            for (d, c) in dst.iter_mut().zip(view.data().chunks_exact(4)) {
-                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-            ranges.push((range.offset, n));
-        }
-    }
-    let tensors = manifest
+    let index = Index::open(dir)?;
+    verify_files(dir, &index.manifest)?;
+    let tensors = index
+        .manifest
         .tensors
         .iter()
         .map(|meta| {
-            let parts = assembled
-                .remove(&meta.name)
-                .expect("built from the manifest");
+            let n: usize = meta.shape.iter().product();
             let mut values: [Vec<f32>; 3] = Default::default();
-            for (k, (v, mut ranges)) in parts.into_iter().enumerate() {
-                check_coverage(&mut ranges, v.len()).map_err(|what| {
-                    anyhow::anyhow!(
-                        "{}: {}/{} {what}; a rank's file is missing or inconsistent",
-                        dir.display(),
-                        KINDS[k],
-                        meta.name
-                    )
-                })?;
-                values[k] = v;
+            for (k, kind) in KINDS.iter().enumerate() {
+                values[k] = index.read(kind, &meta.name, 0..n)?;
             }
             Ok(TensorState {
                 meta: meta.clone(),
@@ -471,8 +640,8 @@ pub fn load(dir: &Path) -> Result<Loaded> {
         .collect::<Result<Vec<_>>>()?;
     Ok(Loaded {
         dir: dir.to_path_buf(),
-        manifest,
-        adam_step: adam_step.context("checkpoint has no shard files")?,
+        adam_step: index.adam_step,
+        manifest: index.manifest.clone(),
         tensors,
     })
 }

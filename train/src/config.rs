@@ -130,6 +130,10 @@ pub struct TrainOverrides {
     /// Log (and write a metrics line) every N steps [default: 10]
     #[arg(long)]
     pub log_interval: Option<u64>,
+    /// Keep only the newest K checkpoints, deleting older ones once a new one is complete;
+    /// 0 keeps all [default: 0]
+    #[arg(long)]
+    pub keep_last: Option<u64>,
     /// Peak FLOP/s of the device in TFLOP/s, for MFU [default: estimated for CPUs]
     #[arg(long)]
     pub peak_tflops: Option<f64>,
@@ -188,6 +192,9 @@ pub struct TrainConfig {
     pub save_interval: u64,
     /// Logging period.
     pub log_interval: u64,
+    /// Checkpoints kept (0 = all).
+    #[serde(default)]
+    pub keep_last: u64,
     /// Peak device TFLOP/s for MFU (None = estimate).
     pub peak_tflops: Option<f64>,
 }
@@ -240,6 +247,7 @@ impl TrainOverrides {
             out_dir,
             save_interval,
             log_interval,
+            keep_last,
             peak_tflops,
         );
         self
@@ -286,6 +294,7 @@ impl TrainConfig {
             out_dir: PathBuf::from("out"),
             save_interval: 500,
             log_interval: 10,
+            keep_last: 0,
             peak_tflops: None,
         };
         // A fresh model takes its positions from --block-size (nanoGPT's meaning).
@@ -340,6 +349,7 @@ impl TrainConfig {
             dtype => self.dtype, device => self.device, seed => self.seed,
             out_dir => self.out_dir, save_interval => self.save_interval,
             log_interval => self.log_interval,
+            keep_last => self.keep_last,
         );
         if o.data.is_some() {
             self.data = o.data.clone();

@@ -32,9 +32,24 @@ enum Command {
     /// Per-rank memory, per-step traffic and estimated step time of a sharded run, without
     /// running it
     Plan(PlanArgs),
+    /// Write a checkpoint again for another world size, topology or preset (run under mpirun
+    /// with the new layout; values are unchanged)
+    Reshard(ReshardArgs),
     /// Benchmarks (training throughput, collectives)
     #[command(subcommand)]
     Bench(BenchCommand),
+}
+
+#[derive(Debug, Args)]
+struct ReshardArgs {
+    /// Checkpoint directory, or an out dir (its latest checkpoint)
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Out dir to write `step-NNNNNN/` into
+    #[arg(long)]
+    out: PathBuf,
+    #[command(flatten)]
+    shard: ShardArgs,
 }
 
 #[derive(Debug, Args)]
@@ -207,6 +222,7 @@ fn main() -> ExitCode {
         Command::Eval(args) => eval_cmd(args),
         Command::Prepare(args) => prepare(args),
         Command::Plan(args) => plan_cmd(args),
+        Command::Reshard(args) => reshard_cmd(args),
         Command::Bench(BenchCommand::Train(args)) => bench_train(args),
         Command::Bench(BenchCommand::Comm(args)) => bench_comm(args),
         Command::Bench(BenchCommand::Shard(args)) => bench_shard(args),
@@ -227,15 +243,7 @@ fn train(args: TrainArgs) -> CliResult<()> {
     };
     let settings = file.overridden_by(&args.settings);
     let comm = match &args.shard.shard {
-        Some(_) => {
-            if args.resume.is_some() {
-                return Err(usage(
-                    "--resume with --shard: sharded checkpoints are not written yet; resume a \
-                     single-process run without --shard",
-                ));
-            }
-            Some(args.shard.init_comm()?)
-        }
+        Some(_) => Some(args.shard.init_comm()?),
         None => {
             args.shard.check_unused()?;
             refuse_unsharded_mpi_job()?;
@@ -252,26 +260,31 @@ fn train(args: TrainArgs) -> CliResult<()> {
                 )));
             }
             let dir = checkpoint::locate(path)?;
-            let loaded = checkpoint::load(&dir)?;
-            let mut config = loaded.manifest.train.clone();
+            // A sharded job reads only its ranges later; one process reads it whole now.
+            let loaded = match &comm {
+                Some(_) => Resume::Sharded(dir.clone(), checkpoint::read_manifest(&dir)?),
+                None => Resume::Whole(Box::new(checkpoint::load(&dir)?)),
+            };
+            let manifest = loaded.manifest();
+            let mut config = manifest.train.clone();
             // A checkpoint continues where it lives (it may have been moved since), unless
             // --out-dir says otherwise.
             if let Some(parent) = dir.parent() {
                 config.out_dir = parent.to_path_buf();
             }
             config.apply(&settings, false)?;
-            if config.max_iters <= loaded.manifest.step {
+            if config.max_iters <= manifest.step {
                 return Err(usage(format!(
                     "--max-iters {} is not past the checkpoint's step {}: nothing to train; \
                      raise --max-iters",
-                    config.max_iters, loaded.manifest.step
+                    config.max_iters, manifest.step
                 )));
             }
             log0!(
                 rank,
                 "resuming from {} (step {})",
                 dir.display(),
-                loaded.manifest.step
+                manifest.step
             );
             (config, Some(loaded))
         }
@@ -351,11 +364,19 @@ fn train(args: TrainArgs) -> CliResult<()> {
             )));
         }
         let shard = args.shard.resolve(comm.topology(), config.dtype)?;
-        sharded::run(comm, &config, shard, dev, &prepared)?;
+        let from = match &loaded {
+            Some(Resume::Sharded(dir, _)) => Some(dir.as_path()),
+            _ => None,
+        };
+        sharded::run(comm, &config, shard, dev, &prepared, from)?;
         if rank != 0 {
             return Ok(());
         }
     } else {
+        let loaded = match loaded {
+            Some(Resume::Whole(l)) => Some(*l),
+            _ => None,
+        };
         let mut t = trainer::Trainer::new(config, dev, prepared, loaded)?;
         t.run()?;
     }
@@ -369,6 +390,22 @@ fn train(args: TrainArgs) -> CliResult<()> {
         png.display()
     );
     Ok(())
+}
+
+/// The checkpoint a run continues: read whole (one process) or opened later range by range
+/// (a sharded job).
+enum Resume {
+    Whole(Box<checkpoint::Loaded>),
+    Sharded(PathBuf, checkpoint::Manifest),
+}
+
+impl Resume {
+    fn manifest(&self) -> &checkpoint::Manifest {
+        match self {
+            Resume::Whole(l) => &l.manifest,
+            Resume::Sharded(_, m) => m,
+        }
+    }
 }
 
 /// Several ranks started by a launcher without `--shard` would each train alone and write the
@@ -493,6 +530,33 @@ fn prepare(args: PrepareArgs) -> CliResult<()> {
             "out": args.out, "vocab_size": tokenizer.vocab_size(),
             "train_tokens": p.train.len(), "val_tokens": p.val.len(),
         })
+    );
+    Ok(())
+}
+
+fn reshard_cmd(args: ReshardArgs) -> CliResult<()> {
+    if args.shard.shard.is_none() {
+        return Err(usage(
+            "ember reshard needs --shard PRESET (and --topology) for the new layout",
+        ));
+    }
+    if !args.checkpoint.exists() {
+        return Err(usage(format!(
+            "--checkpoint {}: no such directory",
+            args.checkpoint.display()
+        )));
+    }
+    let dir = checkpoint::locate(&args.checkpoint)?;
+    let manifest = checkpoint::read_manifest(&dir)?;
+    let comm = args.shard.init_comm()?;
+    let shard = args.shard.resolve(comm.topology(), manifest.train.dtype)?;
+    let out = sharded::reshard(&comm, &dir, &args.out, shard)?;
+    log0!(
+        comm.rank(),
+        "wrote {} for {} ranks ({})",
+        out.display(),
+        comm.topology().world_size(),
+        comm.topology()
     );
     Ok(())
 }

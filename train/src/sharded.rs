@@ -4,10 +4,11 @@
 //! writes `metrics.jsonl` (with bytes per level and the communication wait share) and
 //! `loss.png`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, anyhow};
+use anyhow::{Result, anyhow, ensure};
 use burn::tensor::Device;
 use clap::Args;
 use ember_comm::{Comm, CommConfig, PanicPolicy, Topology, TopologySource};
@@ -17,6 +18,7 @@ use ember_sharding::{
     AdamConfig, Compute, GradQuant, ShardConfig, ShardedModel, Span, StepHyper, WeightQuant,
 };
 
+use crate::checkpoint;
 use crate::config::{Dtype, TrainConfig};
 use crate::device::peak_flops;
 use crate::error::{CliResult, usage};
@@ -213,6 +215,7 @@ pub fn run(
     shard: ShardConfig,
     device: Device,
     data: &PreparedData,
+    resume: Option<&Path>,
 ) -> Result<Vec<StepMetrics>> {
     let rank = comm.rank();
     let world = comm.topology().world_size();
@@ -223,6 +226,34 @@ pub fn run(
         n_layer: c.model.n_layer,
     };
     let mut sharded = ShardedModel::new(comm, stages, model, shard, device)?;
+    let (first_step, mut tokens_seen) = match resume {
+        Some(dir) => {
+            let index = open_verified(comm, dir)?;
+            ensure!(
+                index.manifest.tokenizer_sha256 == data.tokenizer.sha256(),
+                "{} was trained with another tokenizer than this data's; resume with the same \
+                 --data and --tokenizer",
+                dir.display()
+            );
+            restore(&mut sharded, &index)?;
+            log0!(
+                rank,
+                "resumed {} (step {}, written by {} ranks{}) into {} over {}",
+                dir.display(),
+                index.manifest.step,
+                index.manifest.world_size,
+                index
+                    .manifest
+                    .shard
+                    .as_ref()
+                    .map_or(String::new(), |s| format!(" with {}", s.preset)),
+                sharded.plan().config.preset,
+                comm.topology()
+            );
+            (index.manifest.step, index.manifest.data.tokens_seen)
+        }
+        None => (0, 0),
+    };
     let memory = sharded.plan().memory(c.grad_accum);
     log0!(
         rank,
@@ -251,17 +282,20 @@ pub fn run(
     };
     let sampler = Sampler::new(&data.train, c.block_size, c.seed, STREAM_TRAIN)?;
     let mut writer = if rank == 0 {
-        Some(MetricsWriter::open(&c.out_dir, None)?)
+        Some(MetricsWriter::open(
+            &c.out_dir,
+            (first_step > 0).then_some(first_step),
+        )?)
     } else {
         None
     };
     let peak = peak_flops(c.device, c.peak_tflops);
     let flops_per_token = c.model.train_flops_per_token(c.block_size);
-    let bar = progress_bar(c.max_iters, 0, rank);
+    let bar = progress_bar(c.max_iters, first_step, rank);
     let start = Instant::now();
     let mut window = (0.0f64, 0u64);
     let mut logged = Vec::new();
-    for step in 0..c.max_iters {
+    for step in first_step..c.max_iters {
         let batches = micro_batches(&sampler, &batch_plan, step);
         let lr = schedule.at(step);
         let report = sharded.train_step(
@@ -274,6 +308,7 @@ pub fn run(
         )?;
         window.0 += report.step_s;
         window.1 += c.tokens_per_step() as u64;
+        tokens_seen += c.tokens_per_step() as u64;
         let done = step + 1;
         let last = done == c.max_iters;
         let eval_now = c.eval_interval > 0 && (done.is_multiple_of(c.eval_interval) || last);
@@ -317,11 +352,265 @@ pub fn run(
             logged.push(m);
             window = (0.0, 0);
         }
+        if (c.save_interval > 0 && done.is_multiple_of(c.save_interval)) || last {
+            let tokenizer = (data.dir.join("tokenizer.json"), data.tokenizer.sha256());
+            let dir = save(&sharded, c, done, tokens_seen, &tokenizer)?;
+            bar.suspend(|| log0!(rank, "saved {}", dir.display()));
+        }
     }
     bar.finish_and_clear();
     Ok(logged)
 }
 
+/// True on every rank when every rank passes `ok` (one byte per rank over the world).
+fn all_ok(comm: &Comm, ok: bool) -> Result<bool> {
+    let flags = comm.world().all_gather(&[u8::from(ok)])?;
+    Ok(flags.iter().all(|&f| f == 1))
+}
+
+/// Opens a checkpoint on every rank (headers only) and verifies its files' checksums, each
+/// rank a share of the files; fails on every rank if any rank found a bad file.
+pub fn open_verified(comm: &Comm, dir: &Path) -> Result<checkpoint::Index> {
+    let (rank, world) = (comm.rank(), comm.topology().world_size());
+    let opened = checkpoint::Index::open(dir);
+    let verified = opened
+        .as_ref()
+        .map_err(|e| anyhow!("{e:#}"))
+        .and_then(|index| checkpoint::verify_some(dir, &index.manifest, |i| i % world == rank));
+    let ok = verified.is_ok();
+    let flags = comm.world().all_gather(&[u8::from(ok)])?;
+    let index = opened?;
+    verified?;
+    if let Some(r) = flags.iter().position(|&f| f != 1) {
+        return Err(anyhow!(
+            "{}: rank {r} found a file that fails its size or SHA-256 check (its log names \
+             it); nothing was loaded",
+            dir.display()
+        ));
+    }
+    Ok(index)
+}
+
+/// Loads this rank's optimizer shards from `index`, whatever partition wrote it, after
+/// checking it holds this model's tensors.
+fn restore(sharded: &mut ShardedModel<'_, GptStages, 3>, index: &checkpoint::Index) -> Result<()> {
+    let expected: Vec<(String, Vec<usize>)> = sharded
+        .plan()
+        .units
+        .iter()
+        .flat_map(|u| u.params.iter().map(|p| (p.name.clone(), p.shape.clone())))
+        .collect();
+    let found: Vec<(String, Vec<usize>)> = index
+        .manifest
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone()))
+        .collect();
+    if let Some(((n, s), (m, t))) = expected.iter().zip(&found).find(|(a, b)| a != b) {
+        return Err(anyhow!(
+            "{}: tensor {m} {t:?} does not match this model's {n} {s:?}: the checkpoint is of \
+             another model configuration",
+            index.dir.display()
+        ));
+    }
+    ensure!(
+        expected.len() == found.len(),
+        "{}: {} tensors, this model has {}: the checkpoint is of another model configuration",
+        index.dir.display(),
+        found.len(),
+        expected.len()
+    );
+    let mut read = |name: &str, range: std::ops::Range<usize>| -> Result<[Vec<f32>; 3], String> {
+        let mut out: [Vec<f32>; 3] = Default::default();
+        for (k, kind) in checkpoint::KINDS.iter().enumerate() {
+            out[k] = index
+                .read(kind, name, range.clone())
+                .map_err(|e| format!("{e:#}"))?;
+        }
+        Ok(out)
+    };
+    sharded.load_state(index.adam_step, &mut read)?;
+    Ok(())
+}
+
+/// Writes a checkpoint of step `step`: every writing rank its own shard file (no rank
+/// gathers the model), rank 0 the tokenizer and the manifest with every file's checksum,
+/// then the directory is renamed into place. Every rank must call it.
+pub fn save(
+    sharded: &ShardedModel<'_, GptStages, 3>,
+    c: &TrainConfig,
+    step: u64,
+    tokens_seen: u64,
+    tokenizer: &(PathBuf, String),
+) -> Result<PathBuf> {
+    let comm = sharded.comm();
+    let rank = comm.rank();
+    // Every rank names the temporary directory after rank 0's process id.
+    let mut token = std::process::id().to_le_bytes();
+    comm.world().broadcast(&mut token, 0)?;
+    let token = u32::from_le_bytes(token);
+    let tmp = checkpoint::tmp_dir(&c.out_dir, step, token);
+    let begun = if rank == 0 {
+        checkpoint::begin(&c.out_dir, step, token).map(|_| ())
+    } else {
+        Ok(())
+    };
+    if !all_ok(comm, begun.is_ok())? {
+        begun?;
+        return Err(anyhow!("rank 0 could not create {}", tmp.display()));
+    }
+    // Each writer: its file, then (size, SHA-256) to rank 0 in a fixed-size record.
+    const RECORD: usize = 1 + 8 + 64;
+    let mut record = [0u8; RECORD];
+    let written = if sharded.is_writer() {
+        let numel: HashMap<&str, usize> = sharded
+            .plan()
+            .units
+            .iter()
+            .flat_map(|u| u.params.iter().map(|p| (p.name.as_str(), p.numel)))
+            .collect();
+        let entries = sharded
+            .owned_pieces()
+            .into_iter()
+            .map(|(name, offset, values)| {
+                let global_numel = numel[name.as_str()];
+                (
+                    name,
+                    checkpoint::Range {
+                        offset,
+                        global_numel,
+                    },
+                    values,
+                )
+            })
+            .collect();
+        let shard = checkpoint::ShardData {
+            rank,
+            entries,
+            adam_step: sharded.adam_step(),
+        };
+        checkpoint::write_shard(&tmp, &shard).and_then(|p| checkpoint::file_entry(&p))
+    } else {
+        Err(anyhow!("not a writer"))
+    };
+    match &written {
+        Ok(entry) => {
+            record[0] = 1;
+            record[1..9].copy_from_slice(&entry.bytes.to_le_bytes());
+            record[9..].copy_from_slice(entry.sha256.as_bytes());
+        }
+        Err(_) if !sharded.is_writer() => {}
+        Err(e) => {
+            eprintln!("[ember] rank {rank}: writing its checkpoint file failed: {e:#}");
+            record[0] = 2;
+        }
+    }
+    let records = comm.world().all_gather(&record)?;
+    let failed = records.chunks_exact(RECORD).position(|r| r[0] == 2);
+    let finished = if rank == 0 {
+        match failed {
+            Some(r) => Err(anyhow!("rank {r} could not write its checkpoint file")),
+            None => {
+                let files = records
+                    .chunks_exact(RECORD)
+                    .enumerate()
+                    .filter(|(_, r)| r[0] == 1)
+                    .map(|(r, rec)| checkpoint::FileEntry {
+                        path: checkpoint::shard_file_name(r),
+                        bytes: u64::from_le_bytes(rec[1..9].try_into().expect("8 bytes")),
+                        sha256: String::from_utf8_lossy(&rec[9..]).into_owned(),
+                    })
+                    .collect();
+                let manifest = manifest(sharded, c, step, tokens_seen, &tokenizer.1);
+                checkpoint::finish(&c.out_dir, &tmp, manifest, files, &tokenizer.0).and_then(
+                    |dir| {
+                        if c.keep_last > 0 {
+                            checkpoint::prune(&c.out_dir, c.keep_last as usize)?;
+                        }
+                        Ok(dir)
+                    },
+                )
+            }
+        }
+    } else {
+        Ok(c.out_dir.join(checkpoint::step_dir_name(step)))
+    };
+    if !all_ok(comm, finished.is_ok())? {
+        finished?;
+        return Err(anyhow!(
+            "the checkpoint of step {step} could not be completed (see rank 0's error); the \
+             previous checkpoints are untouched"
+        ));
+    }
+    finished
+}
+
+/// The manifest of a sharded checkpoint.
+fn manifest(
+    sharded: &ShardedModel<'_, GptStages, 3>,
+    c: &TrainConfig,
+    step: u64,
+    tokens_seen: u64,
+    tokenizer_sha256: &str,
+) -> checkpoint::Manifest {
+    let plan = sharded.plan();
+    checkpoint::Manifest {
+        format: checkpoint::FORMAT.into(),
+        version: 1,
+        step,
+        train: c.clone(),
+        world_size: plan.topology.world_size(),
+        data: checkpoint::DataPosition {
+            seed: c.seed,
+            next_step: step,
+            tokens_seen,
+        },
+        rng: checkpoint::RngState {
+            scheme: crate::trainer::RNG_SCHEME.into(),
+            seed: c.seed,
+        },
+        tokenizer_sha256: tokenizer_sha256.to_string(),
+        tensors: plan
+            .units
+            .iter()
+            .flat_map(|u| u.params.iter())
+            .map(|p| checkpoint::TensorMeta {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+            })
+            .collect(),
+        files: Vec::new(),
+        shard: Some(plan.config.clone()),
+        topology: Some(plan.topology.to_string()),
+    }
+}
+
+/// `ember reshard`: loads a checkpoint into this job's partition and writes it again under
+/// `out`, unchanged in value: the same step, weights, moments and data position. Every rank
+/// must call it.
+pub fn reshard(comm: &Comm, dir: &Path, out: &Path, shard: ShardConfig) -> Result<PathBuf> {
+    let index = open_verified(comm, dir)?;
+    let mut c = index.manifest.train.clone();
+    c.out_dir = out.to_path_buf();
+    let tokenizer = (
+        dir.join("tokenizer.json"),
+        index.manifest.tokenizer_sha256.clone(),
+    );
+    let device = Device::flex();
+    let model = c.model.init_with_seed(c.seed, &device);
+    let stages = GptStages {
+        n_layer: c.model.n_layer,
+    };
+    let mut sharded = ShardedModel::new(comm, stages, model, shard, device)?;
+    restore(&mut sharded, &index)?;
+    save(
+        &sharded,
+        &c,
+        index.manifest.step,
+        index.manifest.data.tokens_seen,
+        &tokenizer,
+    )
+}
 /// Validation loss with the run's eval settings, the same number the single-process trainer
 /// reports: the eval micro-batch is split over the ranks when it divides, else every rank
 /// scores all of it.

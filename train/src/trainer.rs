@@ -326,6 +326,8 @@ impl Trainer {
                 })
                 .collect(),
             files: Vec::new(),
+            shard: None,
+            topology: None,
         };
         let shard = ShardData {
             rank: 0,
@@ -400,6 +402,9 @@ impl Trainer {
             }
             if (c.save_interval > 0 && step.is_multiple_of(c.save_interval)) || last {
                 let dir = self.save()?;
+                if c.keep_last > 0 {
+                    checkpoint::prune(&c.out_dir, c.keep_last as usize)?;
+                }
                 bar.suspend(|| log0!(0, "saved {}", dir.display()));
             }
         }

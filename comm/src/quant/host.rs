@@ -1,24 +1,61 @@
-//! The quantization kernels in plain Rust for host buffers: the same numerics as `reference`,
-//! arranged per block so the compiler vectorises the loops. Tests prove it bit-identical to
-//! the reference (and so to the CubeCL kernels); it deliberately adds no threads or SIMD
-//! intrinsics.
+//! The quantization kernels for host buffers: the numerics of `reference`, bit for bit, in one
+//! pass per block (the block's max while it sits in L1, then quantize and pack from L1), on
+//! AVX-512F (`avx512`, hand-written) or else plain Rust compiled for AVX2 and for baseline
+//! SSE2 (multiversioned), picked at run time. It deliberately adds no threads.
+//!
+//! # Division by a reciprocal, exactly
+//!
+//! The reference computes `round_half_even(x / scale)`; a vector division costs ~10x a
+//! multiplication, so the fast path computes `y = x * fl(1 / scale)` instead and falls back to
+//! the division for any group of lanes where that could change the integer. Why it is exact:
+//! for a normal scale in `[2^-100, 2^100]` (see [`recip_safe`]), with `u = 2^-24`,
+//! `q* = x / scale` (exact), `Q = fl(q*)` (what the reference rounds) and `|q*| <= QMAX / (1 - u)`
+//! (`scale = fl(amax / QMAX)`, `|x| <= amax`):
+//!
+//! - `fl(1 / scale)` and `fl(x * r)` each add one relative error `<= u`, so
+//!   `|y - q*| <= (2u + u^2) |q*|` and `|y - Q| <= (3u + u^2) |q*| + 2^-149 < 2^-14` (`|q*| < 128`).
+//! - `round_half_even` is constant between consecutive half-integers. If `y` is further than
+//!   [`TIE_ZONE`]'s `2^-12` from every half-integer, `Q` lies in the same open interval, so both
+//!   round to `rint(y)`; otherwise the lanes are recomputed with the IEEE division.
+//! - `|y| < QMAX + 0.5`, so `rint(y)` needs no clamp (and `Q` none either).
+//!
+//! Subnormal, tiny or huge scales (whose reciprocal may be inexact or overflow) take the
+//! division for the whole block. Dequantization is one multiply (plus, for sums, adds in part
+//! order from `0.0`), the same operations as the reference, so the same bits; int4 looks the
+//! product up in a 16-entry table of `nibble * scale`, computed by the same multiply.
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 use super::{BlockSize, NON_FINITE_BITS, POISON_SCALE, QuantFormat, QuantKernels, Quantized};
 
-/// The host runtime: data in ordinary `Vec`s.
+/// The host runtime: data in ordinary `Vec`s (or caller slices with the `_into` forms).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HostKernels;
 
-/// `1.5 * 2^23`: adding and subtracting it rounds an f32 of magnitude below `2^22` to an
-/// integer in the current rounding mode (nearest, ties to even) without a libm call, which
-/// `round_ties_even` needs on baseline x86-64. Our quotients are at most ~254 in magnitude
-/// (`|x| <= amax` and `scale >= amax / 254` even for subnormal scales).
+/// `1.5 * 2^23`: adding it to an f32 of magnitude below `2^22` rounds it to an integer in the
+/// current rounding mode (nearest, ties to even; Rust never changes it) and leaves that integer
+/// `k` in the low mantissa bits: `bits(y + M) == bits(M) + k`. No libm call (`round_ties_even`
+/// needs one on baseline x86-64) and no float-to-int conversion. Every quotient here is below
+/// ~254 in magnitude (`|x| <= amax` and `scale >= amax / 254` even for subnormal scales).
 const ROUND_MAGIC: f32 = 12_582_912.0;
+/// The bits of [`ROUND_MAGIC`]; its low 8 bits are zero, so the low byte (nibble) of
+/// `bits(y + M)` already is `k` as a two's-complement int8 (int4).
+const ROUND_MAGIC_BITS: i32 = 0x4b40_0000;
+/// `|y - rint(y)|` at or above this may be within `2^-12` of a half-integer: recompute by
+/// division (see the module doc; the proven distance is `2^-14`, the rest is margin).
+const TIE_ZONE: f32 = 0.5 - 1.0 / 4096.0;
 
-fn scale_of(block: &[f32], qmax: f32) -> f32 {
-    let amax_bits = block
-        .iter()
-        .fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+/// Whether multiplying by `fl(1 / scale)` is exact enough (module doc): a normal scale whose
+/// reciprocal is normal too, with room to spare.
+#[inline(always)]
+fn recip_safe(scale: f32) -> bool {
+    (2f32.powi(-100)..=2f32.powi(100)).contains(&scale)
+}
+
+/// The scale of a block from its largest `|x|` bit pattern (`reference::block_scale`).
+#[inline(always)]
+fn scale_from_bits(amax_bits: u32, qmax: f32) -> f32 {
     if amax_bits >= NON_FINITE_BITS {
         POISON_SCALE
     } else {
@@ -26,84 +63,58 @@ fn scale_of(block: &[f32], qmax: f32) -> f32 {
     }
 }
 
-/// The bits of `ROUND_MAGIC`: after `y + ROUND_MAGIC` the integer `k` nearest `y` sits in the
-/// low mantissa bits, so `bits(y + M) - bits(M) == k` and no float-to-int conversion is needed.
-const ROUND_MAGIC_BITS: i32 = 0x4b40_0000;
-
+/// The reference's `round_half_even(x / scale).clamp(-qmax, qmax)` for a finite non-zero scale.
 #[inline(always)]
-fn quantize_one(x: f32, scale: f32, qmax: i32) -> i32 {
-    // Divide (not multiply by a reciprocal) to match the kernels and the reference bit for bit.
+fn quantize_exact(x: f32, scale: f32, qmax: i32) -> i32 {
     let k = (x / scale + ROUND_MAGIC).to_bits() as i32 - ROUND_MAGIC_BITS;
     k.clamp(-qmax, qmax)
 }
 
-/// Quantizes one block into int8 bytes; fixed-width inner loops so the compiler vectorises.
-#[inline(always)]
-fn quantize_block_i8(chunk: &[f32], scale: f32, out: &mut [u8]) {
-    let whole = chunk.len() / 8 * 8;
-    let (x_head, x_tail) = chunk.split_at(whole);
-    let (o_head, o_tail) = out.split_at_mut(whole);
-    for (o, x) in o_head.chunks_exact_mut(8).zip(x_head.chunks_exact(8)) {
-        for j in 0..8 {
-            o[j] = quantize_one(x[j], scale, 127) as u8;
-        }
-    }
-    for (o, &x) in o_tail.iter_mut().zip(x_tail) {
-        *o = quantize_one(x, scale, 127) as u8;
-    }
-}
-
-/// Quantizes one block into packed int4 bytes (element 2k low nibble, 2k + 1 high).
-#[inline(always)]
-fn quantize_block_i4(chunk: &[f32], scale: f32, out: &mut [u8]) {
-    let whole = chunk.len() / 8 * 8;
-    let (x_head, x_tail) = chunk.split_at(whole);
-    let (o_head, o_tail) = out.split_at_mut(whole / 2);
-    for (o, x) in o_head.chunks_exact_mut(4).zip(x_head.chunks_exact(8)) {
-        for j in 0..4 {
-            let lo = quantize_one(x[2 * j], scale, 7) as u8 & 0xf;
-            let hi = quantize_one(x[2 * j + 1], scale, 7) as u8 & 0xf;
-            o[j] = lo | (hi << 4);
-        }
-    }
-    for (k, o) in o_tail.iter_mut().enumerate() {
-        let lo = quantize_one(x_tail[2 * k], scale, 7) as u8 & 0xf;
-        let hi = x_tail
-            .get(2 * k + 1)
-            .map_or(0, |&v| quantize_one(v, scale, 7) as u8 & 0xf);
-        *o = lo | (hi << 4);
-    }
-}
-
-#[inline(always)]
-fn quantize_block_portable(format: QuantFormat, chunk: &[f32], scale: f32, out: &mut [u8]) {
-    match format {
-        QuantFormat::Int8 => quantize_block_i8(chunk, scale, out),
-        QuantFormat::Int4 => quantize_block_i4(chunk, scale, out),
-    }
-}
-
-/// The same loops compiled for AVX2: 8-wide division instead of SSE2's 4. IEEE division and
-/// no FMA contraction (Rust never contracts), so the results are the same bits.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn quantize_block_avx2(format: QuantFormat, chunk: &[f32], scale: f32, out: &mut [u8]) {
-    quantize_block_portable(format, chunk, scale, out)
-}
-
-/// Quantizes one finite, non-zero-scale block, on the widest vector unit this CPU has.
-fn quantize_block(format: QuantFormat, chunk: &[f32], scale: f32, out: &mut [u8]) {
+/// Which implementation runs; the best one this CPU supports unless a test picks another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Isa {
+    /// Plain Rust for baseline x86-64 (SSE2) or any other architecture.
+    Portable,
+    /// The same Rust compiled with AVX2 enabled.
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2 (checked just above).
-        return unsafe { quantize_block_avx2(format, chunk, scale, out) };
+    Avx2,
+    /// Hand-written AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Isa {
+    /// The widest implementation this CPU runs (`is_x86_feature_detected!` caches its answer).
+    fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
     }
-    quantize_block_portable(format, chunk, scale, out)
+}
+
+/// How a dequantized value lands in the output (the reference's `dequantize` writes the
+/// product; `dequantize_sum` folds from `0.0`, which differs for `-0.0`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Write {
+    /// `out = q * scale`.
+    Set,
+    /// `out = 0.0 + q * scale`: the first part of a sum.
+    FromZero,
+    /// `out += q * scale`.
+    Add,
 }
 
 impl HostKernels {
     /// Quantizes into caller buffers (`data` of `format.data_bytes(x.len())` bytes, `scales`
-    /// of one per block), so a benchmark can measure the arithmetic without allocation.
+    /// of one per block), without allocating.
     pub fn quantize_into(
         &self,
         x: &[f32],
@@ -112,50 +123,219 @@ impl HostKernels {
         data: &mut [u8],
         scales: &mut [f32],
     ) {
-        let b = block.get();
-        assert_eq!(data.len(), format.data_bytes(x.len()), "data length");
-        assert_eq!(scales.len(), x.len().div_ceil(b), "scale count");
-        for (k, chunk) in x.chunks(b).enumerate() {
-            let scale = scale_of(chunk, format.qmax());
-            scales[k] = scale;
-            // Blocks are a multiple of 8 elements, so block k's bytes start at a whole byte.
-            let out = &mut data[format.data_bytes(k * b)..format.data_bytes(k * b + chunk.len())];
-            if scale.is_nan() || scale == 0.0 {
-                out.fill(0);
-                continue;
-            }
-            quantize_block(format, chunk, scale, out);
-        }
+        quantize_into_on(Isa::best(), x, format, block, data, scales);
+    }
+
+    /// Writes the dequantized `q` into `out` (`q.len` elements), without allocating.
+    pub fn dequantize_into(&self, q: &Quantized, out: &mut [f32]) {
+        dequantize_on(Isa::best(), q, out, Write::Set);
+    }
+
+    /// Writes the element-wise sum of the dequantized `parts` into `out`, added in part order
+    /// from `0.0` like [`QuantKernels::dequantize_sum`]; no parts gives zeros.
+    pub fn dequantize_sum_into(&self, parts: &[Quantized], out: &mut [f32]) {
+        dequantize_sum_on(Isa::best(), parts, out);
     }
 
     /// Adds the dequantized `q` to `acc` element-wise (`acc[i] += q_i * scale`).
     pub fn dequantize_add(&self, q: &Quantized, acc: &mut [f32]) {
+        dequantize_on(Isa::best(), q, acc, Write::Add);
+    }
+}
+
+fn quantize_into_on(
+    isa: Isa,
+    x: &[f32],
+    format: QuantFormat,
+    block: BlockSize,
+    data: &mut [u8],
+    scales: &mut [f32],
+) {
+    assert_eq!(data.len(), format.data_bytes(x.len()), "data length");
+    assert_eq!(scales.len(), x.len().div_ceil(block.get()), "scale count");
+    match isa {
+        Isa::Portable => portable::quantize(x, format, block, data, scales),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only chosen (by `best` or a test) where the CPU has AVX2.
+        Isa::Avx2 => unsafe { portable::quantize_avx2(x, format, block, data, scales) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx512` is only chosen where the CPU has AVX-512F.
+        Isa::Avx512 => unsafe { avx512::quantize(x, format, block, data, scales) },
+    }
+}
+
+fn dequantize_on(isa: Isa, q: &Quantized, out: &mut [f32], write: Write) {
+    assert_eq!(out.len(), q.len, "output length");
+    assert_eq!(q.data.len(), q.format.data_bytes(q.len), "data length");
+    assert_eq!(q.scales.len(), q.len.div_ceil(q.block.get()), "scale count");
+    match isa {
+        Isa::Portable => portable::dequantize(q, out, write),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `quantize_into_on`.
+        Isa::Avx2 => unsafe { portable::dequantize_avx2(q, out, write) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `quantize_into_on`.
+        Isa::Avx512 => unsafe { avx512::dequantize(q, out, write) },
+    }
+}
+
+fn dequantize_sum_on(isa: Isa, parts: &[Quantized], out: &mut [f32]) {
+    let Some((first, rest)) = parts.split_first() else {
+        out.fill(0.0);
+        return;
+    };
+    // Part by part: at the sizes the collectives use, `out` stays in L2 between parts.
+    dequantize_on(isa, first, out, Write::FromZero);
+    for p in rest {
+        dequantize_on(isa, p, out, Write::Add);
+    }
+}
+
+/// Plain Rust, written in fixed 16-lane chunks so the compiler vectorises it; compiled twice.
+mod portable {
+    use super::*;
+
+    /// One 16-element chunk: the bits whose low byte (nibble) is each element's integer.
+    #[inline(always)]
+    fn chunk(x: &[f32; 16], scale: f32, recip: Option<f32>, qmax: i32) -> [u32; 16] {
+        if let Some(r) = recip {
+            let mut bits = [0u32; 16];
+            let mut near = false;
+            for j in 0..16 {
+                let y = x[j] * r;
+                let a = y + ROUND_MAGIC;
+                near |= (y - (a - ROUND_MAGIC)).abs() >= TIE_ZONE;
+                bits[j] = a.to_bits();
+            }
+            if !near {
+                return bits;
+            }
+        }
+        x.map(|v| quantize_exact(v, scale, qmax) as u32)
+    }
+
+    #[inline(always)]
+    fn quantize_block(format: QuantFormat, x: &[f32], scale: f32, out: &mut [u8]) {
+        let recip = recip_safe(scale).then(|| 1.0 / scale);
+        let qmax = format.qmax() as i32;
+        let per = format.data_bytes(16);
+        let mut xs = x.chunks_exact(16);
+        let mut os = out.chunks_exact_mut(per);
+        for (c, o) in (&mut xs).zip(&mut os) {
+            pack(format, &chunk(c.try_into().unwrap(), scale, recip, qmax), o);
+        }
+        let rest = xs.remainder();
+        if !rest.is_empty() {
+            let mut c = [0.0f32; 16];
+            c[..rest.len()].copy_from_slice(rest);
+            let mut bytes = [0u8; 16];
+            // Zero padding quantizes to 0, so a trailing int4 half byte is 0 as specified.
+            pack(format, &chunk(&c, scale, recip, qmax), &mut bytes[..per]);
+            let o = os.into_remainder();
+            o.copy_from_slice(&bytes[..o.len()]);
+        }
+    }
+
+    #[inline(always)]
+    fn pack(format: QuantFormat, bits: &[u32; 16], out: &mut [u8]) {
+        match format {
+            QuantFormat::Int8 => {
+                for (o, &b) in out.iter_mut().zip(bits) {
+                    *o = b as u8;
+                }
+            }
+            QuantFormat::Int4 => {
+                for (o, p) in out.iter_mut().zip(bits.chunks_exact(2)) {
+                    *o = (p[0] as u8 & 0xf) | ((p[1] as u8) << 4);
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    pub(super) fn quantize(
+        x: &[f32],
+        format: QuantFormat,
+        block: BlockSize,
+        data: &mut [u8],
+        scales: &mut [f32],
+    ) {
+        let b = block.get();
+        // Blocks are a multiple of 8 elements, so each block's bytes start at a whole byte.
+        let per_block = format.data_bytes(b);
+        for ((chunk, out), s) in x.chunks(b).zip(data.chunks_mut(per_block)).zip(scales) {
+            let amax = chunk
+                .iter()
+                .fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+            let scale = scale_from_bits(amax, format.qmax());
+            *s = scale;
+            if scale.is_nan() || scale == 0.0 {
+                out.fill(0);
+            } else {
+                quantize_block(format, chunk, scale, out);
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn put(o: &mut f32, v: f32, write: Write) {
+        match write {
+            Write::Set => *o = v,
+            Write::FromZero => *o = 0.0 + v,
+            Write::Add => *o += v,
+        }
+    }
+
+    #[inline(always)]
+    pub(super) fn dequantize(q: &Quantized, out: &mut [f32], write: Write) {
         let b = q.block.get();
-        assert_eq!(acc.len(), q.len, "accumulator length");
-        for (k, out) in acc.chunks_mut(b).enumerate() {
-            let scale = q.scales[k];
-            let bytes = &q.data[q.format.data_bytes(k * b)..];
+        let per_block = q.format.data_bytes(b);
+        for ((out, bytes), &scale) in out
+            .chunks_mut(b)
+            .zip(q.data.chunks(per_block))
+            .zip(&q.scales)
+        {
             match q.format {
                 QuantFormat::Int8 => {
                     for (o, &v) in out.iter_mut().zip(bytes) {
-                        *o += (v as i8) as f32 * scale;
+                        put(o, (v as i8) as f32 * scale, write);
                     }
                 }
                 QuantFormat::Int4 => {
                     // Shift a nibble to the top of an i8 and back: sign extension.
-                    let last_byte = out.len() / 2;
                     let mut pairs = out.chunks_exact_mut(2);
                     for (o, &byte) in (&mut pairs).zip(bytes) {
-                        o[0] += (((byte << 4) as i8) >> 4) as f32 * scale;
-                        o[1] += ((byte as i8) >> 4) as f32 * scale;
+                        put(&mut o[0], (((byte << 4) as i8) >> 4) as f32 * scale, write);
+                        put(&mut o[1], ((byte as i8) >> 4) as f32 * scale, write);
                     }
                     if let [last] = pairs.into_remainder() {
-                        let byte = bytes[last_byte];
-                        *last += (((byte << 4) as i8) >> 4) as f32 * scale;
+                        let byte = bytes[bytes.len() - 1];
+                        put(last, (((byte << 4) as i8) >> 4) as f32 * scale, write);
                     }
                 }
             }
         }
+    }
+
+    /// [`quantize`] compiled for AVX2: IEEE division and no FMA contraction (Rust never
+    /// contracts), so the same bits on 8 lanes instead of 4.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn quantize_avx2(
+        x: &[f32],
+        format: QuantFormat,
+        block: BlockSize,
+        data: &mut [u8],
+        scales: &mut [f32],
+    ) {
+        quantize(x, format, block, data, scales)
+    }
+
+    /// [`dequantize`] compiled for AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn dequantize_avx2(q: &Quantized, out: &mut [f32], write: Write) {
+        dequantize(q, out, write)
     }
 }
 
@@ -178,140 +358,17 @@ impl QuantKernels for HostKernels {
     }
 
     fn dequantize(&self, q: &Quantized) -> Vec<f32> {
-        self.dequantize_sum(std::slice::from_ref(q))
+        let mut out = vec![0.0f32; q.len];
+        self.dequantize_into(q, &mut out);
+        out
     }
 
     fn dequantize_sum(&self, parts: &[Quantized]) -> Vec<f32> {
-        let mut acc = vec![0.0f32; parts.first().map_or(0, |p| p.len)];
-        for p in parts {
-            self.dequantize_add(p, &mut acc);
-        }
-        acc
+        let mut out = vec![0.0f32; parts.first().map_or(0, |p| p.len)];
+        self.dequantize_sum_into(parts, &mut out);
+        out
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::super::reference;
-    use super::*;
-
-    /// Deterministic pseudo-random f32s spanning many magnitudes (xorshift; no dependency).
-    pub(crate) fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                let mant = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-                let exp = ((s >> 8) % 16) as i32 - 8;
-                mant * 2f32.powi(exp)
-            })
-            .collect()
-    }
-
-    fn cases() -> Vec<(String, Vec<f32>)> {
-        let mut special = values(80, 3);
-        special[..16].fill(0.0); // an all-zero block (blocks of 16 below)
-        special[20] = f32::INFINITY;
-        special[40] = f32::NEG_INFINITY;
-        special[70] = f32::NAN;
-        special[33] = -0.0;
-        // Blocks of 8 whose scale is exactly 1 (amax 127 for int8, 7 for int4): exact ties.
-        let ties = vec![
-            127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 7.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5,
-            6.5,
-        ];
-        vec![
-            ("random 1000 (not a block multiple)".into(), values(1000, 1)),
-            ("random 4096".into(), values(4096, 2)),
-            ("zeros, ±inf, NaN, -0".into(), special),
-            ("halves".into(), ties),
-            (
-                "tiny and subnormal".into(),
-                vec![1e-40, -3e-42, 1e-45, 0.0, 2e-38, 5e-39, 7e-45, 1e-44, 1e-39],
-            ),
-            ("odd length 7".into(), values(7, 4)),
-            ("empty".into(), vec![]),
-        ]
-    }
-
-    #[test]
-    fn host_is_bit_identical_to_the_reference() {
-        for block in [8, 16, 64] {
-            let block = BlockSize::new(block).unwrap();
-            for format in [QuantFormat::Int8, QuantFormat::Int4] {
-                for (name, x) in cases() {
-                    let want = reference::quantize(&x, format, block);
-                    let got = HostKernels.quantize(&x, format, block);
-                    assert!(
-                        got.bit_eq(&want),
-                        "{name} {format:?} {block:?}\n{got:?}\n{want:?}"
-                    );
-                    let d_want = reference::dequantize(&want);
-                    let d_got = HostKernels.dequantize(&got);
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&d_got), bits(&d_want), "{name} {format:?}");
-                    let parts = vec![
-                        want.clone(),
-                        reference::quantize(&values(x.len(), 9), format, block),
-                        want,
-                    ];
-                    assert_eq!(
-                        bits(&HostKernels.dequantize_sum(&parts)),
-                        bits(&reference::dequantize_sum(&parts)),
-                        "{name} {format:?} sum"
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn error_is_within_half_a_scale_and_specials_poison_their_block() {
-        let block = BlockSize::new(16).unwrap();
-        for format in [QuantFormat::Int8, QuantFormat::Int4] {
-            for (name, x) in cases() {
-                let q = HostKernels.quantize(&x, format, block);
-                let back = HostKernels.dequantize(&q);
-                for (i, (&a, &b)) in x.iter().zip(&back).enumerate() {
-                    let scale = q.scales[i / 16];
-                    if scale.is_nan() {
-                        assert!(b.is_nan(), "{name}: element {i} of a poisoned block");
-                        continue;
-                    }
-                    assert!(a.is_finite());
-                    // One f32 rounding in x / scale and one in q * scale: allow 2^-20 relative.
-                    let bound = scale / 2.0 + (a.abs() + scale) * 2f32.powi(-20);
-                    assert!(
-                        (a - b).abs() <= bound.max(f32::MIN_POSITIVE),
-                        "{name} {format:?} [{i}]: {a} -> {b}, scale {scale}"
-                    );
-                }
-            }
-        }
-        let ties = cases().into_iter().find(|(n, _)| n == "halves").unwrap().1;
-        let q = HostKernels.quantize(&ties, QuantFormat::Int8, BlockSize::new(8).unwrap());
-        let ints: Vec<i8> = q.data[..8].iter().map(|&b| b as i8).collect();
-        assert_eq!(
-            ints,
-            vec![127, 0, 2, 2, 0, -2, -2, 126],
-            "round half to even"
-        );
-        let q = HostKernels.quantize(&ties, QuantFormat::Int4, BlockSize::new(8).unwrap());
-        let ints: Vec<i32> = (8..16).map(|i| reference::stored(&q, i)).collect();
-        assert_eq!(
-            ints,
-            vec![7, 0, 2, 2, 0, -2, -2, 6],
-            "int4 round half to even"
-        );
-        let mut zeros = vec![0.0f32; 32];
-        zeros[17] = f32::NAN;
-        let q = HostKernels.quantize(&zeros, QuantFormat::Int8, block);
-        assert_eq!(q.scales[0], 0.0, "an all-zero block has scale 0");
-        assert!(q.scales[1].is_nan());
-        let back = HostKernels.dequantize(&q);
-        assert!(back[..16].iter().all(|&v| v == 0.0));
-        assert!(back[16..].iter().all(|v| v.is_nan()));
-    }
-}
+mod tests;

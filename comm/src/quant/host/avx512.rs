@@ -1,0 +1,280 @@
+//! The host kernels on AVX-512F, 16 lanes: per block, the max of `|x|` bit patterns in one
+//! sweep, then the reciprocal fast path of `host` (see its module doc for why it is exact) with
+//! the IEEE division for any 16 lanes near a tie, while the block is still in L1. Dequantize:
+//! widen, convert, multiply (int8) or look `nibble * scale` up in a 16-entry table (int4).
+//! It deliberately holds no numerics of its own (constants and proof live in `host`) and uses
+//! only `avx512f` instructions: partial chunks go through 16-lane stack buffers instead of
+//! masked memory accesses.
+
+use std::arch::x86_64::*;
+
+use super::{ROUND_MAGIC, ROUND_MAGIC_BITS, TIE_ZONE, Write, recip_safe, scale_from_bits};
+use crate::quant::{BlockSize, QuantFormat, Quantized};
+
+const SET: u8 = Write::Set as u8;
+const FROM_ZERO: u8 = Write::FromZero as u8;
+const ADD: u8 = Write::Add as u8;
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn load_f32(x: &[f32; 16]) -> __m512 {
+    // SAFETY: `x` is 16 readable f32s; `loadu` needs no alignment.
+    unsafe { _mm512_loadu_ps(x.as_ptr()) }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn store_f32(out: &mut [f32; 16], v: __m512) {
+    // SAFETY: `out` is 16 writable f32s; `storeu` needs no alignment.
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v) }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn load_16_bytes(b: &[u8; 16]) -> __m128i {
+    // SAFETY: `b` is 16 readable bytes; `loadu` needs no alignment.
+    unsafe { _mm_loadu_si128(b.as_ptr().cast()) }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn load_8_bytes(b: &[u8; 8]) -> __m128i {
+    // SAFETY: `b` is 8 readable bytes; `loadl_epi64` reads exactly 8, unaligned.
+    unsafe { _mm_loadl_epi64(b.as_ptr().cast()) }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn store_16_bytes(out: &mut [u8; 16], v: __m128i) {
+    // SAFETY: `out` is 16 writable bytes; `storeu` needs no alignment.
+    unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), v) }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn store_8_bytes(out: &mut [u8; 8], v: __m128i) {
+    // SAFETY: `out` is 8 writable bytes; `storel_epi64` writes exactly 8, unaligned.
+    unsafe { _mm_storel_epi64(out.as_mut_ptr().cast(), v) }
+}
+
+/// The largest `bits & 0x7fff_ffff` of `x` (unsigned compare: NaN and inf sort above every
+/// finite value, as in the reference). Four accumulators hide the `max` latency.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn absmax_bits(x: &[f32]) -> u32 {
+    let abs = _mm512_set1_epi32(0x7fff_ffff);
+    let lanes =
+        |c: &[f32]| _mm512_and_si512(_mm512_castps_si512(load_f32(c.try_into().unwrap())), abs);
+    let mut m = [_mm512_setzero_si512(); 4];
+    let mut c64 = x.chunks_exact(64);
+    for c in &mut c64 {
+        for (i, m) in m.iter_mut().enumerate() {
+            *m = _mm512_max_epu32(*m, lanes(&c[16 * i..16 * (i + 1)]));
+        }
+    }
+    let mut c16 = c64.remainder().chunks_exact(16);
+    for c in &mut c16 {
+        m[0] = _mm512_max_epu32(m[0], lanes(c));
+    }
+    let tail = c16
+        .remainder()
+        .iter()
+        .fold(0u32, |t, v| t.max(v.to_bits() & 0x7fff_ffff));
+    let m = _mm512_max_epu32(_mm512_max_epu32(m[0], m[1]), _mm512_max_epu32(m[2], m[3]));
+    _mm512_reduce_max_epu32(m).max(tail)
+}
+
+/// One block's constants, broadcast.
+struct Quantizer {
+    scale: __m512,
+    recip: __m512,
+    qmax: __m512i,
+}
+
+impl Quantizer {
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn new(scale: f32, qmax: f32) -> Self {
+        Self {
+            scale: _mm512_set1_ps(scale),
+            recip: _mm512_set1_ps(1.0 / scale),
+            qmax: _mm512_set1_epi32(qmax as i32),
+        }
+    }
+
+    /// 16 lanes whose low byte (int8) or nibble (int4) is each element's integer. `FAST`:
+    /// the reciprocal path, falling back to division if any lane is in the tie zone.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn ints<const FAST: bool>(&self, v: __m512) -> __m512i {
+        let magic = _mm512_set1_ps(ROUND_MAGIC);
+        if FAST {
+            let y = _mm512_mul_ps(v, self.recip);
+            let a = _mm512_add_ps(y, magic);
+            let off = _mm512_abs_ps(_mm512_sub_ps(y, _mm512_sub_ps(a, magic)));
+            if _mm512_cmp_ps_mask::<_CMP_GE_OQ>(off, _mm512_set1_ps(TIE_ZONE)) == 0 {
+                // |rint(y)| <= QMAX (module doc of `host`): no clamp.
+                return _mm512_castps_si512(a);
+            }
+        }
+        let a = _mm512_add_ps(_mm512_div_ps(v, self.scale), magic);
+        let k = _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(ROUND_MAGIC_BITS));
+        let neg = _mm512_sub_epi32(_mm512_setzero_si512(), self.qmax);
+        _mm512_max_epi32(_mm512_min_epi32(k, self.qmax), neg)
+    }
+}
+
+/// Elements `2j` and `2j + 1` (one 64-bit lane) into byte `j`: `2j`'s nibble low, `2j + 1`'s
+/// high. Returns 8 bytes in the low half.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn pack_nibbles(k: __m512i) -> __m128i {
+    // Bits 32..35 (element 2j + 1's nibble) move to bits 4..7; the bitwise select
+    // `0x0f ? k : hi` (truth table 0xca) keeps element 2j's nibble below them.
+    let hi = _mm512_srli_epi64::<28>(k);
+    let b = _mm512_ternarylogic_epi64::<0xca>(_mm512_set1_epi64(0x0f), k, hi);
+    _mm512_cvtepi64_epi8(b)
+}
+
+/// Quantizes one finite, non-zero-scale block.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn quantize_block<const INT4: bool, const FAST: bool>(q: &Quantizer, x: &[f32], out: &mut [u8]) {
+    let per = if INT4 { 8 } else { 16 };
+    let mut xs = x.chunks_exact(16);
+    let mut os = out.chunks_exact_mut(per);
+    for (c, o) in (&mut xs).zip(&mut os) {
+        let k = q.ints::<FAST>(load_f32(c.try_into().unwrap()));
+        if INT4 {
+            store_8_bytes(o.try_into().unwrap(), pack_nibbles(k));
+        } else {
+            store_16_bytes(o.try_into().unwrap(), _mm512_cvtepi32_epi8(k));
+        }
+    }
+    let rest = xs.remainder();
+    if !rest.is_empty() {
+        // Zero padding quantizes to 0, so a trailing int4 half byte is 0 as specified.
+        let mut c = [0.0f32; 16];
+        c[..rest.len()].copy_from_slice(rest);
+        let k = q.ints::<FAST>(load_f32(&c));
+        let mut bytes = [0u8; 16];
+        if INT4 {
+            store_8_bytes((&mut bytes[..8]).try_into().unwrap(), pack_nibbles(k));
+        } else {
+            store_16_bytes(&mut bytes, _mm512_cvtepi32_epi8(k));
+        }
+        let o = os.into_remainder();
+        o.copy_from_slice(&bytes[..o.len()]);
+    }
+}
+
+/// `host::HostKernels::quantize_into` on AVX-512F (lengths checked by the caller).
+#[target_feature(enable = "avx512f")]
+pub(super) fn quantize(
+    x: &[f32],
+    format: QuantFormat,
+    block: BlockSize,
+    data: &mut [u8],
+    scales: &mut [f32],
+) {
+    let b = block.get();
+    let qmax = format.qmax();
+    // Blocks are a multiple of 8 elements, so each block's bytes start at a whole byte.
+    for ((chunk, out), s) in x
+        .chunks(b)
+        .zip(data.chunks_mut(format.data_bytes(b)))
+        .zip(scales)
+    {
+        let scale = scale_from_bits(absmax_bits(chunk), qmax);
+        *s = scale;
+        if scale.is_nan() || scale == 0.0 {
+            out.fill(0);
+            continue;
+        }
+        let q = Quantizer::new(scale, qmax);
+        match (format, recip_safe(scale)) {
+            (QuantFormat::Int8, true) => quantize_block::<false, true>(&q, chunk, out),
+            (QuantFormat::Int8, false) => quantize_block::<false, false>(&q, chunk, out),
+            (QuantFormat::Int4, true) => quantize_block::<true, true>(&q, chunk, out),
+            (QuantFormat::Int4, false) => quantize_block::<true, false>(&q, chunk, out),
+        }
+    }
+}
+
+/// Puts 16 dequantized values into `out` as `W` says.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn put<const W: u8>(out: &mut [f32; 16], v: __m512) {
+    let v = match W {
+        SET => v,
+        // `0.0 + v` is not `v` for -0.0; the compiler keeps the add.
+        FROM_ZERO => _mm512_add_ps(_mm512_setzero_ps(), v),
+        _ => _mm512_add_ps(load_f32(out), v),
+    };
+    store_f32(out, v);
+}
+
+/// 16 dequantized values from `bytes` (16 for int8, 8 for int4) of one block.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn values<const INT4: bool>(bytes: &[u8], scale: __m512, table: __m512) -> __m512 {
+    if INT4 {
+        // Each byte twice, widened to 32 bits; odd lanes shifted down to their high nibble.
+        // `permutexvar` reads only the low 4 bits of each index: the nibble.
+        let b = load_8_bytes(bytes.try_into().unwrap());
+        let twice = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+        let shift = _mm512_set1_epi64(4 << 32);
+        _mm512_permutexvar_ps(_mm512_srlv_epi32(twice, shift), table)
+    } else {
+        let k = _mm512_cvtepi8_epi32(load_16_bytes(bytes.try_into().unwrap()));
+        _mm512_mul_ps(_mm512_cvtepi32_ps(k), scale)
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn dequantize_as<const INT4: bool, const W: u8>(q: &Quantized, out: &mut [f32]) {
+    let b = q.block.get();
+    let per = if INT4 { 8 } else { 16 };
+    // The value of each nibble 0..16 as the reference reads it (two's complement).
+    let nibbles = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0,
+    );
+    for ((out, data), &s) in out
+        .chunks_mut(b)
+        .zip(q.data.chunks(q.format.data_bytes(b)))
+        .zip(&q.scales)
+    {
+        let scale = _mm512_set1_ps(s);
+        // `nibble * scale` by the same multiply as the reference, once per block.
+        let table = _mm512_mul_ps(nibbles, scale);
+        let mut os = out.chunks_exact_mut(16);
+        let mut ds = data.chunks_exact(per);
+        for (o, d) in (&mut os).zip(&mut ds) {
+            put::<W>(o.try_into().unwrap(), values::<INT4>(d, scale, table));
+        }
+        let o = os.into_remainder();
+        if !o.is_empty() {
+            let d = ds.remainder();
+            let mut bytes = [0u8; 16];
+            bytes[..d.len()].copy_from_slice(d);
+            let mut buf = [0.0f32; 16];
+            buf[..o.len()].copy_from_slice(o);
+            put::<W>(&mut buf, values::<INT4>(&bytes[..per], scale, table));
+            o.copy_from_slice(&buf[..o.len()]);
+        }
+    }
+}
+
+/// `q` dequantized into `out` as `write` says, on AVX-512F (lengths checked by the caller).
+#[target_feature(enable = "avx512f")]
+pub(super) fn dequantize(q: &Quantized, out: &mut [f32], write: Write) {
+    match (q.format, write) {
+        (QuantFormat::Int8, Write::Set) => dequantize_as::<false, SET>(q, out),
+        (QuantFormat::Int8, Write::FromZero) => dequantize_as::<false, FROM_ZERO>(q, out),
+        (QuantFormat::Int8, Write::Add) => dequantize_as::<false, ADD>(q, out),
+        (QuantFormat::Int4, Write::Set) => dequantize_as::<true, SET>(q, out),
+        (QuantFormat::Int4, Write::FromZero) => dequantize_as::<true, FROM_ZERO>(q, out),
+        (QuantFormat::Int4, Write::Add) => dequantize_as::<true, ADD>(q, out),
+    }
+}
