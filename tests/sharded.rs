@@ -350,3 +350,572 @@ fn bad_sharding_input_is_refused_with_the_reason() {
         assert!(!err.contains("panicked"), "{flags:?} panicked:\n{err}");
     }
 }
+
+/// Per-step losses of a run's metrics, from step `after + 1` on.
+fn losses_after(out: &Path, after: u64) -> Vec<(u64, f64)> {
+    metrics(out)
+        .into_iter()
+        .filter(|m| m.step > after)
+        .map(|m| (m.step, m.loss))
+        .collect()
+}
+
+/// A fresh out dir holding only a copy of checkpoint `src` (so a resumed run's metrics
+/// hold only its own steps).
+fn copy_checkpoint(src: &Path, out: &Path) -> PathBuf {
+    let dst = out.join(src.file_name().unwrap());
+    std::fs::create_dir_all(&dst).unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dst.join(entry.file_name())).unwrap();
+    }
+    dst
+}
+
+fn assert_close(reference: &[(u64, f64)], got: &[(u64, f64)], tol: f64, what: &str) {
+    assert_eq!(reference.len(), got.len(), "{what}: steps {got:?}");
+    for (a, b) in reference.iter().zip(got) {
+        assert_eq!(a.0, b.0, "{what}");
+        assert!(
+            (a.1 - b.1).abs() <= tol,
+            "{what}, step {}: {} vs uninterrupted {}",
+            a.0,
+            b.1,
+            a.1
+        );
+    }
+}
+
+#[test]
+fn sharded_checkpoints_resume_exactly_and_reshard_to_any_layout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("zero3-2x2x2");
+    let base = [
+        "--shard",
+        "zero3",
+        "--topology",
+        "2x2x2",
+        "--save-interval",
+        "10",
+    ];
+    ok(8, &train_args(&run, "20", &base));
+    let reference = losses_after(&run, 10);
+    let ckpt = run.join("step-000010");
+    assert_eq!(
+        std::fs::read_dir(&ckpt)
+            .unwrap()
+            .filter(|e| e
+                .as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("rank-"))
+            .count(),
+        8,
+        "every rank writes its own file"
+    );
+
+    // Same layout: bit for bit.
+    let same = tmp.path().join("same");
+    let from = copy_checkpoint(&ckpt, &same);
+    ok(
+        8,
+        &[
+            "train",
+            "--resume",
+            p(&from),
+            "--shard",
+            "zero3",
+            "--topology",
+            "2x2x2",
+        ],
+    );
+    assert_eq!(
+        losses_after(&same, 10),
+        reference,
+        "resume at the same layout"
+    );
+
+    // Other world sizes, topologies and presets: within the parity tolerance.
+    let layouts: [(usize, &[&str]); 4] = [
+        (4, &["--shard", "zero3", "--topology", "2x2x1"]),
+        (0, &[]),
+        (
+            8,
+            &[
+                "--shard",
+                "hier3",
+                "--topology",
+                "4x1x2",
+                "--quantize-weights",
+                "off",
+                "--quantize-grads",
+                "off",
+            ],
+        ),
+        (2, &["--shard", "zero1", "--topology", "2x1x1"]),
+    ];
+    for (i, (np, flags)) in layouts.iter().enumerate() {
+        let out = tmp.path().join(format!("layout-{i}"));
+        let from = copy_checkpoint(&ckpt, &out);
+        let mut args = vec!["train", "--resume", p(&from)];
+        args.extend_from_slice(flags);
+        ok(*np, &args);
+        assert_close(
+            &reference,
+            &losses_after(&out, 10),
+            PARITY_TOL,
+            &format!("{flags:?}"),
+        );
+    }
+
+    // 1 -> 8: a single-process checkpoint continued by 8 ranks.
+    let single = tmp.path().join("single");
+    ok(0, &train_args(&single, "20", &["--save-interval", "10"]));
+    let out = tmp.path().join("one-to-eight");
+    let from = copy_checkpoint(&single.join("step-000010"), &out);
+    ok(
+        8,
+        &[
+            "train",
+            "--resume",
+            p(&from),
+            "--shard",
+            "zero3",
+            "--topology",
+            "2x2x2",
+        ],
+    );
+    assert_close(
+        &losses_after(&single, 10),
+        &losses_after(&out, 10),
+        PARITY_TOL,
+        "1 -> 8",
+    );
+}
+
+#[test]
+fn resharding_keeps_every_weight_and_moment_bit_for_bit() {
+    use ember_train::checkpoint;
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    ok(
+        8,
+        &train_args(
+            &run,
+            "6",
+            &[
+                "--shard",
+                "zero3",
+                "--topology",
+                "2x2x2",
+                "--save-interval",
+                "6",
+            ],
+        ),
+    );
+    let src = checkpoint::load(&run.join("step-000006")).unwrap();
+    for (np, topology, preset) in [
+        (4, "2x2x1", "zero3"),
+        (1, "1", "zero3"),
+        (8, "4x1x2", "hier3"),
+        (2, "2x1x1", "ddp"),
+    ] {
+        let out = tmp.path().join(format!("{np}-{topology}-{preset}"));
+        ok(
+            np,
+            &[
+                "reshard",
+                "--checkpoint",
+                p(&run.join("step-000006")),
+                "--out",
+                p(&out),
+                "--shard",
+                preset,
+                "--topology",
+                topology,
+            ],
+        );
+        let dst = checkpoint::load(&out.join("step-000006")).unwrap();
+        assert_eq!(dst.manifest.world_size, np, "{preset} at {topology}");
+        assert_eq!(dst.adam_step, src.adam_step);
+        assert_eq!(dst.manifest.data, src.manifest.data);
+        assert_eq!(dst.tensors.len(), src.tensors.len());
+        for (a, b) in src.tensors.iter().zip(&dst.tensors) {
+            assert_eq!(a.meta, b.meta);
+            for k in 0..3 {
+                let same = a.values[k]
+                    .iter()
+                    .zip(&b.values[k])
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(
+                    same,
+                    "{} {} changed resharding to {preset} at {topology}",
+                    checkpoint::KINDS[k],
+                    a.meta.name
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn damaged_sharded_checkpoints_are_refused_naming_the_file() {
+    use ember_train::checkpoint;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("run");
+    ok(
+        4,
+        &train_args(
+            &src,
+            "2",
+            &[
+                "--shard",
+                "zero3",
+                "--topology",
+                "2x2x1",
+                "--save-interval",
+                "2",
+            ],
+        ),
+    );
+    let good = src.join("step-000002");
+    let resume = |dir: &Path| {
+        run(
+            4,
+            &[
+                "train",
+                "--resume",
+                p(dir),
+                "--max-iters",
+                "4",
+                "--shard",
+                "zero3",
+                "--topology",
+                "2x2x1",
+            ],
+        )
+    };
+    type Damage = fn(&Path);
+    let cases: [(&str, Damage, &str); 5] = [
+        (
+            "missing",
+            |d| std::fs::remove_file(d.join("rank-00002.safetensors")).unwrap(),
+            "rank-00002.safetensors is missing",
+        ),
+        (
+            "flipped",
+            |d| {
+                let f = d.join("rank-00001.safetensors");
+                let mut b = std::fs::read(&f).unwrap();
+                let n = b.len();
+                b[n - 3] ^= 0x40;
+                std::fs::write(&f, b).unwrap();
+            },
+            "rank-00001.safetensors fails its SHA-256 check",
+        ),
+        (
+            "truncated",
+            |d| {
+                let f = d.join("rank-00003.safetensors");
+                let b = std::fs::read(&f).unwrap();
+                std::fs::write(&f, &b[..b.len() / 2]).unwrap();
+            },
+            "rank-00003.safetensors has",
+        ),
+        (
+            "other-config",
+            |d| {
+                let f = d.join("manifest.json");
+                let t = std::fs::read_to_string(&f).unwrap();
+                std::fs::write(&f, t.replacen("\"n_layer\": 2", "\"n_layer\": 3", 1)).unwrap();
+            },
+            "another model configuration",
+        ),
+        (
+            "wrong-dtype",
+            |d| {
+                // A well-formed file with the right checksum in the manifest, but f64 data.
+                let f = d.join("rank-00000.safetensors");
+                let key = "param/wte.weight";
+                let data = vec![0u8; 16];
+                let view =
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F64, vec![2], &data)
+                        .unwrap();
+                let layout = format!("{{\"{key}\":{{\"offset\":0,\"global_numel\":32768}}}}");
+                let meta = std::collections::HashMap::from([
+                    ("ember.layout".to_string(), layout),
+                    ("ember.adam_step".to_string(), "2".to_string()),
+                ]);
+                safetensors::serialize_to_file(vec![(key, view)], Some(meta), &f).unwrap();
+                let entry = ember_train::checkpoint::file_entry(&f).unwrap();
+                let m = d.join("manifest.json");
+                let mut manifest: serde_json::Value =
+                    serde_json::from_str(&std::fs::read_to_string(&m).unwrap()).unwrap();
+                for file in manifest["files"].as_array_mut().unwrap() {
+                    if file["path"] == "rank-00000.safetensors" {
+                        file["bytes"] = entry.bytes.into();
+                        file["sha256"] = entry.sha256.clone().into();
+                    }
+                }
+                std::fs::write(&m, manifest.to_string()).unwrap();
+            },
+            "expected flat F32",
+        ),
+    ];
+    for (name, damage, message) in cases {
+        let dir = copy_checkpoint(&good, &tmp.path().join(name));
+        damage(&dir);
+        let out = resume(&dir);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{name}: a damaged checkpoint was accepted"
+        );
+        assert!(
+            err.contains(message),
+            "{name}: expected `{message}` in:\n{err}"
+        );
+        assert!(!err.contains("panicked"), "{name} panicked:\n{err}");
+        // Nothing was trained from it.
+        assert!(
+            !dir.parent().unwrap().join("step-000004").exists(),
+            "{name}"
+        );
+        let _ = checkpoint::KINDS;
+    }
+    let not = tmp.path().join("not-a-checkpoint");
+    std::fs::create_dir_all(&not).unwrap();
+    let err = String::from_utf8_lossy(&resume(&not).stderr).into_owned();
+    assert!(err.contains("is not a checkpoint"), "{err}");
+}
+
+#[test]
+fn a_kill_during_a_sharded_save_leaves_every_checkpoint_loadable() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("killed");
+    let exe = env!("CARGO_BIN_EXE_ember");
+    let mpi_tmp = tmp.path().join("ompi");
+    std::fs::create_dir_all(&mpi_tmp).unwrap();
+    let _one = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
+    let mut child = Command::new("mpirun")
+        .args(["-np", "4", "--oversubscribe", "--mca", "orte_tmpdir_base"])
+        .arg(&mpi_tmp)
+        .args(["-x", "RAYON_NUM_THREADS=1", "-x", "EMBER_CACHE_DIR", exe])
+        .args(train_args(
+            &out,
+            "100000",
+            &[
+                "--shard",
+                "zero3",
+                "--topology",
+                "2x2x1",
+                "--save-interval",
+                "1",
+            ],
+        ))
+        .env("EMBER_CACHE_DIR", cache_dir())
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while !out.join("step-000006").exists() {
+        assert!(start.elapsed().as_secs() < 300, "no checkpoints appeared");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // SIGKILL every rank (and the launcher) at once: no rank finishes its save.
+    let marker = out.to_str().unwrap().to_string();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(&marker) {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        }
+    }
+    child.wait().unwrap();
+    drop(_one);
+    let steps: Vec<PathBuf> = std::fs::read_dir(&out)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("step-"))
+        .map(|e| e.path())
+        .collect();
+    assert!(steps.len() >= 6, "{steps:?}");
+    for dir in steps {
+        ember_train::checkpoint::load(&dir)
+            .unwrap_or_else(|e| panic!("{} does not load after the kill: {e:#}", dir.display()));
+    }
+}
+
+#[test]
+fn export_writes_the_hugging_face_layout_and_init_from_reads_it_back() {
+    use ember_train::checkpoint;
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    ok(
+        4,
+        &train_args(
+            &run,
+            "4",
+            &[
+                "--shard",
+                "zero3",
+                "--topology",
+                "2x2x1",
+                "--save-interval",
+                "4",
+            ],
+        ),
+    );
+    let ckpt = run.join("step-000004");
+    let src = checkpoint::load(&ckpt).unwrap();
+
+    // Past --max-shard-size the weights are split, with an index naming every tensor.
+    let split = tmp.path().join("hf-split");
+    ok(
+        0,
+        &[
+            "export",
+            "--checkpoint",
+            p(&ckpt),
+            "--out",
+            p(&split),
+            "--max-shard-size",
+            "200KB",
+        ],
+    );
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(split.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    assert_eq!(map.len(), src.tensors.len());
+    for t in &src.tensors {
+        let file = map[&format!("transformer.{}", t.meta.name)]
+            .as_str()
+            .unwrap();
+        assert!(
+            file.starts_with("model-0000") && split.join(file).is_file(),
+            "{file}"
+        );
+    }
+    let files: std::collections::BTreeSet<&str> =
+        map.values().map(|v| v.as_str().unwrap()).collect();
+    assert!(files.len() > 1, "{files:?}");
+    let total: u64 = src
+        .tensors
+        .iter()
+        .map(|t| 4 * t.values[0].len() as u64)
+        .sum();
+    assert_eq!(index["metadata"]["total_size"].as_u64(), Some(total));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(split.join("config.json")).unwrap()).unwrap();
+    let m = &src.manifest.train.model;
+    assert_eq!(config["model_type"], "gpt2");
+    assert_eq!(config["n_layer"].as_u64(), Some(m.n_layer as u64));
+    assert_eq!(config["n_embd"].as_u64(), Some(m.n_embd as u64));
+    assert_eq!(config["n_positions"].as_u64(), Some(m.block_size as u64));
+    assert_eq!(config["vocab_size"].as_u64(), Some(m.vocab_size as u64));
+    assert_eq!(config["activation_function"], "gelu_new");
+    assert!(split.join("tokenizer.json").is_file());
+
+    // --init-from reads it back: one step at a vanishing learning rate keeps every weight.
+    let hf = ember_train::export::read_hf(&split).unwrap();
+    for t in &src.tensors {
+        let (shape, values) = &hf.tensors[&t.meta.name];
+        assert_eq!(shape, &t.meta.shape);
+        assert!(
+            values
+                .iter()
+                .zip(&t.values[0])
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        );
+    }
+    let single = tmp.path().join("hf-single");
+    ok(
+        0,
+        &["export", "--checkpoint", p(&ckpt), "--out", p(&single)],
+    );
+    assert!(single.join("model.safetensors").is_file());
+    assert!(!single.join("model.safetensors.index.json").exists());
+    for (np, extra) in [
+        (0, &[][..]),
+        (4, &["--shard", "zero3", "--topology", "2x2x1"][..]),
+    ] {
+        let tuned = tmp.path().join(format!("tuned-{np}"));
+        let mut args = vec![
+            "train",
+            "--init-from",
+            p(&single),
+            "--max-iters",
+            "1",
+            "--lr",
+            "1e-30",
+            "--min-lr",
+            "0",
+            "--warmup-iters",
+            "0",
+            "--weight-decay",
+            "0",
+            "--eval-interval",
+            "0",
+            "--out-dir",
+            p(&tuned),
+            "--batch-size",
+            "8",
+        ];
+        args.extend_from_slice(extra);
+        ok(np, &args);
+        let after = checkpoint::load(&tuned.join("step-000001")).unwrap();
+        for (a, b) in src.tensors.iter().zip(&after.tensors) {
+            assert_eq!(a.meta, b.meta);
+            let worst = a.values[0]
+                .iter()
+                .zip(&b.values[0])
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst <= 1e-20,
+                "{} moved by {worst} after --init-from",
+                a.meta.name
+            );
+        }
+    }
+
+    // With torch and transformers installed, transformers itself must agree with ember eval.
+    let has_hf = Command::new("python3")
+        .args(["-c", "import torch, transformers, tokenizers"])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if has_hf {
+        let text = tmp.path().join("text.txt");
+        std::fs::write(&text, &ember_data::TINY_SHAKESPEARE[..4000]).unwrap();
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/hf_check.py");
+        let out = Command::new("python3")
+            .args([
+                script,
+                "--ember",
+                env!("CARGO_BIN_EXE_ember"),
+                "--checkpoint",
+                p(&ckpt),
+            ])
+            .args(["--data", p(&text)])
+            .env("EMBER_CACHE_DIR", cache_dir())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "hf_check.py: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    } else {
+        eprintln!("torch/transformers not installed: tests/hf_check.py not run (see README)");
+    }
+}

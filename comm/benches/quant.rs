@@ -43,7 +43,31 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Sizes from the command line (`-- 64K 1M`), else [`SIZES`]; cargo's own `--bench` is skipped.
+fn sizes() -> Vec<usize> {
+    let picked: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| {
+            let (n, unit) = a.split_at(a.len().checked_sub(1)?);
+            let shift = match unit {
+                "K" => 10,
+                "M" => 20,
+                _ => return None,
+            };
+            Some(n.parse::<usize>().ok()? << shift)
+        })
+        .collect();
+    if picked.is_empty() {
+        SIZES.to_vec()
+    } else {
+        picked
+    }
+}
+
 fn main() {
+    if let Ok(load) = std::fs::read_to_string("/proc/loadavg") {
+        println!("load average before: {}", load.trim());
+    }
     for block in [2048, 256] {
         let block = BlockSize::new(block).unwrap();
         println!("\nblock {}: GB/s (ratio to memcpy)\n", block.get());
@@ -52,9 +76,12 @@ fn main() {
             print!(" {k} |");
         }
         println!("\n|---:|---:|---:|---:|---:|---:|---:|---:|");
-        for size in SIZES {
+        for &size in &sizes() {
             bench_size(size, block);
         }
+    }
+    if let Ok(load) = std::fs::read_to_string("/proc/loadavg") {
+        println!("\nload average after: {}", load.trim());
     }
 }
 

@@ -9,6 +9,7 @@ pub mod data;
 pub mod device;
 pub mod error;
 pub mod eval;
+pub mod export;
 pub mod generate;
 pub mod metrics;
 pub mod optim;

@@ -35,9 +35,28 @@ enum Command {
     /// Write a checkpoint again for another world size, topology or preset (run under mpirun
     /// with the new layout; values are unchanged)
     Reshard(ReshardArgs),
+    /// Write a checkpoint in the Hugging Face GPT-2 layout (offline, no MPI needed)
+    Export(ExportArgs),
     /// Benchmarks (training throughput, collectives)
     #[command(subcommand)]
     Bench(BenchCommand),
+}
+
+#[derive(Debug, Args)]
+struct ExportArgs {
+    /// Checkpoint directory, or an out dir (its latest checkpoint)
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Directory to write model.safetensors, config.json and tokenizer.json into
+    #[arg(long)]
+    out: PathBuf,
+    /// Weight dtype in the files
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: ember_train::config::Dtype,
+    /// Largest file; past it the weights are split into model-0000k-of-0000N.safetensors
+    /// with model.safetensors.index.json (e.g. 5GB, 500MB, 2GiB)
+    #[arg(long, default_value = "5GB")]
+    max_shard_size: String,
 }
 
 #[derive(Debug, Args)]
@@ -75,6 +94,10 @@ struct TrainArgs {
     /// Continue from a checkpoint directory, or the latest checkpoint of an out dir
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Start from the weights of a Hugging Face GPT-2 directory (config.json,
+    /// model.safetensors or its index, tokenizer.json), e.g. one `ember export` wrote
+    #[arg(long, conflicts_with = "resume")]
+    init_from: Option<PathBuf>,
     #[command(flatten)]
     settings: TrainOverrides,
     #[command(flatten)]
@@ -223,6 +246,7 @@ fn main() -> ExitCode {
         Command::Prepare(args) => prepare(args),
         Command::Plan(args) => plan_cmd(args),
         Command::Reshard(args) => reshard_cmd(args),
+        Command::Export(args) => export_cmd(args),
         Command::Bench(BenchCommand::Train(args)) => bench_train(args),
         Command::Bench(BenchCommand::Comm(args)) => bench_comm(args),
         Command::Bench(BenchCommand::Shard(args)) => bench_shard(args),
@@ -251,6 +275,7 @@ fn train(args: TrainArgs) -> CliResult<()> {
         }
     };
     let rank = comm.as_ref().map_or(0, |c| c.rank());
+    let mut init: Option<ember_train::export::HfModel> = None;
     let (mut config, loaded) = match &args.resume {
         Some(path) => {
             if !path.exists() {
@@ -289,7 +314,54 @@ fn train(args: TrainArgs) -> CliResult<()> {
             (config, Some(loaded))
         }
         None => {
-            let config = TrainConfig::resolve(&settings)?;
+            let mut settings = settings.clone();
+            if let Some(dir) = &args.init_from {
+                if !dir.exists() {
+                    return Err(usage(format!(
+                        "--init-from {}: no such directory",
+                        dir.display()
+                    )));
+                }
+                let hf = ember_train::export::read_hf(dir)?;
+                let shape = [
+                    ("--n-layer", settings.n_layer, hf.config.n_layer),
+                    ("--n-head", settings.n_head, hf.config.n_head),
+                    ("--n-embd", settings.n_embd, hf.config.n_embd),
+                ];
+                if let Some((flag, Some(v), actual)) =
+                    shape.iter().find(|(_, g, a)| g.is_some_and(|g| g != *a))
+                {
+                    return Err(usage(format!(
+                        "{flag} {v} contradicts --init-from {} ({actual}); drop the flag",
+                        dir.display()
+                    )));
+                }
+                if settings.tokenizer.is_none() {
+                    settings.tokenizer = Some(hf.tokenizer.clone().ok_or_else(|| {
+                        usage(format!(
+                            "--init-from {} has no tokenizer.json; pass --tokenizer",
+                            dir.display()
+                        ))
+                    })?);
+                }
+                init = Some(hf);
+            }
+            let mut config = TrainConfig::resolve(&settings)?;
+            if let Some(hf) = &init {
+                let dropout = config.model.dropout;
+                config.model = hf.config.clone();
+                config.model.dropout = dropout;
+                config.block_size = settings.block_size.unwrap_or(hf.config.block_size);
+                config.preset = format!(
+                    "init-from {}",
+                    args.init_from
+                        .as_ref()
+                        .map_or(String::new(), |d| d.display().to_string())
+                );
+                config
+                    .validate()
+                    .map_err(|e| usage(format!("--init-from: {e}")))?;
+            }
             if checkpoint::locate(&config.out_dir).is_ok() {
                 return Err(usage(format!(
                     "--out-dir {} already holds checkpoints of a run; continue it with --resume \
@@ -368,7 +440,8 @@ fn train(args: TrainArgs) -> CliResult<()> {
             Some(Resume::Sharded(dir, _)) => Some(dir.as_path()),
             _ => None,
         };
-        sharded::run(comm, &config, shard, dev, &prepared, from)?;
+        let weights = init.as_ref().map(|hf| &hf.tensors);
+        sharded::run(comm, &config, shard, dev, &prepared, from, weights)?;
         if rank != 0 {
             return Ok(());
         }
@@ -378,6 +451,9 @@ fn train(args: TrainArgs) -> CliResult<()> {
             _ => None,
         };
         let mut t = trainer::Trainer::new(config, dev, prepared, loaded)?;
+        if let Some(hf) = &init {
+            t.load_weights(&hf.tensors)?;
+        }
         t.run()?;
     }
     let metrics = ember_train::metrics::read_metrics(&out_dir.join("metrics.jsonl"))?;
@@ -531,6 +607,27 @@ fn prepare(args: PrepareArgs) -> CliResult<()> {
             "train_tokens": p.train.len(), "val_tokens": p.val.len(),
         })
     );
+    Ok(())
+}
+
+fn export_cmd(args: ExportArgs) -> CliResult<()> {
+    if !args.checkpoint.exists() {
+        return Err(usage(format!(
+            "--checkpoint {}: no such directory",
+            args.checkpoint.display()
+        )));
+    }
+    let max = ember_train::export::parse_size(&args.max_shard_size).ok_or_else(|| {
+        usage(format!(
+            "--max-shard-size {}: write a positive size such as 5GB, 500MB or 2GiB",
+            args.max_shard_size
+        ))
+    })?;
+    let dir = checkpoint::locate(&args.checkpoint)?;
+    let files = ember_train::export::export(&dir, &args.out, args.dtype, max)?;
+    for f in files {
+        println!("{}", f.display());
+    }
     Ok(())
 }
 

@@ -179,6 +179,37 @@ pub fn group_name(levels: Levels, topology: &Topology) -> String {
     levels.name(topology)
 }
 
+/// Initial weights by path (`--init-from`): shape and values.
+pub type InitWeights = HashMap<String, (Vec<usize>, Vec<f32>)>;
+
+/// `model` with every parameter replaced by `init`'s value of the same path and shape.
+pub fn with_weights(
+    model: ember_model::Gpt,
+    init: &InitWeights,
+    device: &Device,
+) -> Result<ember_model::Gpt> {
+    let mut values = HashMap::new();
+    for t in ember_model::named_tensors(&model) {
+        let (shape, v) = init
+            .get(&t.name)
+            .ok_or_else(|| anyhow!("the initial weights have no {}", t.name))?;
+        ensure!(
+            shape == &t.shape,
+            "initial weight {} has shape {shape:?}, the model's is {:?}",
+            t.name,
+            t.shape
+        );
+        values.insert(
+            t.name,
+            burn::tensor::Tensor::<1>::from_data(
+                burn::tensor::TensorData::new(v.clone(), [v.len()]),
+                device,
+            ),
+        );
+    }
+    ember_model::replace_named(model, values).map_err(|e| anyhow!(e.join("; ")))
+}
+
 /// This rank's micro-batches of optimizer step `step`.
 pub fn micro_batches(sampler: &Sampler<'_>, plan: &BatchPlan, step: u64) -> Vec<TokenBatch> {
     (0..plan.grad_accum())
@@ -216,12 +247,16 @@ pub fn run(
     device: Device,
     data: &PreparedData,
     resume: Option<&Path>,
+    init: Option<&InitWeights>,
 ) -> Result<Vec<StepMetrics>> {
     let rank = comm.rank();
     let world = comm.topology().world_size();
     let c = config;
     let batch_plan = batch_plan(c, world, rank)?;
-    let model = c.model.init_with_seed(c.seed, &device);
+    let mut model = c.model.init_with_seed(c.seed, &device);
+    if let Some(init) = init {
+        model = with_weights(model, init, &device)?;
+    }
     let stages = GptStages {
         n_layer: c.model.n_layer,
     };

@@ -170,6 +170,24 @@ impl Trainer {
         Ok(())
     }
 
+    /// Starts from the given weights (`ember train --init-from`) instead of the seed's: every
+    /// parameter must be present with its shape.
+    pub fn load_weights(&mut self, values: &HashMap<String, (Vec<usize>, Vec<f32>)>) -> Result<()> {
+        for p in self.opt.params.iter_mut() {
+            let (shape, v) = values
+                .get(&p.name)
+                .with_context(|| format!("the initial weights have no {}", p.name))?;
+            ensure!(
+                shape == &p.shape,
+                "initial weight {} has shape {shape:?}, the model's is {:?}",
+                p.name,
+                p.shape
+            );
+            p.master = Tensor::<1>::from_data(TensorData::new(v.clone(), [v.len()]), &self.device);
+        }
+        self.sync_model_from_masters()
+    }
+
     /// Copies the f32 masters into the model, cast to the compute dtype.
     fn sync_model_from_masters(&mut self) -> Result<()> {
         let dtype = burn_dtype(self.config.dtype);

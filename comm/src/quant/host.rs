@@ -6,18 +6,23 @@
 //! # Division by a reciprocal, exactly
 //!
 //! The reference computes `round_half_even(x / scale)`; a vector division costs ~10x a
-//! multiplication, so the fast path computes `y = x * fl(1 / scale)` instead and falls back to
-//! the division for any group of lanes where that could change the integer. Why it is exact:
-//! for a normal scale in `[2^-100, 2^100]` (see [`recip_safe`]), with `u = 2^-24`,
-//! `q* = x / scale` (exact), `Q = fl(q*)` (what the reference rounds) and `|q*| <= QMAX / (1 - u)`
+//! multiplication, so the fast path multiplies by `r = fl(1 / scale)` instead and falls back
+//! to the division for the lanes where that could change the integer. Why it is exact, for a
+//! normal scale in `[2^-100, 2^100]` (see [`recip_safe`]), with `u = 2^-24`, `q* = x / scale`
+//! (exact), `Q = fl(q*)` (what the reference rounds) and `|q*| <= QMAX / (1 - u) < 128`
 //! (`scale = fl(amax / QMAX)`, `|x| <= amax`):
 //!
-//! - `fl(1 / scale)` and `fl(x * r)` each add one relative error `<= u`, so
-//!   `|y - q*| <= (2u + u^2) |q*|` and `|y - Q| <= (3u + u^2) |q*| + 2^-149 < 2^-14` (`|q*| < 128`).
-//! - `round_half_even` is constant between consecutive half-integers. If `y` is further than
-//!   [`TIE_ZONE`]'s `2^-12` from every half-integer, `Q` lies in the same open interval, so both
-//!   round to `rint(y)`; otherwise the lanes are recomputed with the IEEE division.
-//! - `|y| < QMAX + 0.5`, so `rint(y)` needs no clamp (and `Q` none either).
+//! 1. `y = fl(x * r)`: `fl(1 / scale)` and the product each add one relative error `<= u`, so
+//!    `|y - q*| <= (2u + u^2) |q*|` and `|y - Q| <= (3u + u^2) |q*| + 2^-149 < 2^-14`.
+//! 2. `a = fl(y + 3 * 2^10)` lies in `[2^11, 2^12)`, where the f32 grid is `2^-12`: it rounds `y`
+//!    to `z = F / 2^12` with `|z - y| <= 2^-13`, and `F = bits(a) - bits(3 * 2^10)` is that
+//!    fixed-point value as an integer ([`FINE_MAGIC`]). So `|z - Q| < 2^-13 + 2^-14 < 2^-12`.
+//! 3. `G = F + 2^11 + 1`. If `G mod 2^12` is neither 0 nor 1, `z` is at least one grid step
+//!    above the half-integer below it and two below the one above it, so `Q` (closer than a
+//!    step) lies strictly between the same half-integers and `round_half_even(Q)` is the
+//!    integer between them: `G >> 12`. Otherwise the lanes are recomputed with the division
+//!    (about 1 element in 2000 on continuous data; every exact tie, as it must).
+//! 4. `|y| < QMAX + 2^-14`, so `G >> 12` needs no clamp (and `Q` none either).
 //!
 //! Subnormal, tiny or huge scales (whose reciprocal may be inexact or overflow) take the
 //! division for the whole block. Dequantization is one multiply (plus, for sums, adds in part
@@ -39,12 +44,21 @@ pub struct HostKernels;
 /// needs one on baseline x86-64) and no float-to-int conversion. Every quotient here is below
 /// ~254 in magnitude (`|x| <= amax` and `scale >= amax / 254` even for subnormal scales).
 const ROUND_MAGIC: f32 = 12_582_912.0;
-/// The bits of [`ROUND_MAGIC`]; its low 8 bits are zero, so the low byte (nibble) of
-/// `bits(y + M)` already is `k` as a two's-complement int8 (int4).
+/// The bits of [`ROUND_MAGIC`].
 const ROUND_MAGIC_BITS: i32 = 0x4b40_0000;
-/// `|y - rint(y)|` at or above this may be within `2^-12` of a half-integer: recompute by
-/// division (see the module doc; the proven distance is `2^-14`, the rest is margin).
-const TIE_ZONE: f32 = 0.5 - 1.0 / 4096.0;
+/// `3 * 2^10`: `y + FINE_MAGIC` rounds `|y| < 2^10` to the grid `2^-12` (module doc, step 2).
+const FINE_MAGIC: f32 = 3072.0;
+/// Added to `bits(y + FINE_MAGIC)` to get `G = F + 2^11 + 1` (module doc, step 3).
+const FINE_BIAS: i32 = 0x801 - 0x4540_0000;
+/// `G & NEAR_TIE == 0`: `G mod 2^12` is 0 or 1, so `y` may round differently from `Q`.
+const NEAR_TIE: i32 = 0xffe;
+
+/// The fast path for one element (module doc): `G`, whose `>> 12` is the integer unless
+/// `G & NEAR_TIE == 0`.
+#[inline(always)]
+fn fast_g(x: f32, r: f32) -> i32 {
+    ((x * r + FINE_MAGIC).to_bits() as i32).wrapping_add(FINE_BIAS)
+}
 
 /// Whether multiplying by `fl(1 / scale)` is exact enough (module doc): a normal scale whose
 /// reciprocal is normal too, with room to spare.
@@ -164,10 +178,15 @@ fn quantize_into_on(
     }
 }
 
-fn dequantize_on(isa: Isa, q: &Quantized, out: &mut [f32], write: Write) {
+/// The lengths every dequantize relies on.
+fn dequantize_checks(q: &Quantized, out: &[f32]) {
     assert_eq!(out.len(), q.len, "output length");
     assert_eq!(q.data.len(), q.format.data_bytes(q.len), "data length");
     assert_eq!(q.scales.len(), q.len.div_ceil(q.block.get()), "scale count");
+}
+
+fn dequantize_on(isa: Isa, q: &Quantized, out: &mut [f32], write: Write) {
+    dequantize_checks(q, out);
     match isa {
         Isa::Portable => portable::dequantize(q, out, write),
         #[cfg(target_arch = "x86_64")]
@@ -184,7 +203,19 @@ fn dequantize_sum_on(isa: Isa, parts: &[Quantized], out: &mut [f32]) {
         out.fill(0.0);
         return;
     };
-    // Part by part: at the sizes the collectives use, `out` stays in L2 between parts.
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512
+        && rest
+            .iter()
+            .all(|p| (p.format, p.block, p.len) == (first.format, first.block, first.len))
+    {
+        for p in parts {
+            dequantize_checks(p, out);
+        }
+        // SAFETY: `Isa::Avx512` is only chosen where the CPU has AVX-512F.
+        return unsafe { avx512::dequantize_sum(parts, out) };
+    }
+    // Part by part (parts of mixed formats or blocks, and the portable code).
     dequantize_on(isa, first, out, Write::FromZero);
     for p in rest {
         dequantize_on(isa, p, out, Write::Add);
@@ -195,23 +226,16 @@ fn dequantize_sum_on(isa: Isa, parts: &[Quantized], out: &mut [f32]) {
 mod portable {
     use super::*;
 
-    /// One 16-element chunk: the bits whose low byte (nibble) is each element's integer.
+    /// One 16-element chunk: each element's integer (its low byte / nibble is what is stored).
     #[inline(always)]
-    fn chunk(x: &[f32; 16], scale: f32, recip: Option<f32>, qmax: i32) -> [u32; 16] {
+    fn chunk(x: &[f32; 16], scale: f32, recip: Option<f32>, qmax: i32) -> [i32; 16] {
         if let Some(r) = recip {
-            let mut bits = [0u32; 16];
-            let mut near = false;
-            for j in 0..16 {
-                let y = x[j] * r;
-                let a = y + ROUND_MAGIC;
-                near |= (y - (a - ROUND_MAGIC)).abs() >= TIE_ZONE;
-                bits[j] = a.to_bits();
-            }
-            if !near {
-                return bits;
+            let g = x.map(|v| fast_g(v, r));
+            if g.iter().all(|&g| g & NEAR_TIE != 0) {
+                return g.map(|g| g >> 12);
             }
         }
-        x.map(|v| quantize_exact(v, scale, qmax) as u32)
+        x.map(|v| quantize_exact(v, scale, qmax))
     }
 
     #[inline(always)]
@@ -237,7 +261,7 @@ mod portable {
     }
 
     #[inline(always)]
-    fn pack(format: QuantFormat, bits: &[u32; 16], out: &mut [u8]) {
+    fn pack(format: QuantFormat, bits: &[i32; 16], out: &mut [u8]) {
         match format {
             QuantFormat::Int8 => {
                 for (o, &b) in out.iter_mut().zip(bits) {

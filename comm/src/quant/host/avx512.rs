@@ -8,7 +8,10 @@
 
 use std::arch::x86_64::*;
 
-use super::{ROUND_MAGIC, ROUND_MAGIC_BITS, TIE_ZONE, Write, recip_safe, scale_from_bits};
+use super::{
+    FINE_BIAS, FINE_MAGIC, NEAR_TIE, ROUND_MAGIC, ROUND_MAGIC_BITS, Write, recip_safe,
+    scale_from_bits,
+};
 use crate::quant::{BlockSize, QuantFormat, Quantized};
 
 const SET: u8 = Write::Set as u8;
@@ -102,25 +105,38 @@ impl Quantizer {
         }
     }
 
-    /// 16 lanes whose low byte (int8) or nibble (int4) is each element's integer. `FAST`:
-    /// the reciprocal path, falling back to division if any lane is in the tie zone.
+    /// The reciprocal path (`host` module doc): each lane's integer, valid outside the
+    /// returned mask of lanes near a tie.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn ints<const FAST: bool>(&self, v: __m512) -> __m512i {
-        let magic = _mm512_set1_ps(ROUND_MAGIC);
-        if FAST {
-            let y = _mm512_mul_ps(v, self.recip);
-            let a = _mm512_add_ps(y, magic);
-            let off = _mm512_abs_ps(_mm512_sub_ps(y, _mm512_sub_ps(a, magic)));
-            if _mm512_cmp_ps_mask::<_CMP_GE_OQ>(off, _mm512_set1_ps(TIE_ZONE)) == 0 {
-                // |rint(y)| <= QMAX (module doc of `host`): no clamp.
-                return _mm512_castps_si512(a);
-            }
-        }
-        let a = _mm512_add_ps(_mm512_div_ps(v, self.scale), magic);
+    fn fast(&self, v: __m512) -> (__m512i, __mmask16) {
+        let a = _mm512_add_ps(_mm512_mul_ps(v, self.recip), _mm512_set1_ps(FINE_MAGIC));
+        let g = _mm512_add_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(FINE_BIAS));
+        let near = _mm512_testn_epi32_mask(g, _mm512_set1_epi32(NEAR_TIE));
+        (_mm512_srai_epi32::<12>(g), near)
+    }
+
+    /// The reference's integers, by IEEE division, rounding and clamping.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn exact(&self, v: __m512) -> __m512i {
+        let a = _mm512_add_ps(_mm512_div_ps(v, self.scale), _mm512_set1_ps(ROUND_MAGIC));
         let k = _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(ROUND_MAGIC_BITS));
         let neg = _mm512_sub_epi32(_mm512_setzero_si512(), self.qmax);
         _mm512_max_epi32(_mm512_min_epi32(k, self.qmax), neg)
+    }
+
+    /// `fast`, or `exact` if any lane is near a tie.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn ints<const FAST: bool>(&self, v: __m512) -> __m512i {
+        if FAST {
+            let (k, near) = self.fast(v);
+            if near == 0 {
+                return k;
+            }
+        }
+        self.exact(v)
     }
 }
 
@@ -136,35 +152,61 @@ fn pack_nibbles(k: __m512i) -> __m128i {
     _mm512_cvtepi64_epi8(b)
 }
 
+/// Stores 16 integers as int8 (16 bytes) or int4 (8 bytes).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn store_ints<const INT4: bool>(out: &mut [u8], k: __m512i) {
+    if INT4 {
+        store_8_bytes(out.try_into().unwrap(), pack_nibbles(k));
+    } else {
+        store_16_bytes(out.try_into().unwrap(), _mm512_cvtepi32_epi8(k));
+    }
+}
+
+/// Chunks of 16 per run of the fast path: the lanes near a tie are flagged in one `u64` and
+/// redone after the run, which keeps their branch (a mispredict costs about as much as the
+/// work on 4 chunks, and exact ties in real data can be frequent) out of the hot loop.
+const RUN: usize = 64;
+
 /// Quantizes one finite, non-zero-scale block.
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn quantize_block<const INT4: bool, const FAST: bool>(q: &Quantizer, x: &[f32], out: &mut [u8]) {
     let per = if INT4 { 8 } else { 16 };
-    let mut xs = x.chunks_exact(16);
-    let mut os = out.chunks_exact_mut(per);
-    for (c, o) in (&mut xs).zip(&mut os) {
-        let k = q.ints::<FAST>(load_f32(c.try_into().unwrap()));
-        if INT4 {
-            store_8_bytes(o.try_into().unwrap(), pack_nibbles(k));
-        } else {
-            store_16_bytes(o.try_into().unwrap(), _mm512_cvtepi32_epi8(k));
+    let whole = x.len() / 16;
+    let (x, x_tail) = x.split_at(16 * whole);
+    let (out, o_tail) = out.split_at_mut(per * whole);
+    if FAST {
+        for (xr, or) in x.chunks(16 * RUN).zip(out.chunks_mut(per * RUN)) {
+            let mut flags = 0u64;
+            for (i, (c, o)) in xr
+                .chunks_exact(16)
+                .zip(or.chunks_exact_mut(per))
+                .enumerate()
+            {
+                let (k, near) = q.fast(load_f32(c.try_into().unwrap()));
+                store_ints::<INT4>(o, k);
+                flags |= u64::from(near != 0) << i;
+            }
+            while flags != 0 {
+                let i = flags.trailing_zeros() as usize;
+                flags &= flags - 1;
+                let k = q.exact(load_f32(xr[16 * i..16 * (i + 1)].try_into().unwrap()));
+                store_ints::<INT4>(&mut or[per * i..per * (i + 1)], k);
+            }
+        }
+    } else {
+        for (c, o) in x.chunks_exact(16).zip(out.chunks_exact_mut(per)) {
+            store_ints::<INT4>(o, q.exact(load_f32(c.try_into().unwrap())));
         }
     }
-    let rest = xs.remainder();
-    if !rest.is_empty() {
+    if !x_tail.is_empty() {
         // Zero padding quantizes to 0, so a trailing int4 half byte is 0 as specified.
         let mut c = [0.0f32; 16];
-        c[..rest.len()].copy_from_slice(rest);
-        let k = q.ints::<FAST>(load_f32(&c));
+        c[..x_tail.len()].copy_from_slice(x_tail);
         let mut bytes = [0u8; 16];
-        if INT4 {
-            store_8_bytes((&mut bytes[..8]).try_into().unwrap(), pack_nibbles(k));
-        } else {
-            store_16_bytes(&mut bytes, _mm512_cvtepi32_epi8(k));
-        }
-        let o = os.into_remainder();
-        o.copy_from_slice(&bytes[..o.len()]);
+        store_ints::<INT4>(&mut bytes[..per], q.ints::<FAST>(load_f32(&c)));
+        o_tail.copy_from_slice(&bytes[..o_tail.len()]);
     }
 }
 
@@ -231,15 +273,20 @@ fn values<const INT4: bool>(bytes: &[u8], scale: __m512, table: __m512) -> __m51
     }
 }
 
+/// The value of each nibble 0..16 as the reference reads it (two's complement).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn nibbles() -> __m512 {
+    _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0,
+    )
+}
+
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn dequantize_as<const INT4: bool, const W: u8>(q: &Quantized, out: &mut [f32]) {
     let b = q.block.get();
     let per = if INT4 { 8 } else { 16 };
-    // The value of each nibble 0..16 as the reference reads it (two's complement).
-    let nibbles = _mm512_setr_ps(
-        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0,
-    );
     for ((out, data), &s) in out
         .chunks_mut(b)
         .zip(q.data.chunks(q.format.data_bytes(b)))
@@ -247,7 +294,7 @@ fn dequantize_as<const INT4: bool, const W: u8>(q: &Quantized, out: &mut [f32]) 
     {
         let scale = _mm512_set1_ps(s);
         // `nibble * scale` by the same multiply as the reference, once per block.
-        let table = _mm512_mul_ps(nibbles, scale);
+        let table = _mm512_mul_ps(nibbles(), scale);
         let mut os = out.chunks_exact_mut(16);
         let mut ds = data.chunks_exact(per);
         for (o, d) in (&mut os).zip(&mut ds) {
@@ -277,4 +324,88 @@ pub(super) fn dequantize(q: &Quantized, out: &mut [f32], write: Write) {
         (QuantFormat::Int4, Write::FromZero) => dequantize_as::<true, FROM_ZERO>(q, out),
         (QuantFormat::Int4, Write::Add) => dequantize_as::<true, ADD>(q, out),
     }
+}
+
+/// Parts summed per sweep over a block of the output: each adds its values to the running sum
+/// in a register, so the output is written once per group instead of once per part.
+const GROUP: usize = 4;
+
+/// `host::HostKernels::dequantize_sum_into` on AVX-512F for non-empty `parts` of one format,
+/// block and length (checked by the caller): per block, per group of [`GROUP`] parts, per 16
+/// lanes `acc = ((0.0 + p0) + p1) + ...` in part order, as the reference adds.
+#[target_feature(enable = "avx512f")]
+pub(super) fn dequantize_sum(parts: &[Quantized], out: &mut [f32]) {
+    match parts[0].format {
+        QuantFormat::Int8 => dequantize_sum_as::<false>(parts, out),
+        QuantFormat::Int4 => dequantize_sum_as::<true>(parts, out),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn dequantize_sum_as<const INT4: bool>(parts: &[Quantized], out: &mut [f32]) {
+    let b = parts[0].block.get();
+    let per_block = parts[0].format.data_bytes(b);
+    let per = if INT4 { 8 } else { 16 };
+    for (k, out) in out.chunks_mut(b).enumerate() {
+        let start = k * per_block;
+        for (g, group) in parts.chunks(GROUP).enumerate() {
+            let n = group.len();
+            let mut data: [&[u8]; GROUP] = [&[]; GROUP];
+            let mut scale = [_mm512_setzero_ps(); GROUP];
+            let mut table = [_mm512_setzero_ps(); GROUP];
+            for (j, p) in group.iter().enumerate() {
+                data[j] = &p.data[start..p.data.len().min(start + per_block)];
+                scale[j] = _mm512_set1_ps(p.scales[k]);
+                table[j] = _mm512_mul_ps(nibbles(), scale[j]);
+            }
+            // The first group starts from 0.0 (so -0.0 sums to +0.0, as in the reference).
+            let init = |o: &[f32; 16]| {
+                if g == 0 {
+                    _mm512_setzero_ps()
+                } else {
+                    load_f32(o)
+                }
+            };
+            let done = per * (out.len() / 16);
+            let mut os = out.chunks_exact_mut(16);
+            for (i, o) in (&mut os).enumerate() {
+                let o: &mut [f32; 16] = o.try_into().unwrap();
+                let acc = add_parts::<INT4>(init(o), &data[..n], &scale, &table, i);
+                store_f32(o, acc);
+            }
+            let o = os.into_remainder();
+            if !o.is_empty() {
+                // Zero-padded copies of the last bytes and outputs, as one whole chunk.
+                let mut bytes = [[0u8; 16]; GROUP];
+                for (t, d) in bytes.iter_mut().zip(&data[..n]) {
+                    t[..d.len() - done].copy_from_slice(&d[done..]);
+                }
+                let tail: [&[u8]; GROUP] = [&bytes[0], &bytes[1], &bytes[2], &bytes[3]];
+                let mut buf = [0.0f32; 16];
+                buf[..o.len()].copy_from_slice(o);
+                let acc = add_parts::<INT4>(init(&buf), &tail[..n], &scale, &table, 0);
+                store_f32(&mut buf, acc);
+                o.copy_from_slice(&buf[..o.len()]);
+            }
+        }
+    }
+}
+
+/// `acc` plus chunk `i` (16 values) of each part in `data`, in order.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn add_parts<const INT4: bool>(
+    mut acc: __m512,
+    data: &[&[u8]],
+    scale: &[__m512; GROUP],
+    table: &[__m512; GROUP],
+    i: usize,
+) -> __m512 {
+    let per = if INT4 { 8 } else { 16 };
+    for (j, d) in data.iter().enumerate() {
+        let v = values::<INT4>(&d[per * i..per * (i + 1)], scale[j], table[j]);
+        acc = _mm512_add_ps(acc, v);
+    }
+    acc
 }

@@ -98,10 +98,18 @@ fn cases() -> Vec<(String, Vec<f32>)> {
 }
 
 /// Asserts every implementation equals the reference on `x`: quantized bytes and scales,
-/// dequantized values and a 3-part sum, all bit for bit.
+/// dequantized values and sums of 3 and 6 parts (more than one group of 4), all bit for bit.
 fn check(what: &str, x: &[f32], format: QuantFormat, block: BlockSize) {
     let want = reference::quantize(x, format, block);
     let other = reference::quantize(&values(x.len(), 9), format, block);
+    let six = vec![
+        want.clone(),
+        other.clone(),
+        want.clone(),
+        other.clone(),
+        want.clone(),
+        other.clone(),
+    ];
     let parts = vec![want.clone(), other, want.clone()];
     for isa in isas() {
         let got = quantize(isa, x, format, block);
@@ -118,6 +126,11 @@ fn check(what: &str, x: &[f32], format: QuantFormat, block: BlockSize) {
             bits(&dequantize_sum(isa, &parts)),
             bits(&reference::dequantize_sum(&parts)),
             "{what} {format:?} {block:?} {isa:?}: sum"
+        );
+        assert_eq!(
+            bits(&dequantize_sum(isa, &six)),
+            bits(&reference::dequantize_sum(&six)),
+            "{what} {format:?} {block:?} {isa:?}: sum of 6"
         );
     }
 }

@@ -1,0 +1,319 @@
+//! `ember export`: a checkpoint (sharded or not) to the Hugging Face GPT-2 layout, offline,
+//! from the shard files alone: `model.safetensors` (or `model-0000k-of-0000N.safetensors`
+//! with `model.safetensors.index.json` past `--max-shard-size`), `config.json` with
+//! `GPT2Config`'s fields, and `tokenizer.json`. And the way back: reading such a directory
+//! (ours, or GPT-2's own) for `ember train --init-from`.
+//!
+//! Names are ember's paths with the `transformer.` prefix (`transformer.h.0.attn.c_attn.weight`);
+//! linear weights are already in Conv1D's `[in, out]` layout; `lm_head.weight` is not
+//! written because GPT-2 ties it to `transformer.wte.weight`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, ensure};
+use ember_model::GptConfig;
+use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
+use serde_json::json;
+
+use crate::checkpoint;
+use crate::config::Dtype;
+
+/// Prefix of every GPT-2 parameter name in Hugging Face files.
+pub const HF_PREFIX: &str = "transformer.";
+
+/// Parses `--max-shard-size` (`5GB`, `500MB`, `2GiB`, or bytes).
+pub fn parse_size(s: &str) -> Option<u64> {
+    let t = s.trim();
+    let digits = t.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let unit = &t[digits.len()..];
+    let mult: u64 = match unit.to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "KIB" => 1 << 10,
+        "MIB" => 1 << 20,
+        "GIB" => 1 << 30,
+        _ => return None,
+    };
+    digits
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .filter(|&n| n > 0)
+        .map(|n| n * mult)
+}
+
+/// The `config.json` of a GPT-2 of `model`.
+pub fn hf_config(model: &GptConfig, dtype: Dtype) -> serde_json::Value {
+    json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": model.vocab_size,
+        "n_positions": model.block_size,
+        "n_ctx": model.block_size,
+        "n_embd": model.n_embd,
+        "n_layer": model.n_layer,
+        "n_head": model.n_head,
+        "n_inner": null,
+        "activation_function": "gelu_new",
+        "resid_pdrop": model.dropout,
+        "embd_pdrop": model.dropout,
+        "attn_pdrop": model.dropout,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": model.init_std,
+        "scale_attn_weights": true,
+        "use_cache": true,
+        "tie_word_embeddings": true,
+        "bos_token_id": null,
+        "eos_token_id": null,
+        "torch_dtype": match dtype { Dtype::F32 => "float32", Dtype::Bf16 => "bfloat16" },
+    })
+}
+
+/// Writes the Hugging Face layout of checkpoint `dir` into `out`; returns the files written.
+pub fn export(dir: &Path, out: &Path, dtype: Dtype, max_shard_bytes: u64) -> Result<Vec<PathBuf>> {
+    let loaded = checkpoint::load(dir)?;
+    let model = &loaded.manifest.train.model;
+    fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    // (name, shape, bytes) in model order, split greedily into files of at most the limit
+    // (a tensor larger than the limit gets a file of its own, as transformers does).
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = loaded
+        .tensors
+        .iter()
+        .map(|t| {
+            let bytes: Vec<u8> = match dtype {
+                Dtype::F32 => t.values[0].iter().flat_map(|x| x.to_le_bytes()).collect(),
+                Dtype::Bf16 => t.values[0]
+                    .iter()
+                    .flat_map(|&x| ember_comm::Bf16::from_f32(x).0.to_le_bytes())
+                    .collect(),
+            };
+            (
+                format!("{HF_PREFIX}{}", t.meta.name),
+                t.meta.shape.clone(),
+                bytes,
+            )
+        })
+        .collect();
+    let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
+    let mut size = 0u64;
+    for (i, t) in tensors.iter().enumerate() {
+        let n = t.2.len() as u64;
+        if size + n > max_shard_bytes && !groups.last().expect("one group").is_empty() {
+            groups.push(Vec::new());
+            size = 0;
+        }
+        groups.last_mut().expect("one group").push(i);
+        size += n;
+    }
+    let st_dtype = match dtype {
+        Dtype::F32 => StDtype::F32,
+        Dtype::Bf16 => StDtype::BF16,
+    };
+    let count = groups.len();
+    let mut written = Vec::new();
+    let mut weight_map = BTreeMap::new();
+    let mut total = 0u64;
+    for (k, group) in groups.iter().enumerate() {
+        let name = if count == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{count:05}.safetensors", k + 1)
+        };
+        let views = group
+            .iter()
+            .map(|&i| {
+                let (n, shape, bytes) = &tensors[i];
+                weight_map.insert(n.clone(), name.clone());
+                total += bytes.len() as u64;
+                Ok((n.clone(), TensorView::new(st_dtype, shape.clone(), bytes)?))
+            })
+            .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
+        let path = out.join(&name);
+        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+        safetensors::serialize_to_file(views, Some(meta), &path)
+            .with_context(|| format!("writing {}", path.display()))?;
+        written.push(path);
+    }
+    if count > 1 {
+        let path = out.join("model.safetensors.index.json");
+        let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        fs::write(&path, serde_json::to_string_pretty(&index)?)?;
+        written.push(path);
+    }
+    let config = out.join("config.json");
+    fs::write(
+        &config,
+        serde_json::to_string_pretty(&hf_config(model, dtype))?,
+    )?;
+    written.push(config);
+    let tok = out.join("tokenizer.json");
+    fs::copy(loaded.dir.join("tokenizer.json"), &tok)
+        .with_context(|| format!("copying {}", loaded.dir.join("tokenizer.json").display()))?;
+    written.push(tok);
+    Ok(written)
+}
+
+/// A Hugging Face GPT-2 directory read back: its model shape and every parameter by ember
+/// path, f32.
+#[derive(Debug)]
+pub struct HfModel {
+    /// Shape from `config.json`.
+    pub config: GptConfig,
+    /// `(path, shape, values)` for every tensor named `transformer.*`.
+    pub tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    /// `tokenizer.json`, when the directory has one.
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// Reads a Hugging Face GPT-2 directory (`config.json` plus `model.safetensors` or the
+/// sharded files of `model.safetensors.index.json`), as written by [`export`] or by
+/// `transformers`' `save_pretrained`. Names with or without the `transformer.` prefix are
+/// accepted; `lm_head.weight` and attention-mask buffers are skipped.
+pub fn read_hf(dir: &Path) -> Result<HfModel> {
+    let config_path = dir.join("config.json");
+    let text = fs::read_to_string(&config_path).with_context(|| {
+        format!(
+            "{} has no config.json: --init-from takes a Hugging Face GPT-2 directory",
+            dir.display()
+        )
+    })?;
+    let c: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not JSON", config_path.display()))?;
+    let field = |k: &str| {
+        c.get(k)
+            .and_then(serde_json::Value::as_u64)
+            .map(|v| v as usize)
+            .with_context(|| format!("{}: no integer `{k}`", config_path.display()))
+    };
+    if let Some(a) = c.get("activation_function").and_then(|v| v.as_str()) {
+        ensure!(
+            a == "gelu_new" || a == "gelu_pytorch_tanh",
+            "{}: activation {a} is not GPT-2's tanh GELU",
+            config_path.display()
+        );
+    }
+    let config = GptConfig::new(
+        field("n_layer")?,
+        field("n_head")?,
+        field("n_embd")?,
+        field("n_positions")?,
+        field("vocab_size")?,
+    );
+    config
+        .validate()
+        .map_err(|e| anyhow!("{}: {e}", config_path.display()))?;
+    let files: Vec<PathBuf> = if dir.join("model.safetensors").is_file() {
+        vec![dir.join("model.safetensors")]
+    } else {
+        let index_path = dir.join("model.safetensors.index.json");
+        let index: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(&index_path).with_context(|| {
+                format!(
+                    "{} has neither model.safetensors nor model.safetensors.index.json",
+                    dir.display()
+                )
+            })?)
+            .with_context(|| format!("{} is not JSON", index_path.display()))?;
+        let mut names: Vec<String> = index["weight_map"]
+            .as_object()
+            .with_context(|| format!("{}: no weight_map", index_path.display()))?
+            .values()
+            .filter_map(|v| v.as_str().map(String::from))
+            .collect();
+        names.sort();
+        names.dedup();
+        names.into_iter().map(|n| dir.join(n)).collect()
+    };
+    let mut tensors = HashMap::new();
+    for path in files {
+        let bytes = fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        let st = SafeTensors::deserialize(&bytes)
+            .map_err(|e| anyhow!("{}: bad safetensors file: {e}", path.display()))?;
+        for (name, view) in st.tensors() {
+            if name == "lm_head.weight"
+                || name.ends_with(".attn.bias")
+                || name.ends_with(".attn.masked_bias")
+            {
+                continue;
+            }
+            let key = name.strip_prefix(HF_PREFIX).unwrap_or(&name).to_string();
+            let values: Vec<f32> = match view.dtype() {
+                StDtype::F32 => view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+                StDtype::BF16 => view
+                    .data()
+                    .chunks_exact(2)
+                    .map(|c| ember_comm::Bf16(u16::from_le_bytes([c[0], c[1]])).to_f32())
+                    .collect(),
+                StDtype::F16 => view
+                    .data()
+                    .chunks_exact(2)
+                    .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                    .collect(),
+                other => {
+                    return Err(anyhow!(
+                        "{}: {name} is {other:?}; expected F32, BF16 or F16",
+                        path.display()
+                    ));
+                }
+            };
+            tensors.insert(key, (view.shape().to_vec(), values));
+        }
+    }
+    let tokenizer = dir.join("tokenizer.json");
+    Ok(HfModel {
+        config,
+        tensors,
+        tokenizer: tokenizer.is_file().then_some(tokenizer),
+    })
+}
+
+/// IEEE half to f32 (exact).
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h >> 15) as u32) << 31;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let frac = (h & 0x3ff) as u32;
+    let bits = match (exp, frac) {
+        (0, 0) => sign,
+        (0, f) => {
+            // Subnormal: normalise.
+            let shift = f.leading_zeros() - 21;
+            let f = (f << shift) & 0x3ff;
+            sign | ((113 - shift) << 23) | (f << 13)
+        }
+        (0x1f, f) => sign | 0x7f80_0000 | (f << 13),
+        (e, f) => sign | ((e + 112) << 23) | (f << 13),
+    };
+    f32::from_bits(bits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_decimal_and_binary_units() {
+        assert_eq!(parse_size("5GB"), Some(5_000_000_000));
+        assert_eq!(parse_size("500MB"), Some(500_000_000));
+        assert_eq!(parse_size("2GiB"), Some(2 << 30));
+        assert_eq!(parse_size("1234"), Some(1234));
+        assert_eq!(parse_size("0GB"), None);
+        assert_eq!(parse_size("5XB"), None);
+    }
+
+    #[test]
+    fn half_precision_decodes_exactly() {
+        assert_eq!(f16_to_f32(0x3c00), 1.0);
+        assert_eq!(f16_to_f32(0xc000), -2.0);
+        assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
+        assert_eq!(f16_to_f32(0x7bff), 65504.0);
+        assert!(f16_to_f32(0x7e00).is_nan());
+    }
+}
