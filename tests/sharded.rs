@@ -597,7 +597,7 @@ fn damaged_sharded_checkpoints_are_refused_naming_the_file() {
         )
     };
     type Damage = fn(&Path);
-    let cases: [(&str, Damage, &str); 5] = [
+    let cases: [(&str, Damage, &str); 6] = [
         (
             "missing",
             |d| std::fs::remove_file(d.join("rank-00002.safetensors")).unwrap(),
@@ -661,6 +661,17 @@ fn damaged_sharded_checkpoints_are_refused_naming_the_file() {
                 std::fs::write(&m, manifest.to_string()).unwrap();
             },
             "expected flat F32",
+        ),
+        (
+            "wrong-shape",
+            |d| {
+                let f = d.join("manifest.json");
+                let mut m: serde_json::Value =
+                    serde_json::from_str(&std::fs::read_to_string(&f).unwrap()).unwrap();
+                m["tensors"][0]["shape"][1] = 65.into();
+                std::fs::write(&f, m.to_string()).unwrap();
+            },
+            "but the manifest's shape has 33280",
         ),
     ];
     for (name, damage, message) in cases {
@@ -836,6 +847,30 @@ fn export_writes_the_hugging_face_layout_and_init_from_reads_it_back() {
                 .all(|(a, b)| a.to_bits() == b.to_bits())
         );
     }
+    let half = tmp.path().join("hf-bf16");
+    ok(
+        0,
+        &[
+            "export",
+            "--checkpoint",
+            p(&ckpt),
+            "--out",
+            p(&half),
+            "--dtype",
+            "bf16",
+        ],
+    );
+    let back = ember_train::export::read_hf(&half).unwrap();
+    for t in &src.tensors {
+        let rounded = t.values[0]
+            .iter()
+            .map(|&x| ember_comm::Bf16::from_f32(x).to_f32());
+        assert!(
+            rounded.eq(back.tensors[&t.meta.name].1.iter().copied()),
+            "{}",
+            t.meta.name
+        );
+    }
     let single = tmp.path().join("hf-single");
     ok(
         0,
@@ -917,5 +952,28 @@ fn export_writes_the_hugging_face_layout_and_init_from_reads_it_back() {
         );
     } else {
         eprintln!("torch/transformers not installed: tests/hf_check.py not run (see README)");
+    }
+}
+
+#[test]
+fn keep_last_deletes_older_checkpoints_only_after_a_new_one_is_complete() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (np, extra) in [
+        (0, &[][..]),
+        (2, &["--shard", "zero2", "--topology", "2x1x1"][..]),
+    ] {
+        let out = tmp.path().join(format!("keep-{np}"));
+        let mut flags = vec!["--save-interval", "1", "--keep-last", "2"];
+        flags.extend_from_slice(extra);
+        ok(np, &train_args(&out, "6", &flags));
+        let mut names: Vec<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("step-") || n.starts_with(".tmp"))
+            .collect();
+        names.sort();
+        assert_eq!(names, ["step-000005", "step-000006"], "{np} ranks");
+        ember_train::checkpoint::load(&out.join("step-000005")).unwrap();
     }
 }
