@@ -92,7 +92,7 @@ enum Isa {
     /// The same Rust compiled with AVX2 enabled.
     #[cfg(target_arch = "x86_64")]
     Avx2,
-    /// Hand-written AVX-512F.
+    /// Hand-written AVX-512 (F and BW: every AVX-512 server CPU since Skylake-SP).
     #[cfg(target_arch = "x86_64")]
     Avx512,
 }
@@ -102,7 +102,9 @@ impl Isa {
     fn best() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+            {
                 return Isa::Avx512;
             }
             if std::arch::is_x86_feature_detected!("avx2") {
@@ -173,7 +175,7 @@ fn quantize_into_on(
         // SAFETY: `Isa::Avx2` is only chosen (by `best` or a test) where the CPU has AVX2.
         Isa::Avx2 => unsafe { portable::quantize_avx2(x, format, block, data, scales) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx512` is only chosen where the CPU has AVX-512F.
+        // SAFETY: `Isa::Avx512` is only chosen where the CPU has AVX-512F and BW.
         Isa::Avx512 => unsafe { avx512::quantize(x, format, block, data, scales) },
     }
 }
@@ -212,7 +214,7 @@ fn dequantize_sum_on(isa: Isa, parts: &[Quantized], out: &mut [f32]) {
         for p in parts {
             dequantize_checks(p, out);
         }
-        // SAFETY: `Isa::Avx512` is only chosen where the CPU has AVX-512F.
+        // SAFETY: `Isa::Avx512` is only chosen where the CPU has AVX-512F and BW.
         return unsafe { avx512::dequantize_sum(parts, out) };
     }
     // Part by part (parts of mixed formats or blocks, and the portable code).

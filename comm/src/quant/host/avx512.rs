@@ -19,42 +19,42 @@ const FROM_ZERO: u8 = Write::FromZero as u8;
 const ADD: u8 = Write::Add as u8;
 
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn load_f32(x: &[f32; 16]) -> __m512 {
     // SAFETY: `x` is 16 readable f32s; `loadu` needs no alignment.
     unsafe { _mm512_loadu_ps(x.as_ptr()) }
 }
 
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn store_f32(out: &mut [f32; 16], v: __m512) {
     // SAFETY: `out` is 16 writable f32s; `storeu` needs no alignment.
     unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v) }
 }
 
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn load_16_bytes(b: &[u8; 16]) -> __m128i {
     // SAFETY: `b` is 16 readable bytes; `loadu` needs no alignment.
     unsafe { _mm_loadu_si128(b.as_ptr().cast()) }
 }
 
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn load_8_bytes(b: &[u8; 8]) -> __m128i {
     // SAFETY: `b` is 8 readable bytes; `loadl_epi64` reads exactly 8, unaligned.
     unsafe { _mm_loadl_epi64(b.as_ptr().cast()) }
 }
 
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn store_16_bytes(out: &mut [u8; 16], v: __m128i) {
     // SAFETY: `out` is 16 writable bytes; `storeu` needs no alignment.
     unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), v) }
 }
 
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn store_8_bytes(out: &mut [u8; 8], v: __m128i) {
     // SAFETY: `out` is 8 writable bytes; `storel_epi64` writes exactly 8, unaligned.
     unsafe { _mm_storel_epi64(out.as_mut_ptr().cast(), v) }
@@ -63,7 +63,7 @@ fn store_8_bytes(out: &mut [u8; 8], v: __m128i) {
 /// The largest `bits & 0x7fff_ffff` of `x` (unsigned compare: NaN and inf sort above every
 /// finite value, as in the reference). Four accumulators hide the `max` latency.
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn absmax_bits(x: &[f32]) -> u32 {
     let abs = _mm512_set1_epi32(0x7fff_ffff);
     let lanes =
@@ -96,7 +96,7 @@ struct Quantizer {
 
 impl Quantizer {
     #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512bw")]
     fn new(scale: f32, qmax: f32) -> Self {
         Self {
             scale: _mm512_set1_ps(scale),
@@ -108,17 +108,18 @@ impl Quantizer {
     /// The reciprocal path (`host` module doc): each lane's integer, valid outside the
     /// returned mask of lanes near a tie.
     #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512bw")]
     fn fast(&self, v: __m512) -> (__m512i, __mmask16) {
         let a = _mm512_add_ps(_mm512_mul_ps(v, self.recip), _mm512_set1_ps(FINE_MAGIC));
         let g = _mm512_add_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(FINE_BIAS));
         let near = _mm512_testn_epi32_mask(g, _mm512_set1_epi32(NEAR_TIE));
+        // Arithmetic shift: the packs need the integer's sign.
         (_mm512_srai_epi32::<12>(g), near)
     }
 
     /// The reference's integers, by IEEE division, rounding and clamping.
     #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512bw")]
     fn exact(&self, v: __m512) -> __m512i {
         let a = _mm512_add_ps(_mm512_div_ps(v, self.scale), _mm512_set1_ps(ROUND_MAGIC));
         let k = _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(ROUND_MAGIC_BITS));
@@ -128,7 +129,7 @@ impl Quantizer {
 
     /// `fast`, or `exact` if any lane is near a tie.
     #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,avx512bw")]
     fn ints<const FAST: bool>(&self, v: __m512) -> __m512i {
         if FAST {
             let (k, near) = self.fast(v);
@@ -143,7 +144,7 @@ impl Quantizer {
 /// Elements `2j` and `2j + 1` (one 64-bit lane) into byte `j`: `2j`'s nibble low, `2j + 1`'s
 /// high. Returns 8 bytes in the low half.
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn pack_nibbles(k: __m512i) -> __m128i {
     // Bits 32..35 (element 2j + 1's nibble) move to bits 4..7; the bitwise select
     // `0x0f ? k : hi` (truth table 0xca) keeps element 2j's nibble below them.
@@ -154,7 +155,7 @@ fn pack_nibbles(k: __m512i) -> __m128i {
 
 /// Stores 16 integers as int8 (16 bytes) or int4 (8 bytes).
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn store_ints<const INT4: bool>(out: &mut [u8], k: __m512i) {
     if INT4 {
         store_8_bytes(out.try_into().unwrap(), pack_nibbles(k));
@@ -163,15 +164,62 @@ fn store_ints<const INT4: bool>(out: &mut [u8], k: __m512i) {
     }
 }
 
+/// 64 int8s (4 vectors of 16 `i32` in `[-127, 127]`) as 64 bytes in element order: two
+/// saturating packs (exact here) interleave the vectors per 128-bit lane, so lane `L` holds
+/// 4-byte chunk `L` of vectors 0..4; one dword permutation (a 4x4 transpose) restores order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn pack_i8(k: &[__m512i; 4]) -> __m512i {
+    let a = _mm512_packs_epi32(k[0], k[1]);
+    let b = _mm512_packs_epi32(k[2], k[3]);
+    let bytes = _mm512_packs_epi16(a, b);
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_permutexvar_epi32(order, bytes)
+}
+
+/// 128 int4s (8 vectors in `[-7, 7]`) as 64 bytes in element order. The int8 packs keep
+/// elements `2j, 2j + 1` adjacent, so `maddubs` of their nibbles with `(1, 16)` makes each
+/// byte pair one 16-bit `lo | hi << 4` (at most 255: exact); `packus` narrows those to bytes,
+/// leaving lane `L` with 2-byte chunk `L` of vectors 0..8; one word permutation restores order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn pack_i4(k: &[__m512i; 8]) -> __m512i {
+    let nib = _mm512_set1_epi8(0x0f);
+    let weights = _mm512_set1_epi16(0x1001); // bytes (1, 16)
+    let pairs = |k: &[__m512i]| {
+        let a = _mm512_packs_epi32(k[0], k[1]);
+        let b = _mm512_packs_epi32(k[2], k[3]);
+        let bytes = _mm512_and_si512(_mm512_packs_epi16(a, b), nib);
+        _mm512_maddubs_epi16(bytes, weights)
+    };
+    let bytes = _mm512_packus_epi16(pairs(&k[..4]), pairs(&k[4..]));
+    let order = _mm512_set_epi16(
+        31, 23, 15, 7, 30, 22, 14, 6, 29, 21, 13, 5, 28, 20, 12, 4, 27, 19, 11, 3, 26, 18, 10, 2,
+        25, 17, 9, 1, 24, 16, 8, 0,
+    );
+    _mm512_permutexvar_epi16(order, bytes)
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn store_64_bytes(out: &mut [u8], v: __m512i) {
+    let out: &mut [u8; 64] = out.try_into().unwrap();
+    // SAFETY: `out` is 64 writable bytes; `storeu` needs no alignment.
+    unsafe { _mm512_storeu_si512(out.as_mut_ptr().cast(), v) }
+}
+
 /// Chunks of 16 per run of the fast path: each chunk's lanes near a tie are only recorded, and
 /// the chunks with any are redone after the run. That keeps their branch out of the hot loop
 /// (a mispredict costs about as much as the work on 4 chunks, and data with many exact ties,
 /// like the benchmark's, flags 1 chunk in 30).
 const RUN: usize = 64;
 
+/// Chunks of 16 quantized together, so their integers are packed with few shuffles.
+const WIDE: usize = 8;
+
 /// Quantizes one finite, non-zero-scale block.
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn quantize_block<const INT4: bool, const FAST: bool>(q: &Quantizer, x: &[f32], out: &mut [u8]) {
     let per = if INT4 { 8 } else { 16 };
     let whole = x.len() / 16;
@@ -180,14 +228,28 @@ fn quantize_block<const INT4: bool, const FAST: bool>(q: &Quantizer, x: &[f32], 
     if FAST {
         for (xr, or) in x.chunks(16 * RUN).zip(out.chunks_mut(per * RUN)) {
             let mut near = [0u16; RUN];
-            for ((c, o), near) in xr
-                .chunks_exact(16)
-                .zip(or.chunks_exact_mut(per))
-                .zip(&mut near)
-            {
+            let mut xs = xr.chunks_exact(16 * WIDE);
+            let mut os = or.chunks_exact_mut(per * WIDE);
+            let mut ns = near[..xr.len() / 16].chunks_exact_mut(WIDE);
+            for ((xw, ow), nw) in (&mut xs).zip(&mut os).zip(&mut ns) {
+                let mut k = [_mm512_setzero_si512(); WIDE];
+                for ((c, k), n) in xw.chunks_exact(16).zip(&mut k).zip(nw) {
+                    (*k, *n) = q.fast(load_f32(c.try_into().unwrap()));
+                }
+                if INT4 {
+                    store_64_bytes(ow, pack_i4(&k));
+                } else {
+                    let (lo, hi) = k.split_at(4);
+                    store_64_bytes(&mut ow[..64], pack_i8(lo.try_into().unwrap()));
+                    store_64_bytes(&mut ow[64..], pack_i8(hi.try_into().unwrap()));
+                }
+            }
+            let rest = xs.remainder().chunks_exact(16);
+            let o_rest = os.into_remainder().chunks_exact_mut(per);
+            for ((c, o), n) in rest.zip(o_rest).zip(ns.into_remainder()) {
                 let (k, m) = q.fast(load_f32(c.try_into().unwrap()));
                 store_ints::<INT4>(o, k);
-                *near = m;
+                *n = m;
             }
             let mut flags = near
                 .iter()
@@ -218,10 +280,10 @@ fn quantize_block<const INT4: bool, const FAST: bool>(q: &Quantizer, x: &[f32], 
 /// Elements whose block scales are taken before any of them is quantized: small blocks then
 /// overlap their scale computations (a chain of max, reduction and two divisions) instead of
 /// waiting on each, and 16 KiB of input stays in L1 for the second read.
-const GROUP_ELEMS: usize = 2048;
+const GROUP_ELEMS: usize = 4096;
 
 /// `host::HostKernels::quantize_into` on AVX-512F (lengths checked by the caller).
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 pub(super) fn quantize(
     x: &[f32],
     format: QuantFormat,
@@ -260,7 +322,7 @@ pub(super) fn quantize(
 
 /// Puts 16 dequantized values into `out` as `W` says.
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn put<const W: u8>(out: &mut [f32; 16], v: __m512) {
     let v = match W {
         SET => v,
@@ -273,7 +335,7 @@ fn put<const W: u8>(out: &mut [f32; 16], v: __m512) {
 
 /// 16 dequantized values from `bytes` (16 for int8, 8 for int4) of one block.
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn values<const INT4: bool>(bytes: &[u8], scale: __m512, table: __m512) -> __m512 {
     if INT4 {
         // Each byte twice, widened to 32 bits; odd lanes shifted down to their high nibble.
@@ -290,7 +352,7 @@ fn values<const INT4: bool>(bytes: &[u8], scale: __m512, table: __m512) -> __m51
 
 /// The value of each nibble 0..16 as the reference reads it (two's complement).
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn nibbles() -> __m512 {
     _mm512_setr_ps(
         0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0,
@@ -298,7 +360,7 @@ fn nibbles() -> __m512 {
 }
 
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn dequantize_as<const INT4: bool, const W: u8>(q: &Quantized, out: &mut [f32]) {
     let b = q.block.get();
     let per = if INT4 { 8 } else { 16 };
@@ -329,7 +391,7 @@ fn dequantize_as<const INT4: bool, const W: u8>(q: &Quantized, out: &mut [f32]) 
 }
 
 /// `q` dequantized into `out` as `write` says, on AVX-512F (lengths checked by the caller).
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 pub(super) fn dequantize(q: &Quantized, out: &mut [f32], write: Write) {
     match (q.format, write) {
         (QuantFormat::Int8, Write::Set) => dequantize_as::<false, SET>(q, out),
@@ -348,7 +410,7 @@ const GROUP: usize = 4;
 /// `host::HostKernels::dequantize_sum_into` on AVX-512F for non-empty `parts` of one format,
 /// block and length (checked by the caller): per block, per group of [`GROUP`] parts, per 16
 /// lanes `acc = ((0.0 + p0) + p1) + ...` in part order, as the reference adds.
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 pub(super) fn dequantize_sum(parts: &[Quantized], out: &mut [f32]) {
     match parts[0].format {
         QuantFormat::Int8 => dequantize_sum_as::<false>(parts, out),
@@ -357,7 +419,7 @@ pub(super) fn dequantize_sum(parts: &[Quantized], out: &mut [f32]) {
 }
 
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn dequantize_sum_as<const INT4: bool>(parts: &[Quantized], out: &mut [f32]) {
     let b = parts[0].block.get();
     let per_block = parts[0].format.data_bytes(b);
@@ -409,7 +471,7 @@ fn dequantize_sum_as<const INT4: bool>(parts: &[Quantized], out: &mut [f32]) {
 
 /// `acc` plus chunk `i` (16 values) of each part in `data`, in order.
 #[inline]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw")]
 fn add_parts<const INT4: bool>(
     mut acc: __m512,
     data: &[&[u8]],

@@ -14,7 +14,7 @@ fn isas() -> Vec<Isa> {
         if std::arch::is_x86_feature_detected!("avx2") {
             out.push(Isa::Avx2);
         }
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if Isa::best() == Isa::Avx512 {
             out.push(Isa::Avx512);
         }
     }
