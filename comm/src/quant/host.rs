@@ -233,7 +233,9 @@ mod portable {
     fn chunk(x: &[f32; 16], scale: f32, recip: Option<f32>, qmax: i32) -> [i32; 16] {
         if let Some(r) = recip {
             let g = x.map(|v| fast_g(v, r));
-            if g.iter().all(|&g| g & NEAR_TIE != 0) {
+            // `|`, not `any`: no early exit, so the test vectorises.
+            let near = g.iter().fold(false, |n, &g| n | (g & NEAR_TIE == 0));
+            if !near {
                 return g.map(|g| g >> 12);
             }
         }

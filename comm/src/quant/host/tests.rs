@@ -153,45 +153,45 @@ fn every_implementation_is_bit_identical_to_the_reference() {
 #[test]
 fn ties_and_their_neighbours_match_at_every_scale() {
     let mut s = 0x1234_5678_9abc_def1u64;
-    for format in [QuantFormat::Int8, QuantFormat::Int4] {
-        let qmax = format.qmax();
-        let mut x = Vec::new();
-        for e in (-149..=127)
-            .step_by(3)
-            .chain([-101, -100, -99, 99, 100, 101])
-        {
-            // A block of 64: its max first, then points near (k + 1/2) * scale.
-            let amax =
-                (1.0 + (next(&mut s) >> 41) as f32 / (1u64 << 23) as f32) * 2f32.powi(e.min(127));
-            let amax = if amax.is_finite() { amax } else { f32::MAX };
-            let scale = amax / qmax;
-            x.push(if e % 2 == 0 { amax } else { -amax });
-            for _ in 1..64 {
-                let r = next(&mut s);
-                let k = (r % (2 * qmax as u64 + 1)) as f32 - qmax;
-                // Every other block all near ties, the rest one lane in 8 (so single lanes of
-                // a vector must trigger the fallback on their own).
-                let off = if e % 2 == 0 || (r >> 20) % 8 == 0 {
-                    0.5
-                } else {
-                    0.25
-                };
-                let tie = (k + off) * scale;
-                let nudge = (r >> 32) % 7;
-                let t = f32::from_bits((tie.to_bits() as i64 + nudge as i64 - 3) as u32);
-                x.push(if t.abs() <= amax {
-                    t
-                } else {
-                    tie.min(amax).max(-amax)
-                });
+    // 64: 4 chunks of 16 per block; 256: the 8-chunk packing path.
+    for block in [64, 256] {
+        for format in [QuantFormat::Int8, QuantFormat::Int4] {
+            let qmax = format.qmax();
+            let mut x = Vec::new();
+            for e in (-149..=127)
+                .step_by(3)
+                .chain([-101, -100, -99, 99, 100, 101])
+            {
+                // One block: its max first, then points near (k + 1/2) * scale.
+                let mant = 1.0 + (next(&mut s) >> 41) as f32 / (1u64 << 23) as f32;
+                let amax = mant * 2f32.powi(e);
+                let amax = if amax.is_finite() { amax } else { f32::MAX };
+                let scale = amax / qmax;
+                x.push(if e % 2 == 0 { amax } else { -amax });
+                for _ in 1..block {
+                    let r = next(&mut s);
+                    let k = (r % (2 * qmax as u64 + 1)) as f32 - qmax;
+                    // Every other block all near ties, the rest one lane in 64 (so single
+                    // lanes must trigger the fallback on their own).
+                    let all = e % 2 == 0;
+                    let off = if all || (r >> 20) % 64 == 0 {
+                        0.5
+                    } else {
+                        0.25
+                    };
+                    let tie = (k + off) * scale;
+                    let nudge = (r >> 32) % 7;
+                    let t = f32::from_bits((tie.to_bits() as i64 + nudge as i64 - 3) as u32);
+                    x.push(if t.abs() <= amax {
+                        t
+                    } else {
+                        tie.min(amax).max(-amax)
+                    });
+                }
             }
+            let block = BlockSize::new(block).unwrap();
+            check("ties at every scale", &x, format, block);
         }
-        check(
-            "ties at every scale",
-            &x,
-            format,
-            BlockSize::new(64).unwrap(),
-        );
     }
 }
 
