@@ -49,6 +49,11 @@ use crate::plan::{Memory, Plan};
 use crate::route;
 use crate::stage::{Flow, Staged, assign};
 
+/// Reads `[master, exp_avg, exp_avg_sq]` of elements `range` of parameter `name` from a
+/// checkpoint (see [`ShardedModel::load_state`]).
+pub type StateReader<'a> =
+    dyn FnMut(&str, std::ops::Range<usize>) -> Result<[Vec<f32>; 3], String> + 'a;
+
 /// A parameter's path, shape and values (flattened, f32).
 pub type NamedValues = (String, Vec<usize>, Vec<f32>);
 
@@ -241,7 +246,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
     pub fn load_state(
         &mut self,
         adam_step: u64,
-        read: &mut dyn FnMut(&str, std::ops::Range<usize>) -> Result<[Vec<f32>; 3], String>,
+        read: &mut StateReader<'_>,
     ) -> Result<(), ShardError> {
         for (unit, state) in self.plan.units.iter().zip(self.optimizer.iter_mut()) {
             let n = state.range.len();

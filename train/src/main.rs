@@ -287,7 +287,7 @@ fn train(args: TrainArgs) -> CliResult<()> {
             let dir = checkpoint::locate(path)?;
             // A sharded job reads only its ranges later; one process reads it whole now.
             let loaded = match &comm {
-                Some(_) => Resume::Sharded(dir.clone(), checkpoint::read_manifest(&dir)?),
+                Some(_) => Resume::Sharded(dir.clone(), Box::new(checkpoint::read_manifest(&dir)?)),
                 None => Resume::Whole(Box::new(checkpoint::load(&dir)?)),
             };
             let manifest = loaded.manifest();
@@ -472,7 +472,7 @@ fn train(args: TrainArgs) -> CliResult<()> {
 /// (a sharded job).
 enum Resume {
     Whole(Box<checkpoint::Loaded>),
-    Sharded(PathBuf, checkpoint::Manifest),
+    Sharded(PathBuf, Box<checkpoint::Manifest>),
 }
 
 impl Resume {
