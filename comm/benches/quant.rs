@@ -8,7 +8,8 @@
 //! dequantize output; for the sum of 2 parts still `4 * n`) / time, and `ratio` = memcpy time /
 //! kernel time, memcpy being `copy_from_slice` of the same `4 * n` bytes. Each sample runs a
 //! kernel enough times to move ~16 MiB; samples of every kernel alternate, so drift in the
-//! machine hits all of them; the median sample is reported.
+//! machine hits all of them; the median of 15 samples (after a warm-up) is reported. The load
+//! average is printed before and after: the machine is shared, so say how busy it was.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -48,11 +49,9 @@ fn sizes() -> Vec<usize> {
     let picked: Vec<usize> = std::env::args()
         .skip(1)
         .filter_map(|a| {
-            let (n, unit) = a.split_at(a.len().checked_sub(1)?);
-            let shift = match unit {
-                "K" => 10,
-                "M" => 20,
-                _ => return None,
+            let (n, shift) = match a.strip_suffix('K') {
+                Some(n) => (n, 10),
+                None => (a.strip_suffix('M')?, 20),
             };
             Some(n.parse::<usize>().ok()? << shift)
         })

@@ -322,7 +322,8 @@ fn train(args: TrainArgs) -> CliResult<()> {
                         dir.display()
                     )));
                 }
-                let hf = ember_train::export::read_hf(dir)?;
+                let hf = ember_train::export::read_hf(dir)
+                    .map_err(|e| usage(format!("--init-from: {e:#}")))?;
                 let shape = [
                     ("--n-layer", settings.n_layer, hf.config.n_layer),
                     ("--n-head", settings.n_head, hf.config.n_head),

@@ -1,7 +1,8 @@
 //! The quantization kernels for host buffers: the numerics of `reference`, bit for bit, in one
-//! pass per block (the block's max while it sits in L1, then quantize and pack from L1), on
-//! AVX-512F (`avx512`, hand-written) or else plain Rust compiled for AVX2 and for baseline
-//! SSE2 (multiversioned), picked at run time. It deliberately adds no threads.
+//! sweep per block (the block's max, then quantize and pack while it is still in L1), on
+//! AVX-512 F+BW (`avx512`, hand-written) or else plain Rust compiled for AVX2 and for baseline
+//! SSE2 (multiversioned), picked at run time; `_into` forms write caller buffers. It
+//! deliberately adds no threads: callers own the cores.
 //!
 //! # Division by a reciprocal, exactly
 //!
@@ -61,10 +62,12 @@ fn fast_g(x: f32, r: f32) -> i32 {
 }
 
 /// Whether multiplying by `fl(1 / scale)` is exact enough (module doc): a normal scale whose
-/// reciprocal is normal too, with room to spare.
+/// reciprocal is normal too, with room to spare: `2^-100 <= scale <= 2^100`.
 #[inline(always)]
 fn recip_safe(scale: f32) -> bool {
-    (2f32.powi(-100)..=2f32.powi(100)).contains(&scale)
+    const LO: f32 = f32::from_bits((127 - 100) << 23);
+    const HI: f32 = f32::from_bits((127 + 100) << 23);
+    (LO..=HI).contains(&scale)
 }
 
 /// The scale of a block from its largest `|x|` bit pattern (`reference::block_scale`).

@@ -1,10 +1,10 @@
-//! The host kernels on AVX-512F, 16 lanes: per block, the max of `|x|` bit patterns in one
-//! sweep, then the reciprocal fast path of `host` (see its module doc for why it is exact) with
-//! the IEEE division for any 16 lanes near a tie, while the block is still in L1. Dequantize:
-//! widen, convert, multiply (int8) or look `nibble * scale` up in a 16-entry table (int4).
-//! It deliberately holds no numerics of its own (constants and proof live in `host`) and uses
-//! only `avx512f` instructions: partial chunks go through 16-lane stack buffers instead of
-//! masked memory accesses.
+//! The host kernels on AVX-512 (F and BW), 16 lanes: per group of blocks, the max of `|x|` bit
+//! patterns, then the reciprocal fast path of `host` (see its module doc for why it is exact)
+//! while the data is still in L1, with the IEEE division redone for any 16 lanes near a tie;
+//! 8 chunks of 16 packed together with byte packs. Dequantize: widen, convert, multiply (int8)
+//! or look `nibble * scale` up in a 16-entry table (int4); sums add all parts in a register.
+//! It deliberately holds no numerics of its own (constants and proof live in `host`) and no
+//! masked memory accesses: partial chunks go through 16-lane stack buffers.
 
 use std::arch::x86_64::*;
 
@@ -208,81 +208,130 @@ fn store_64_bytes(out: &mut [u8], v: __m512i) {
     unsafe { _mm512_storeu_si512(out.as_mut_ptr().cast(), v) }
 }
 
-/// Chunks of 16 per run of the fast path: each chunk's lanes near a tie are only recorded, and
-/// the chunks with any are redone after the run. That keeps their branch out of the hot loop
-/// (a mispredict costs about as much as the work on 4 chunks, and data with many exact ties,
-/// like the benchmark's, flags 1 chunk in 30).
-const RUN: usize = 64;
-
 /// Chunks of 16 quantized together, so their integers are packed with few shuffles.
 const WIDE: usize = 8;
 
-/// Quantizes one finite, non-zero-scale block.
+/// Elements per segment, the unit of the fast path: its blocks' scales are taken first (small
+/// blocks then overlap their chains of max, reduction and two divisions instead of waiting on
+/// each, and 16 KiB of input stays in L1 for the second read); each chunk of 16's lanes near a
+/// tie are only recorded, and the chunks with any are redone after the segment. That keeps the
+/// fallback's branch out of the hot loop (a mispredict costs about as much as the work on 4
+/// chunks, and data with many exact ties, like the benchmark's, flags 1 chunk in 30).
+const SEG: usize = 4096;
+
+/// Chunks of 16 per segment.
+const SEG_CHUNKS: usize = SEG / 16;
+
+/// Quantizes a block by chunks of 16, falling back to the division chunk by chunk (`FAST`)
+/// or dividing throughout: blocks whose length is not a multiple of 16 or whose scale is not
+/// [`recip_safe`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 fn quantize_block<const INT4: bool, const FAST: bool>(q: &Quantizer, x: &[f32], out: &mut [u8]) {
     let per = if INT4 { 8 } else { 16 };
-    let whole = x.len() / 16;
-    let (x, x_tail) = x.split_at(16 * whole);
-    let (out, o_tail) = out.split_at_mut(per * whole);
-    if FAST {
-        for (xr, or) in x.chunks(16 * RUN).zip(out.chunks_mut(per * RUN)) {
-            let mut near = [0u16; RUN];
-            let mut xs = xr.chunks_exact(16 * WIDE);
-            let mut os = or.chunks_exact_mut(per * WIDE);
-            let mut ns = near[..xr.len() / 16].chunks_exact_mut(WIDE);
-            for ((xw, ow), nw) in (&mut xs).zip(&mut os).zip(&mut ns) {
-                let mut k = [_mm512_setzero_si512(); WIDE];
-                for ((c, k), n) in xw.chunks_exact(16).zip(&mut k).zip(nw) {
-                    (*k, *n) = q.fast(load_f32(c.try_into().unwrap()));
-                }
-                if INT4 {
-                    store_64_bytes(ow, pack_i4(&k));
-                } else {
-                    let (lo, hi) = k.split_at(4);
-                    store_64_bytes(&mut ow[..64], pack_i8(lo.try_into().unwrap()));
-                    store_64_bytes(&mut ow[64..], pack_i8(hi.try_into().unwrap()));
-                }
-            }
-            let rest = xs.remainder().chunks_exact(16);
-            let o_rest = os.into_remainder().chunks_exact_mut(per);
-            for ((c, o), n) in rest.zip(o_rest).zip(ns.into_remainder()) {
-                let (k, m) = q.fast(load_f32(c.try_into().unwrap()));
-                store_ints::<INT4>(o, k);
-                *n = m;
-            }
-            let mut flags = near
-                .iter()
-                .enumerate()
-                .fold(0u64, |f, (i, &m)| f | u64::from(m != 0) << i);
-            while flags != 0 {
-                let i = flags.trailing_zeros() as usize;
-                flags &= flags - 1;
-                let k = q.exact(load_f32(xr[16 * i..16 * (i + 1)].try_into().unwrap()));
-                store_ints::<INT4>(&mut or[per * i..per * (i + 1)], k);
-            }
-        }
-    } else {
-        for (c, o) in x.chunks_exact(16).zip(out.chunks_exact_mut(per)) {
-            store_ints::<INT4>(o, q.exact(load_f32(c.try_into().unwrap())));
-        }
+    let mut xs = x.chunks_exact(16);
+    let mut os = out.chunks_exact_mut(per);
+    for (c, o) in (&mut xs).zip(&mut os) {
+        store_ints::<INT4>(o, q.ints::<FAST>(load_f32(c.try_into().unwrap())));
     }
-    if !x_tail.is_empty() {
-        // Zero padding quantizes to 0, so a trailing int4 half byte is 0 as specified.
-        let mut c = [0.0f32; 16];
-        c[..x_tail.len()].copy_from_slice(x_tail);
-        let mut bytes = [0u8; 16];
-        store_ints::<INT4>(&mut bytes[..per], q.ints::<FAST>(load_f32(&c)));
-        o_tail.copy_from_slice(&bytes[..o_tail.len()]);
+    quantize_tail::<INT4, FAST>(q, xs.remainder(), os.into_remainder());
+}
+
+/// The last `x.len() < 16` elements of a buffer, through a zero-padded chunk (zeros quantize
+/// to 0, so a trailing int4 half byte is 0 as specified).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn quantize_tail<const INT4: bool, const FAST: bool>(q: &Quantizer, x: &[f32], out: &mut [u8]) {
+    if x.is_empty() {
+        return;
+    }
+    let mut c = [0.0f32; 16];
+    c[..x.len()].copy_from_slice(x);
+    let mut bytes = [0u8; 16];
+    let per = if INT4 { 8 } else { 16 };
+    store_ints::<INT4>(&mut bytes[..per], q.ints::<FAST>(load_f32(&c)));
+    out.copy_from_slice(&bytes[..out.len()]);
+}
+
+/// Quantizes one segment: whole blocks of `b` elements (a multiple of 16; the buffer's last
+/// block may be shorter) with their `scales`, or part of one block longer than [`SEG`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn quantize_segment<const INT4: bool>(
+    x: &[f32],
+    out: &mut [u8],
+    scales: &[f32],
+    b: usize,
+    qmax: f32,
+) {
+    let per = if INT4 { 8 } else { 16 };
+    // Chunk i of the segment starts at element 16 i: blocks are whole chunks.
+    let mut near = [0u16; SEG_CHUNKS];
+    let blocks = x.chunks(b).zip(out.chunks_mut(per * b / 16));
+    for (((xb, ob), &s), nb) in blocks.zip(scales).zip(near.chunks_mut(b / 16)) {
+        if s.is_nan() || s == 0.0 {
+            ob.fill(0);
+            continue;
+        }
+        let q = Quantizer::new(s, qmax);
+        if !recip_safe(s) {
+            quantize_block::<INT4, false>(&q, xb, ob);
+            continue;
+        }
+        let whole = xb.len() / 16;
+        let (xb, x_tail) = xb.split_at(16 * whole);
+        let (ob, o_tail) = ob.split_at_mut(per * whole);
+        let mut xs = xb.chunks_exact(16 * WIDE);
+        let mut os = ob.chunks_exact_mut(per * WIDE);
+        let mut ns = nb[..whole].chunks_exact_mut(WIDE);
+        for ((xw, ow), nw) in (&mut xs).zip(&mut os).zip(&mut ns) {
+            let mut k = [_mm512_setzero_si512(); WIDE];
+            for ((c, k), n) in xw.chunks_exact(16).zip(&mut k).zip(nw) {
+                (*k, *n) = q.fast(load_f32(c.try_into().unwrap()));
+            }
+            if INT4 {
+                store_64_bytes(ow, pack_i4(&k));
+            } else {
+                let (lo, hi) = k.split_at(4);
+                store_64_bytes(&mut ow[..64], pack_i8(lo.try_into().unwrap()));
+                store_64_bytes(&mut ow[64..], pack_i8(hi.try_into().unwrap()));
+            }
+        }
+        let rest = xs.remainder().chunks_exact(16);
+        let o_rest = os.into_remainder().chunks_exact_mut(per);
+        for ((c, o), n) in rest.zip(o_rest).zip(ns.into_remainder()) {
+            let (k, m) = q.fast(load_f32(c.try_into().unwrap()));
+            store_ints::<INT4>(o, k);
+            *n = m;
+        }
+        quantize_tail::<INT4, true>(&q, x_tail, o_tail);
+    }
+    for (w, mut flags) in nonzero(&near).into_iter().enumerate() {
+        while flags != 0 {
+            let i = 64 * w + flags.trailing_zeros() as usize;
+            flags &= flags - 1;
+            let q = Quantizer::new(scales[16 * i / b], qmax);
+            let k = q.exact(load_f32(x[16 * i..16 * (i + 1)].try_into().unwrap()));
+            store_ints::<INT4>(&mut out[per * i..per * (i + 1)], k);
+        }
     }
 }
 
-/// Elements whose block scales are taken before any of them is quantized: small blocks then
-/// overlap their scale computations (a chain of max, reduction and two divisions) instead of
-/// waiting on each, and 16 KiB of input stays in L1 for the second read.
-const GROUP_ELEMS: usize = 4096;
+/// Bit `i % 64` of word `i / 64` set for each non-zero `near[i]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn nonzero(near: &[u16; SEG_CHUNKS]) -> [u64; SEG_CHUNKS / 64] {
+    let mut words = [0u64; SEG_CHUNKS / 64];
+    for (j, c) in near.chunks_exact(32).enumerate() {
+        let c: &[u16; 32] = c.try_into().unwrap();
+        // SAFETY: `c` is 32 readable u16s (64 bytes); `loadu` needs no alignment.
+        let v = unsafe { _mm512_loadu_si512(c.as_ptr().cast()) };
+        words[j / 2] |= u64::from(_mm512_test_epi16_mask(v, v)) << (32 * (j % 2));
+    }
+    words
+}
 
-/// `host::HostKernels::quantize_into` on AVX-512F (lengths checked by the caller).
+/// `host::HostKernels::quantize_into` on AVX-512 (lengths checked by the caller).
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) fn quantize(
     x: &[f32],
@@ -291,31 +340,46 @@ pub(super) fn quantize(
     data: &mut [u8],
     scales: &mut [f32],
 ) {
-    let b = block.get();
-    let qmax = format.qmax();
-    let per_block = format.data_bytes(b);
+    match format {
+        QuantFormat::Int8 => quantize_as::<false>(x, block.get(), data, scales),
+        QuantFormat::Int4 => quantize_as::<true>(x, block.get(), data, scales),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn quantize_as<const INT4: bool>(x: &[f32], b: usize, data: &mut [u8], scales: &mut [f32]) {
+    let qmax = if INT4 { 7.0 } else { 127.0 };
+    let per = if INT4 { 8 } else { 16 };
     // Blocks are a multiple of 8 elements, so each block's bytes start at a whole byte.
-    let group = (GROUP_ELEMS / b).max(1);
+    let per_block = if INT4 { b / 2 } else { b };
+    if !b.is_multiple_of(16) {
+        // Blocks of 8 + 16 j: not whole chunks, so no segments (a rare choice of block).
+        for ((xb, ob), s) in x.chunks(b).zip(data.chunks_mut(per_block)).zip(scales) {
+            *s = scale_from_bits(absmax_bits(xb), qmax);
+            let q = Quantizer::new(*s, qmax);
+            if s.is_nan() || *s == 0.0 {
+                ob.fill(0);
+            } else if recip_safe(*s) {
+                quantize_block::<INT4, true>(&q, xb, ob);
+            } else {
+                quantize_block::<INT4, false>(&q, xb, ob);
+            }
+        }
+        return;
+    }
+    // Whole blocks up to SEG elements per group, or one block split into segments.
+    let group = (SEG / b).max(1);
     for ((xg, dg), sg) in x
         .chunks(group * b)
         .zip(data.chunks_mut(group * per_block))
         .zip(scales.chunks_mut(group))
     {
-        for (chunk, s) in xg.chunks(b).zip(sg.iter_mut()) {
-            *s = scale_from_bits(absmax_bits(chunk), qmax);
+        for (xb, s) in xg.chunks(b).zip(sg.iter_mut()) {
+            *s = scale_from_bits(absmax_bits(xb), qmax);
         }
-        for ((chunk, out), &scale) in xg.chunks(b).zip(dg.chunks_mut(per_block)).zip(&*sg) {
-            if scale.is_nan() || scale == 0.0 {
-                out.fill(0);
-                continue;
-            }
-            let q = Quantizer::new(scale, qmax);
-            match (format, recip_safe(scale)) {
-                (QuantFormat::Int8, true) => quantize_block::<false, true>(&q, chunk, out),
-                (QuantFormat::Int8, false) => quantize_block::<false, false>(&q, chunk, out),
-                (QuantFormat::Int4, true) => quantize_block::<true, true>(&q, chunk, out),
-                (QuantFormat::Int4, false) => quantize_block::<true, false>(&q, chunk, out),
-            }
+        for (xs, ds) in xg.chunks(SEG).zip(dg.chunks_mut(per * SEG_CHUNKS)) {
+            quantize_segment::<INT4>(xs, ds, sg, b, qmax);
         }
     }
 }
@@ -405,10 +469,10 @@ pub(super) fn dequantize(q: &Quantized, out: &mut [f32], write: Write) {
 
 /// Parts summed per sweep over a block of the output: each adds its values to the running sum
 /// in a register, so the output is written once per group instead of once per part.
-const GROUP: usize = 4;
+const SUM_GROUP: usize = 4;
 
 /// `host::HostKernels::dequantize_sum_into` on AVX-512F for non-empty `parts` of one format,
-/// block and length (checked by the caller): per block, per group of [`GROUP`] parts, per 16
+/// block and length (checked by the caller): per block, per group of [`SUM_GROUP`] parts, per 16
 /// lanes `acc = ((0.0 + p0) + p1) + ...` in part order, as the reference adds.
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) fn dequantize_sum(parts: &[Quantized], out: &mut [f32]) {
@@ -426,11 +490,11 @@ fn dequantize_sum_as<const INT4: bool>(parts: &[Quantized], out: &mut [f32]) {
     let per = if INT4 { 8 } else { 16 };
     for (k, out) in out.chunks_mut(b).enumerate() {
         let start = k * per_block;
-        for (g, group) in parts.chunks(GROUP).enumerate() {
+        for (g, group) in parts.chunks(SUM_GROUP).enumerate() {
             let n = group.len();
-            let mut data: [&[u8]; GROUP] = [&[]; GROUP];
-            let mut scale = [_mm512_setzero_ps(); GROUP];
-            let mut table = [_mm512_setzero_ps(); GROUP];
+            let mut data: [&[u8]; SUM_GROUP] = [&[]; SUM_GROUP];
+            let mut scale = [_mm512_setzero_ps(); SUM_GROUP];
+            let mut table = [_mm512_setzero_ps(); SUM_GROUP];
             for (j, p) in group.iter().enumerate() {
                 data[j] = &p.data[start..p.data.len().min(start + per_block)];
                 scale[j] = _mm512_set1_ps(p.scales[k]);
@@ -454,11 +518,11 @@ fn dequantize_sum_as<const INT4: bool>(parts: &[Quantized], out: &mut [f32]) {
             let o = os.into_remainder();
             if !o.is_empty() {
                 // Zero-padded copies of the last bytes and outputs, as one whole chunk.
-                let mut bytes = [[0u8; 16]; GROUP];
+                let mut bytes = [[0u8; 16]; SUM_GROUP];
                 for (t, d) in bytes.iter_mut().zip(&data[..n]) {
                     t[..d.len() - done].copy_from_slice(&d[done..]);
                 }
-                let tail: [&[u8]; GROUP] = [&bytes[0], &bytes[1], &bytes[2], &bytes[3]];
+                let tail: [&[u8]; SUM_GROUP] = std::array::from_fn(|j| &bytes[j][..]);
                 let mut buf = [0.0f32; 16];
                 buf[..o.len()].copy_from_slice(o);
                 let acc = add_parts::<INT4>(init(&buf), &tail[..n], &scale, &table, 0);
@@ -475,8 +539,8 @@ fn dequantize_sum_as<const INT4: bool>(parts: &[Quantized], out: &mut [f32]) {
 fn add_parts<const INT4: bool>(
     mut acc: __m512,
     data: &[&[u8]],
-    scale: &[__m512; GROUP],
-    table: &[__m512; GROUP],
+    scale: &[__m512; SUM_GROUP],
+    table: &[__m512; SUM_GROUP],
     i: usize,
 ) -> __m512 {
     let per = if INT4 { 8 } else { 16 };

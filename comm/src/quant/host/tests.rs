@@ -86,6 +86,7 @@ fn cases() -> Vec<(String, Vec<f32>)> {
         ("random 1000 (not a block multiple)".into(), values(1000, 1)),
         ("random 4096".into(), values(4096, 2)),
         ("random 1037 (odd)".into(), values(1037, 5)),
+        ("random 20003 (ragged last block)".into(), values(20003, 6)),
         ("zeros, ±inf, NaN, -0".into(), special),
         ("halves".into(), ties),
         (
@@ -137,7 +138,8 @@ fn check(what: &str, x: &[f32], format: QuantFormat, block: BlockSize) {
 
 #[test]
 fn every_implementation_is_bit_identical_to_the_reference() {
-    for block in [8, 16, 24, 64, 2048] {
+    // 8, 24: not whole chunks of 16; 48: 85 blocks per segment; 8192: one block, 2 segments.
+    for block in [8, 16, 24, 48, 64, 2048, 8192] {
         let block = BlockSize::new(block).unwrap();
         for format in [QuantFormat::Int8, QuantFormat::Int4] {
             for (name, x) in cases() {
@@ -153,8 +155,8 @@ fn every_implementation_is_bit_identical_to_the_reference() {
 #[test]
 fn ties_and_their_neighbours_match_at_every_scale() {
     let mut s = 0x1234_5678_9abc_def1u64;
-    // 64: 4 chunks of 16 per block; 256: the 8-chunk packing path.
-    for block in [64, 256] {
+    // 64: 4 chunks of 16 per block; 256: the 8-chunk packing path; 8192: segments of a block.
+    for block in [64, 256, 8192] {
         for format in [QuantFormat::Int8, QuantFormat::Int4] {
             let qmax = format.qmax();
             let mut x = Vec::new();
@@ -174,7 +176,7 @@ fn ties_and_their_neighbours_match_at_every_scale() {
                     // Every other block all near ties, the rest one lane in 64 (so single
                     // lanes must trigger the fallback on their own).
                     let all = e % 2 == 0;
-                    let off = if all || (r >> 20) % 64 == 0 {
+                    let off = if all || (r >> 20).is_multiple_of(64) {
                         0.5
                     } else {
                         0.25
@@ -279,4 +281,13 @@ fn into_forms_match_the_allocating_ones() {
     let mut out = vec![1.0f32; 3];
     HostKernels.dequantize_sum_into(&[], &mut out);
     assert_eq!(out, [0.0; 3]);
+}
+
+#[test]
+fn the_reciprocal_is_used_only_between_its_bounds() {
+    let (lo, hi) = (2f32.powi(-100), 2f32.powi(100));
+    assert!(recip_safe(lo) && recip_safe(hi) && recip_safe(1.0));
+    assert!(!recip_safe(f32::from_bits(lo.to_bits() - 1)));
+    assert!(!recip_safe(f32::from_bits(hi.to_bits() + 1)));
+    assert!(!recip_safe(1e-40) && !recip_safe(f32::NAN) && !recip_safe(0.0));
 }
