@@ -1,7 +1,7 @@
 //! The communication benchmark as a library function: per op, scope and size, the bandwidth
 //! through ember and through the raw MPI call on the same buffers, plus quantize / dequantize
 //! throughput beside a plain memcpy. It deliberately parses no arguments and prints nothing:
-//! the `ember bench comm` subcommand (and `examples/bench_comm.rs`) own the CLI and output.
+//! the `ember bench comm` subcommand owns the CLI and output.
 //!
 //! # What the numbers mean
 //!
