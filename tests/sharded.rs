@@ -977,3 +977,66 @@ fn keep_last_deletes_older_checkpoints_only_after_a_new_one_is_complete() {
         ember_train::checkpoint::load(&out.join("step-000005")).unwrap();
     }
 }
+
+#[test]
+fn dropout_masks_replay_through_the_unit_recompute() {
+    // `ddp` runs each micro-batch in one autodiff graph; `zero3` and `hier3` run units one at
+    // a time and recompute them in backward. Both seed the masks per (step, rank, micro-batch,
+    // unit), so if the recompute replays the forward's masks the runs agree to the parity
+    // tolerance; a recompute with fresh masks would give other gradients at once.
+    let tmp = tempfile::tempdir().unwrap();
+    let flags = |preset: &'static str| -> Vec<&'static str> {
+        vec![
+            "--dropout",
+            "0.1",
+            "--shard",
+            preset,
+            "--topology",
+            "2x1x1",
+            "--quantize-weights",
+            "off",
+            "--quantize-grads",
+            "off",
+            "--save-interval",
+            "10",
+        ]
+    };
+    let run_one = |preset: &'static str| {
+        let out = tmp.path().join(preset);
+        ok(2, &train_args(&out, "20", &flags(preset)));
+        (out.clone(), losses_after(&out, 0))
+    };
+    let (_, ddp) = run_one("ddp");
+    let (zero3_dir, zero3) = run_one("zero3");
+    let (_, hier3) = run_one("hier3");
+    assert_close(&ddp, &zero3, PARITY_TOL, "zero3 with dropout");
+    assert_close(&ddp, &hier3, PARITY_TOL, "hier3 with dropout");
+    // Dropout is really on: the same run without it has other losses.
+    let plain = tmp.path().join("plain");
+    ok(
+        2,
+        &train_args(&plain, "20", &["--shard", "zero3", "--topology", "2x1x1"]),
+    );
+    let off = losses_after(&plain, 0);
+    assert!(
+        off.iter()
+            .zip(&zero3)
+            .any(|(a, b)| (a.1 - b.1).abs() > 1e-3)
+    );
+    // And a resumed dropout run draws the same masks: bit for bit.
+    let again = tmp.path().join("again");
+    let from = copy_checkpoint(&zero3_dir.join("step-000010"), &again);
+    ok(
+        2,
+        &[
+            "train",
+            "--resume",
+            p(&from),
+            "--shard",
+            "zero3",
+            "--topology",
+            "2x1x1",
+        ],
+    );
+    assert_eq!(losses_after(&again, 10), losses_after(&zero3_dir, 10));
+}

@@ -138,6 +138,7 @@ pub fn train(
             eps: 1e-8,
             weight_decay: 0.0,
         },
+        dropout_seed: None,
     };
     let (mut first, mut last) = (f64::NAN, f64::NAN);
     for step in 0..steps {

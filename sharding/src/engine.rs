@@ -11,6 +11,9 @@
 //! unit's parameter gradients and the gradient of its input for the visit before. Once a
 //! unit's gradient is complete (after the lowest stage that reads it) it goes to the reducer.
 //!
+//! Dropout masks are replayed: with `StepHyper::dropout_seed` the device RNG is re-seeded from
+//! (seed, micro-batch, unit) before a unit's forward and before its recompute.
+//!
 //! With replicated parameters (`ddp`, `zero1`, `zero2`) nothing is released, so each
 //! micro-batch instead runs every unit in one autodiff graph and one backward, without
 //! recompute; gradients are reduced after that backward.
@@ -66,6 +69,20 @@ pub struct StepHyper {
     pub grad_clip: f64,
     /// AdamW settings.
     pub adam: AdamConfig,
+    /// Seed of this rank's dropout masks for this step, for models with dropout; `None` runs
+    /// the inference-only forward visits without autodiff (dropout off there, and nothing
+    /// to replay). With a seed, the device RNG is seeded from (seed, micro-batch, unit)
+    /// before a unit's forward and again before its recompute, so backward sees the masks
+    /// the forward drew.
+    pub dropout_seed: Option<u64>,
+}
+
+/// The RNG seed of unit `stage` of micro-batch `micro` in a step seeded `base`.
+fn unit_seed(base: u64, micro: usize, stage: usize) -> u64 {
+    let mut z = base ^ ((micro as u64) << 32) ^ stage as u64;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// What a step did, as this rank saw it.
@@ -306,7 +323,13 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
     }
 
     /// The module with the parameters of `units` set from their gathered flat buffers.
-    fn module_with(&self, units: &[usize], full: Vec<Vec<f32>>, autodiff: bool) -> S::Module {
+    fn module_with(
+        &self,
+        units: &[usize],
+        full: Vec<Vec<f32>>,
+        autodiff: bool,
+        require_grad: bool,
+    ) -> S::Module {
         let device = if autodiff {
             &self.autodiff
         } else {
@@ -331,7 +354,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             &mut values,
             &self.shapes,
             true,
-            autodiff,
+            require_grad,
         )
     }
 
@@ -356,7 +379,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                     .map(|&u| route::gather_primary(self.comm, &self.plan, u, &self.primary[u]))
                     .collect::<Result<_, _>>()?
             };
-            let module = self.module_with(&needs, full, false);
+            let module = self.module_with(&needs, full, false, false);
             match self
                 .stages
                 .forward(&module, stage, input.take(), batch, &self.device)
@@ -462,10 +485,13 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                 if !partitioned {
                     let all: Vec<usize> = (0..k).collect();
                     for (micro, batch) in micro_batches.iter().enumerate() {
-                        let module = self.module_with(&all, self.replicated(&all), true);
+                        let module = self.module_with(&all, self.replicated(&all), true, true);
                         let mut x: Option<Tensor<D>> = None;
                         let mut loss = None;
                         for stage in 0..k {
+                            if let Some(base) = hyper.dropout_seed {
+                                self.autodiff.seed(unit_seed(base, micro, stage));
+                            }
                             match self.stages.forward(
                                 &module,
                                 stage,
@@ -522,19 +548,28 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                         self.replicated(&units)
                     };
                     let batch = &micro_batches[v.micro];
+                    if let Some(base) = hyper.dropout_seed {
+                        self.autodiff.seed(unit_seed(base, v.micro, v.stage));
+                    }
                     if !v.backward {
-                        let module = self.module_with(&units, full, false);
+                        // With dropout the forward runs on the autodiff device (dropout is
+                        // off elsewhere), tracking nothing: no parameter requires a gradient.
+                        let replay = hyper.dropout_seed.is_some();
+                        let module = self.module_with(&units, full, replay, false);
+                        let device = if replay { &self.autodiff } else { &self.device };
                         // Keep the input for the recompute; the output is the next input.
-                        let input = inputs[v.stage].clone();
-                        match self
-                            .stages
-                            .forward(&module, v.stage, input, batch, &self.device)
-                        {
-                            Flow::Hidden(h) => inputs[v.stage + 1] = Some(h),
+                        let input = inputs[v.stage]
+                            .clone()
+                            .map(|x| if replay { x.autodiff() } else { x });
+                        match self.stages.forward(&module, v.stage, input, batch, device) {
+                            Flow::Hidden(h) => {
+                                let h = if replay { h.without_autodiff() } else { h };
+                                inputs[v.stage + 1] = Some(h);
+                            }
                             Flow::Loss(_) => return Err(flow_error(v.stage, k)),
                         }
                     } else {
-                        let module = self.module_with(&units, full, true);
+                        let module = self.module_with(&units, full, true, true);
                         let input = inputs[v.stage].take().map(|x| x.autodiff().require_grad());
                         let out = self.stages.forward(
                             &module,

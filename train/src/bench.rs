@@ -185,6 +185,7 @@ pub fn bench_shard(
             eps: 1e-8,
             weight_decay: config.weight_decay,
         },
+        dropout_seed: (config.model.dropout > 0.0).then_some(config.seed),
     };
     let mut out: Vec<ShardBench> = Vec::new();
     for shard in shards {

@@ -429,13 +429,6 @@ fn train(args: TrainArgs) -> CliResult<()> {
     );
     let out_dir = config.out_dir.clone();
     if let Some(comm) = &comm {
-        if config.model.dropout > 0.0 {
-            return Err(usage(format!(
-                "--dropout {} with --shard: units recompute their forward in backward, which \
-                 needs replayable dropout masks (not implemented); use --dropout 0",
-                config.model.dropout
-            )));
-        }
         let shard = args.shard.resolve(comm.topology(), config.dtype)?;
         let from = match &loaded {
             Some(Resume::Sharded(dir, _)) => Some(dir.as_path()),

@@ -26,6 +26,7 @@ use crate::log0;
 use crate::metrics::{MetricsWriter, StepMetrics, progress_bar};
 use crate::optim::LrSchedule;
 use crate::stages::{GptStages, TokenBatch};
+use ember_model::init::splitmix64;
 
 /// Flags of sharded training (all need `--shard`).
 #[derive(Debug, Clone, Default, Args)]
@@ -339,6 +340,9 @@ pub fn run(
                 lr,
                 grad_clip: c.grad_clip,
                 adam,
+                // Each rank draws its own masks; the step and seed make them replayable.
+                dropout_seed: (c.model.dropout > 0.0)
+                    .then(|| splitmix64(c.seed ^ splitmix64(step)) ^ splitmix64(rank as u64 + 1)),
             },
         )?;
         window.0 += report.step_s;
