@@ -16,7 +16,8 @@
 //!
 //! With replicated parameters (`ddp`, `zero1`, `zero2`) nothing is released, so each
 //! micro-batch instead runs every unit in one autodiff graph and one backward, without
-//! recompute; gradients are reduced after that backward.
+//! recompute; gradients are reduced after each backward (zero2) or once after the last
+//! micro-batch (ddp, zero1).
 //!
 //! This is activation checkpointing at unit boundaries: only one activation per unit boundary
 //! is kept per micro-batch, and every stage but the last computes its forward twice, so a step
@@ -27,8 +28,9 @@
 //!
 //! # Communication thread
 //!
-//! All collectives of a step run on one scoped worker thread, in the order the main thread
-//! requests them, like a dedicated communication stream: parameter gathers are requested
+//! The gathers and gradient reductions of a step run on one scoped worker thread, in the
+//! order the main thread requests them, like a dedicated communication stream (the two scalar
+//! all-reduces and the post-update parameter gather run on the caller after it is joined): parameter gathers are requested
 //! `prefetch` visits ahead so they overlap the current visit's compute, gradient reductions as
 //! soon as a unit's gradient is ready so they overlap the backward of the units before it.
 //! Every rank requests the same collectives in the same order, so MPI matches them. The

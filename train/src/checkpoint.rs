@@ -80,7 +80,7 @@ pub struct Manifest {
     pub step: u64,
     /// The run's resolved configuration (model shape included).
     pub train: TrainConfig,
-    /// Ranks that wrote shard files.
+    /// World size of the job that wrote it (the files list says which ranks wrote one).
     pub world_size: usize,
     /// Data stream position.
     pub data: DataPosition,

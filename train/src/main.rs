@@ -1,5 +1,6 @@
-//! The `ember` command line: `train`, `generate`, `eval`, `prepare` and `bench`. Each command
-//! parses its flags (clap), then runs; errors print one line and exit 2 (usage) or 1 (runtime).
+//! The `ember` command line: `train`, `generate`, `eval`, `prepare`, `plan`, `reshard`,
+//! `export` and `bench {train,comm,shard}`. Each command parses its flags (clap), then runs;
+//! errors print one line and exit 2 (usage) or 1 (runtime), as `error.rs` classifies them.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -435,6 +436,9 @@ fn train(args: TrainArgs) -> CliResult<()> {
             _ => None,
         };
         let weights = init.as_ref().map(|hf| &hf.tensors);
+        // A global batch that does not split over the ranks is a usage error (exit 2).
+        sharded::batch_plan(&config, comm.topology().world_size(), rank)
+            .map_err(|e| usage(e.to_string()))?;
         sharded::run(comm, &config, shard, dev, &prepared, from, weights)?;
         if rank != 0 {
             return Ok(());

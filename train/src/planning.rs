@@ -130,9 +130,15 @@ pub fn report(
         })
         .collect();
     let tokens_per_rank = (batch_size / world * model.block_size) as f64;
-    // The unit-boundary recompute repeats the forward (a third of 6N + 12LdT) of every unit
-    // but the last: 4/3 of the model FLOPs, less the head's share, which is not modelled.
-    let flops = tokens_per_rank * model.train_flops_per_token(model.block_size) * 4.0 / 3.0;
+    // With partitioned parameters the unit-boundary recompute repeats the forward (a third of
+    // 6N + 12LdT) of every unit but the last: 4/3 of the model FLOPs, less the head's share,
+    // which is not modelled. Replicated parameters run one graph, without recompute.
+    let recompute = if plan.config.params == ember_sharding::Span(0) {
+        1.0
+    } else {
+        4.0 / 3.0
+    };
+    let flops = tokens_per_rank * model.train_flops_per_token(model.block_size) * recompute;
     let compute_s = profile.compute_seconds(flops);
     let comm_s = profile.comm_seconds(&table);
     Ok(PlanReport {

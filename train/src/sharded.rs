@@ -28,7 +28,8 @@ use crate::optim::LrSchedule;
 use crate::stages::{GptStages, TokenBatch};
 use ember_model::init::splitmix64;
 
-/// Flags of sharded training (all need `--shard`).
+/// Flags of sharded training. `train` refuses them without `--shard`; `bench shard` takes
+/// them with `--shards`, and `--comm-timeout` also applies to `bench comm`.
 #[derive(Debug, Clone, Default, Args)]
 pub struct ShardArgs {
     /// Shard over the MPI ranks with this preset: ddp, zero1, zero2, zero3, zeropp, hier3
@@ -55,7 +56,7 @@ pub struct ShardArgs {
     /// Keep each rank's gradient quantization error and add it back next step (LoCo-style)
     #[arg(long)]
     pub error_feedback: bool,
-    /// Elements per quantization block [default: 2048]
+    /// Elements per quantization block [default: 256]
     #[arg(long)]
     pub quant_block: Option<usize>,
     /// Abort the job when a collective waits longer than this many seconds
@@ -180,6 +181,12 @@ pub fn group_name(levels: Levels, topology: &Topology) -> String {
     levels.name(topology)
 }
 
+/// The derivation of random state recorded in sharded checkpoints.
+pub const SHARDED_RNG_SCHEME: &str = "weights: splitmix64/Box-Muller keyed by (seed, parameter path); \
+     batches: ember_data::window_start(seed, stream, step, global sample) split by BatchPlan over \
+     ranks; dropout: the device RNG is seeded before every unit's forward and recompute with \
+     unit_seed(splitmix64(seed ^ splitmix64(step)) ^ splitmix64(rank + 1), micro-batch, unit)";
+
 /// Initial weights by path (`--init-from`): shape and values.
 pub type InitWeights = HashMap<String, (Vec<usize>, Vec<f32>)>;
 
@@ -274,7 +281,7 @@ pub fn run(
             restore(&mut sharded, &index)?;
             log0!(
                 rank,
-                "resumed {} (step {}, written by {} ranks{}) into {} over {}",
+                "resumed {} (step {}, saved by a job of {} ranks{}) into {} over {}",
                 dir.display(),
                 index.manifest.step,
                 index.manifest.world_size,
@@ -612,7 +619,7 @@ fn manifest(
             tokens_seen,
         },
         rng: checkpoint::RngState {
-            scheme: crate::trainer::RNG_SCHEME.into(),
+            scheme: SHARDED_RNG_SCHEME.into(),
             seed: c.seed,
         },
         tokenizer_sha256: tokenizer_sha256.to_string(),
