@@ -37,7 +37,7 @@
 //! worker also owns the secondary copies (hpZ), which live from a unit's first gather of the
 //! step to the end of the step.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -124,6 +124,8 @@ pub struct ShardedModel<'c, S: Staged<D>, const D: usize> {
     stages: S,
     plan: Plan,
     shapes: HashMap<String, Vec<usize>>,
+    /// Every parameter's element count by path (the gradients a backward reads).
+    numels: HashMap<String, usize>,
     skeleton: S::Module,
     device: Device,
     autodiff: Device,
@@ -188,6 +190,10 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         Ok(Self {
             comm,
             stages,
+            numels: shapes_in_order
+                .iter()
+                .map(|(n, s)| (n.clone(), s.iter().product()))
+                .collect(),
             shapes: shapes_in_order.into_iter().collect(),
             residuals: vec![Residuals::default(); plan.units.len()],
             plan,
@@ -360,6 +366,29 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         )
     }
 
+    /// Adds the gradients `g` holds for unit `u`'s parameters into its flat buffer `buf`
+    /// (allocated on first use) and records which parameters were reached. A unit read by
+    /// another stage (a tied embedding) gets no gradient for the parameters that stage does
+    /// not use.
+    fn add_unit_grads(
+        &self,
+        u: usize,
+        g: &mut HashMap<String, Tensor<1>>,
+        buf: &mut Vec<f32>,
+        reached: &mut HashSet<String>,
+    ) {
+        let unit = &self.plan.units[u];
+        if buf.is_empty() {
+            *buf = vec![0.0; unit.padded];
+        }
+        for p in &unit.params {
+            if let Some(t) = g.remove(&p.name) {
+                add_into(&mut buf[p.offset..p.offset + p.numel], &host_f32(t));
+                reached.insert(p.name.clone());
+            }
+        }
+    }
+
     /// The whole flat buffer of every unit in `units` for a model whose parameters are
     /// replicated (no communication).
     fn replicated(&self, units: &[usize]) -> Vec<Vec<f32>> {
@@ -417,7 +446,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         let mut gathered_peak = 0u64;
         let mut comm_wait = 0.0f64;
         let mut micro_losses = vec![0.0f64; accum];
-        let mut reached = std::collections::HashSet::new();
+        let mut reached = HashSet::new();
 
         let (job_tx, job_rx) = mpsc::channel::<Job>();
         let (done_tx, done_rx) = mpsc::channel::<Result<Done, ShardError>>();
@@ -477,6 +506,15 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                     }
                 };
 
+                // A unit's complete gradient: reduced now (partitioned gradients) or added to
+                // the step's whole-gradient buffer, reduced after the last micro-batch.
+                let hand_off = |u: usize, full: Vec<f32>, grads: &mut Vec<Vec<f32>>| {
+                    if cfg.shard_grads {
+                        let _ = job_tx.send(Job::Reduce(u, full));
+                    } else {
+                        accumulate(&mut grads[u], full);
+                    }
+                };
                 let k = self.plan.units.len();
                 let mut inputs: Vec<Option<Tensor<D>>> = vec![None; k];
                 let mut upstream: Option<Tensor<D>> = None;
@@ -509,30 +547,13 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                         let loss = loss.expect("the last stage returned the loss");
                         micro_losses[micro] = scalar(loss.clone().without_autodiff());
                         let grads_ad = loss.backward();
-                        let mut wanted = HashMap::new();
-                        for unit in &self.plan.units {
-                            for p in &unit.params {
-                                wanted.insert(p.name.clone(), p.numel);
-                            }
+                        let mut g = grads_of(&module, &grads_ad, &self.numels);
+                        for u in 0..k {
+                            let mut full = Vec::new();
+                            self.add_unit_grads(u, &mut g, &mut full, &mut reached);
+                            hand_off(u, full, &mut grads);
                         }
-                        let mut g = grads_of(&module, &grads_ad, &wanted);
-                        for (u, unit) in self.plan.units.iter().enumerate() {
-                            let mut full = vec![0.0; unit.padded];
-                            for p in &unit.params {
-                                if let Some(t) = g.remove(&p.name) {
-                                    let vals = host_f32(t);
-                                    add_into(&mut full[p.offset..p.offset + p.numel], &vals);
-                                    reached.insert(p.name.clone());
-                                }
-                            }
-                            if cfg.shard_grads {
-                                let _ = job_tx.send(Job::Reduce(u, full));
-                            } else {
-                                accumulate(&mut grads[u], full);
-                            }
-                        }
-                        let held: u64 = grads.iter().map(|g| 4 * g.len() as u64).sum();
-                        grad_bytes_peak = grad_bytes_peak.max(held);
+                        grad_bytes_peak = grad_bytes_peak.max(held_bytes(&grads));
                     }
                 }
                 for (i, v) in visits.iter().enumerate() {
@@ -591,43 +612,18 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                             }
                             _ => return Err(flow_error(v.stage, k)),
                         };
-                        let mut wanted = HashMap::new();
+                        let mut g = grads_of(&module, &grads_ad, &self.numels);
                         for &u in &units {
-                            for p in &self.plan.units[u].params {
-                                wanted.insert(p.name.clone(), p.numel);
-                            }
-                        }
-                        let mut g = grads_of(&module, &grads_ad, &wanted);
-                        for &u in &units {
-                            let unit = &self.plan.units[u];
-                            let buf = &mut work[u];
-                            if buf.is_empty() {
-                                *buf = vec![0.0; unit.padded];
-                            }
-                            for p in &unit.params {
-                                // A unit read by another stage (a tied embedding) gets no
-                                // gradient for the parameters that stage does not use.
-                                if let Some(t) = g.remove(&p.name) {
-                                    let vals = host_f32(t);
-                                    add_into(&mut buf[p.offset..p.offset + p.numel], &vals);
-                                    reached.insert(p.name.clone());
-                                }
-                            }
+                            self.add_unit_grads(u, &mut g, &mut work[u], &mut reached);
                         }
                         upstream = input.and_then(|x| x.grad(&grads_ad));
                         for &u in &units {
                             if self.plan.units[u].grad_ready_at != v.stage {
                                 continue;
                             }
-                            let full = std::mem::take(&mut work[u]);
-                            if cfg.shard_grads {
-                                let _ = job_tx.send(Job::Reduce(u, full));
-                            } else {
-                                accumulate(&mut grads[u], full);
-                            }
+                            hand_off(u, std::mem::take(&mut work[u]), &mut grads);
                         }
-                        let held: u64 = grads.iter().map(|g| 4 * g.len() as u64).sum();
-                        grad_bytes_peak = grad_bytes_peak.max(held);
+                        grad_bytes_peak = grad_bytes_peak.max(held_bytes(&grads));
                     }
                     if partitioned {
                         gathered_live -= units
@@ -670,8 +666,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             )));
         }
         if cfg.shard_grads {
-            let held: u64 = grads.iter().map(|g| 4 * g.len() as u64).sum();
-            grad_bytes_peak = grad_bytes_peak.max(held);
+            grad_bytes_peak = grad_bytes_peak.max(held_bytes(&grads));
         }
 
         // Mean over micro-batches, then the global norm over the optimizer group.
@@ -793,6 +788,11 @@ fn accumulate(acc: &mut Vec<f32>, x: Vec<f32>) {
     } else {
         add_into(acc, &x);
     }
+}
+
+/// Bytes of f32 gradient buffers held.
+fn held_bytes(grads: &[Vec<f32>]) -> u64 {
+    grads.iter().map(|g| 4 * g.len() as u64).sum()
 }
 
 fn add_into(acc: &mut [f32], x: &[f32]) {

@@ -9,13 +9,15 @@ use std::time::Instant;
 use anyhow::Result;
 use ember_comm::Comm;
 use ember_data::{STREAM_TRAIN, Sampler};
-use ember_sharding::{AdamConfig, Memory, ShardedModel, StepHyper};
+use ember_sharding::{Memory, ShardedModel};
 use serde::Serialize;
 
 use crate::config::{TrainConfig, TrainOverrides};
 use crate::device::{device, peak_flops};
 use crate::error::CliResult;
-use crate::sharded::{ShardArgs, batch_plan, micro_batches, traffic_by_name};
+use crate::sharded::{
+    ShardArgs, batch_plan, load_data, micro_batches, step_hyper, traffic_by_name,
+};
 use crate::stages::GptStages;
 use crate::trainer::Trainer;
 
@@ -163,30 +165,11 @@ pub fn bench_shard(
     }
     .overridden_by(base);
     let mut config = TrainConfig::resolve(&o)?;
-    // Rank 0 prepares the tokens (and the cache) first.
-    let data = if rank == 0 {
-        let d = crate::data::load(&config);
-        comm.barrier();
-        d?
-    } else {
-        comm.barrier();
-        crate::data::load(&config)?
-    };
+    let data = load_data(comm, &config)?;
     config.model.vocab_size = data.tokenizer.vocab_size();
     let plan = batch_plan(&config, world, rank)?;
     let sampler = Sampler::new(&data.train, config.block_size, config.seed, STREAM_TRAIN)
         .map_err(anyhow::Error::new)?;
-    let hyper = StepHyper {
-        lr: config.lr,
-        grad_clip: config.grad_clip,
-        adam: AdamConfig {
-            beta1: config.beta1,
-            beta2: config.beta2,
-            eps: 1e-8,
-            weight_decay: config.weight_decay,
-        },
-        dropout_seed: (config.model.dropout > 0.0).then_some(config.seed),
-    };
     let mut out: Vec<ShardBench> = Vec::new();
     for shard in shards {
         let flags = ShardArgs {
@@ -207,7 +190,7 @@ pub fn bench_shard(
         for step in 0..steps + warmup {
             let batches = micro_batches(&sampler, &plan, step);
             let report = sharded
-                .train_step(&batches, &hyper)
+                .train_step(&batches, &step_hyper(&config, step, rank))
                 .map_err(anyhow::Error::new)?;
             if step >= warmup {
                 times.push(report.step_s);

@@ -100,6 +100,42 @@ pub struct Manifest {
     pub topology: Option<String>,
 }
 
+impl Manifest {
+    /// The manifest of a checkpoint at `step` of a run configured by `train` (files are
+    /// filled in by [`finish`]).
+    pub fn new(
+        train: &TrainConfig,
+        step: u64,
+        tokens_seen: u64,
+        world_size: usize,
+        rng_scheme: &str,
+        tokenizer_sha256: String,
+        tensors: Vec<TensorMeta>,
+    ) -> Self {
+        Manifest {
+            format: FORMAT.into(),
+            version: 1,
+            step,
+            train: train.clone(),
+            world_size,
+            data: DataPosition {
+                seed: train.seed,
+                next_step: step,
+                tokens_seen,
+            },
+            rng: RngState {
+                scheme: rng_scheme.into(),
+                seed: train.seed,
+            },
+            tokenizer_sha256,
+            tensors,
+            files: Vec::new(),
+            shard: None,
+            topology: None,
+        }
+    }
+}
+
 /// One flat range of a tensor held by a shard file.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Range {

@@ -383,18 +383,8 @@ fn train(args: TrainArgs) -> CliResult<()> {
             config.device
         )));
     }
-    // Under MPI, rank 0 prepares (and caches) the tokens while the others wait, then read
-    // the cache.
     let prepared = match &comm {
-        Some(c) if c.rank() == 0 => {
-            let p = data::load(&config);
-            c.barrier();
-            p?
-        }
-        Some(c) => {
-            c.barrier();
-            data::load(&config)?
-        }
+        Some(c) => sharded::load_data(c, &config)?,
         None => data::load(&config)?,
     };
     let vocab = prepared.tokenizer.vocab_size();

@@ -12,7 +12,7 @@ use anyhow::{Result, anyhow, ensure};
 use burn::tensor::Device;
 use clap::Args;
 use ember_comm::{Comm, CommConfig, PanicPolicy, Topology, TopologySource};
-use ember_data::{BatchPlan, PreparedData, STREAM_TRAIN, STREAM_VAL, Sampler};
+use ember_data::{Batch, BatchPlan, PreparedData, STREAM_TRAIN, STREAM_VAL, Sampler};
 use ember_sharding::plan::Levels;
 use ember_sharding::{
     AdamConfig, Compute, GradQuant, ShardConfig, ShardedModel, Span, StepHyper, WeightQuant,
@@ -25,7 +25,7 @@ use crate::error::{CliResult, usage};
 use crate::log0;
 use crate::metrics::{MetricsWriter, StepMetrics, progress_bar};
 use crate::optim::LrSchedule;
-use crate::stages::{GptStages, TokenBatch};
+use crate::stages::GptStages;
 use ember_model::init::splitmix64;
 
 /// Flags of sharded training. `train` refuses them without `--shard`; `bench shard` takes
@@ -218,18 +218,47 @@ pub fn with_weights(
     ember_model::replace_named(model, values).map_err(|e| anyhow!(e.join("; ")))
 }
 
+/// The hyper-parameters of optimizer step `step` on `rank`: the scheduled learning rate,
+/// clipping, AdamW, and (with dropout) this rank's mask seed, a function of (seed, step,
+/// rank) so a resumed run draws the same masks.
+pub fn step_hyper(c: &TrainConfig, step: u64, rank: usize) -> StepHyper {
+    let schedule = LrSchedule {
+        lr: c.lr,
+        min_lr: c.min_lr,
+        warmup_iters: c.warmup_iters,
+        lr_decay_iters: c.lr_decay_iters,
+    };
+    StepHyper {
+        lr: schedule.at(step),
+        grad_clip: c.grad_clip,
+        adam: AdamConfig {
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: 1e-8,
+            weight_decay: c.weight_decay,
+        },
+        dropout_seed: (c.model.dropout > 0.0)
+            .then(|| splitmix64(c.seed ^ splitmix64(step)) ^ splitmix64(rank as u64 + 1)),
+    }
+}
+
+/// The prepared data of `c` on every rank: rank 0 prepares (and caches) the tokens while
+/// the others wait, then they read the cache.
+pub fn load_data(comm: &Comm, c: &TrainConfig) -> CliResult<PreparedData> {
+    if comm.rank() == 0 {
+        let prepared = crate::data::load(c);
+        comm.barrier();
+        prepared
+    } else {
+        comm.barrier();
+        crate::data::load(c)
+    }
+}
+
 /// This rank's micro-batches of optimizer step `step`.
-pub fn micro_batches(sampler: &Sampler<'_>, plan: &BatchPlan, step: u64) -> Vec<TokenBatch> {
+pub fn micro_batches(sampler: &Sampler<'_>, plan: &BatchPlan, step: u64) -> Vec<Batch> {
     (0..plan.grad_accum())
-        .map(|m| {
-            let b = sampler.batch(step, plan.samples(m));
-            TokenBatch {
-                inputs: b.inputs,
-                targets: b.targets,
-                batch: b.batch,
-                block: b.block,
-            }
-        })
+        .map(|m| sampler.batch(step, plan.samples(m)))
         .collect()
 }
 
@@ -311,18 +340,6 @@ pub fn run(
         memory.optimizer as f64 / 1e6,
         memory.gathered_peak as f64 / 1e6
     );
-    let schedule = LrSchedule {
-        lr: c.lr,
-        min_lr: c.min_lr,
-        warmup_iters: c.warmup_iters,
-        lr_decay_iters: c.lr_decay_iters,
-    };
-    let adam = AdamConfig {
-        beta1: c.beta1,
-        beta2: c.beta2,
-        eps: 1e-8,
-        weight_decay: c.weight_decay,
-    };
     let sampler = Sampler::new(&data.train, c.block_size, c.seed, STREAM_TRAIN)?;
     let mut writer = if rank == 0 {
         Some(MetricsWriter::open(
@@ -340,18 +357,9 @@ pub fn run(
     let mut logged = Vec::new();
     for step in first_step..c.max_iters {
         let batches = micro_batches(&sampler, &batch_plan, step);
-        let lr = schedule.at(step);
-        let report = sharded.train_step(
-            &batches,
-            &StepHyper {
-                lr,
-                grad_clip: c.grad_clip,
-                adam,
-                // Each rank draws its own masks; the step and seed make them replayable.
-                dropout_seed: (c.model.dropout > 0.0)
-                    .then(|| splitmix64(c.seed ^ splitmix64(step)) ^ splitmix64(rank as u64 + 1)),
-            },
-        )?;
+        let hyper = step_hyper(c, step, rank);
+        let lr = hyper.lr;
+        let report = sharded.train_step(&batches, &hyper)?;
         window.0 += report.step_s;
         window.1 += c.tokens_per_step() as u64;
         tokens_seen += c.tokens_per_step() as u64;
@@ -607,34 +615,27 @@ fn manifest(
     tokenizer_sha256: &str,
 ) -> checkpoint::Manifest {
     let plan = sharded.plan();
+    let tensors = plan
+        .units
+        .iter()
+        .flat_map(|u| u.params.iter())
+        .map(|p| checkpoint::TensorMeta {
+            name: p.name.clone(),
+            shape: p.shape.clone(),
+        })
+        .collect();
     checkpoint::Manifest {
-        format: checkpoint::FORMAT.into(),
-        version: 1,
-        step,
-        train: c.clone(),
-        world_size: plan.topology.world_size(),
-        data: checkpoint::DataPosition {
-            seed: c.seed,
-            next_step: step,
-            tokens_seen,
-        },
-        rng: checkpoint::RngState {
-            scheme: SHARDED_RNG_SCHEME.into(),
-            seed: c.seed,
-        },
-        tokenizer_sha256: tokenizer_sha256.to_string(),
-        tensors: plan
-            .units
-            .iter()
-            .flat_map(|u| u.params.iter())
-            .map(|p| checkpoint::TensorMeta {
-                name: p.name.clone(),
-                shape: p.shape.clone(),
-            })
-            .collect(),
-        files: Vec::new(),
         shard: Some(plan.config.clone()),
         topology: Some(plan.topology.to_string()),
+        ..checkpoint::Manifest::new(
+            c,
+            step,
+            tokens_seen,
+            plan.topology.world_size(),
+            SHARDED_RNG_SCHEME,
+            tokenizer_sha256.to_string(),
+            tensors,
+        )
     }
 }
 
@@ -684,13 +685,7 @@ fn val_loss(
     };
     let mut total = 0.0;
     for i in 0..c.eval_iters {
-        let b = sampler.batch(i, lo as u64..hi as u64);
-        total += sharded.eval_loss(&TokenBatch {
-            inputs: b.inputs,
-            targets: b.targets,
-            batch: b.batch,
-            block: b.block,
-        })?;
+        total += sharded.eval_loss(&sampler.batch(i, lo as u64..hi as u64))?;
     }
     let local = total / c.eval_iters as f64;
     let comm = sharded.comm();

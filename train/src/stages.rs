@@ -2,31 +2,12 @@
 //! `head` (ln_f, reading the tied wte of `embed`). The model's code is untouched: the stages
 //! call its `embed`, block and `head` pieces.
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
+use ember_data::Batch;
 use ember_model::{Gpt, GptConfig, cross_entropy};
 use ember_sharding::{Flow, Staged, UnitDecl, UnitSpec};
 
-/// One micro-batch of token windows as host data, row-major `[batch, block]`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TokenBatch {
-    /// Input token ids.
-    pub inputs: Vec<i64>,
-    /// Next-token targets.
-    pub targets: Vec<i64>,
-    /// Sequences.
-    pub batch: usize,
-    /// Tokens per sequence.
-    pub block: usize,
-}
-
-impl TokenBatch {
-    fn tensor(&self, values: &[i64], device: &Device) -> Tensor<2, Int> {
-        Tensor::from_data(
-            TensorData::new(values.to_vec(), [self.batch, self.block]),
-            device,
-        )
-    }
-}
+use crate::trainer::tokens;
 
 /// The unit structure of a GPT with `n_layer` blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,7 +31,7 @@ impl GptStages {
 
 impl Staged<3> for GptStages {
     type Module = Gpt;
-    type Batch = TokenBatch;
+    type Batch = Batch;
 
     fn units(&self, _module: &Gpt) -> Vec<UnitDecl> {
         self.decls()
@@ -61,15 +42,20 @@ impl Staged<3> for GptStages {
         model: &Gpt,
         unit: usize,
         input: Option<Tensor<3>>,
-        batch: &TokenBatch,
+        batch: &Batch,
         device: &Device,
     ) -> Flow<3> {
         let last = self.n_layer + 1;
         match (unit, input) {
-            (0, _) => Flow::Hidden(model.embed(batch.tensor(&batch.inputs, device))),
+            (0, _) => Flow::Hidden(model.embed(tokens(
+                batch.inputs.clone(),
+                batch.batch,
+                batch.block,
+                device,
+            ))),
             (u, Some(x)) if u == last => Flow::Loss(cross_entropy(
                 model.head(x),
-                batch.tensor(&batch.targets, device),
+                tokens(batch.targets.clone(), batch.batch, batch.block, device),
             )),
             (u, Some(x)) => Flow::Hidden(model.blocks()[u - 1].forward(x)),
             (u, None) => panic!("unit {u} of a GPT needs the previous unit's activation"),
@@ -151,7 +137,7 @@ mod tests {
         let stages = GptStages {
             n_layer: config.n_layer,
         };
-        let batch = TokenBatch {
+        let batch = Batch {
             inputs: (0..16).map(|i| (i * 7 % 50) as i64).collect(),
             targets: (0..16).map(|i| (i * 3 % 50) as i64).collect(),
             batch: 2,
@@ -166,8 +152,8 @@ mod tests {
             }
         }
         let (_, whole) = model.forward_loss(
-            batch.tensor(&batch.inputs, &device),
-            batch.tensor(&batch.targets, &device),
+            tokens(batch.inputs.clone(), 2, 8, &device),
+            tokens(batch.targets.clone(), 2, 8, &device),
         );
         let a: f32 = loss.unwrap().into_scalar();
         let b: f32 = whole.into_scalar();

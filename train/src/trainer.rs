@@ -14,7 +14,7 @@ use ember_data::{BatchPlan, PreparedData, STREAM_TRAIN, STREAM_VAL, Sampler, Tok
 use ember_model::init::splitmix64;
 use ember_model::{Gpt, named_grads, named_tensors, replace_named};
 
-use crate::checkpoint::{self, DataPosition, Manifest, Range, RngState, ShardData, TensorMeta};
+use crate::checkpoint::{self, Manifest, Range, ShardData, TensorMeta};
 use crate::config::{Dtype, TrainConfig};
 use crate::device::peak_flops;
 use crate::log0;
@@ -318,35 +318,24 @@ impl Trainer {
                 )
             })
             .collect();
-        let manifest = Manifest {
-            format: checkpoint::FORMAT.into(),
-            version: 1,
-            step: self.step,
-            train: self.config.clone(),
-            world_size: 1,
-            data: DataPosition {
-                seed: self.config.seed,
-                next_step: self.step,
-                tokens_seen: self.tokens_seen,
-            },
-            rng: RngState {
-                scheme: RNG_SCHEME.into(),
-                seed: self.config.seed,
-            },
-            tokenizer_sha256: self.data.tokenizer.sha256(),
-            tensors: self
-                .opt
-                .params
-                .iter()
-                .map(|p| TensorMeta {
-                    name: p.name.clone(),
-                    shape: p.shape.clone(),
-                })
-                .collect(),
-            files: Vec::new(),
-            shard: None,
-            topology: None,
-        };
+        let tensors = self
+            .opt
+            .params
+            .iter()
+            .map(|p| TensorMeta {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+            })
+            .collect();
+        let manifest = Manifest::new(
+            &self.config,
+            self.step,
+            self.tokens_seen,
+            1,
+            RNG_SCHEME,
+            self.data.tokenizer.sha256(),
+            tensors,
+        );
         let shard = ShardData {
             rank: 0,
             entries,
