@@ -194,7 +194,7 @@ fn plan(flags: &[&str]) -> serde_json::Value {
 }
 
 #[test]
-fn plan_bytes_and_memory_equal_what_runs_measure() {
+fn plan_bytes_equal_what_runs_hand_to_mpi() {
     let tmp = tempfile::tempdir().unwrap();
     let cases: Vec<Vec<&str>> = vec![
         vec!["--shard", "ddp", "--topology", "2x2x2"],
@@ -238,8 +238,6 @@ fn plan_bytes_and_memory_equal_what_runs_measure() {
         let measured = metrics(&out);
         let predicted = plan(flags);
         let m = measured.last().unwrap();
-        let mem = serde_json::to_value(m.model_state_bytes.unwrap()).unwrap();
-        assert_eq!(mem, predicted["memory"], "memory of {flags:?}");
         let bytes = m.comm_bytes.as_ref().unwrap();
         let mut expected = std::collections::BTreeMap::new();
         for row in predicted["traffic"].as_array().unwrap() {
@@ -839,10 +837,10 @@ fn export_writes_the_hugging_face_layout_and_init_from_reads_it_back() {
     assert!(split.join("tokenizer.json").is_file());
 
     // --init-from reads it back: one step at a vanishing learning rate keeps every weight.
-    let hf = ember_train::export::read_hf(&split).unwrap();
+    let hf = ember_train::export::HfDir::open(&split).unwrap();
     for t in &src.tensors {
-        let (shape, values) = &hf.tensors[&t.meta.name];
-        assert_eq!(shape, &t.meta.shape);
+        let n = t.values[0].len();
+        let values = hf.read(&t.meta.name, &t.meta.shape, 0..n).unwrap();
         assert!(
             values
                 .iter()
@@ -863,16 +861,14 @@ fn export_writes_the_hugging_face_layout_and_init_from_reads_it_back() {
             "bf16",
         ],
     );
-    let back = ember_train::export::read_hf(&half).unwrap();
+    let back = ember_train::export::HfDir::open(&half).unwrap();
     for t in &src.tensors {
         let rounded = t.values[0]
             .iter()
             .map(|&x| ember_comm::Bf16::from_f32(x).to_f32());
-        assert!(
-            rounded.eq(back.tensors[&t.meta.name].1.iter().copied()),
-            "{}",
-            t.meta.name
-        );
+        let n = t.values[0].len();
+        let read = back.read(&t.meta.name, &t.meta.shape, 0..n).unwrap();
+        assert!(rounded.eq(read.iter().copied()), "{}", t.meta.name);
     }
     let single = tmp.path().join("hf-single");
     ok(

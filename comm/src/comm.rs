@@ -41,6 +41,18 @@ pub const GCDS_PER_GPU_ENV: &str = "EMBER_GCDS_PER_GPU";
 /// Default `--comm-timeout`: long enough for a first step's JIT and autotune on a slow device.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// Bytes of a failing rank's message that [`Comm::agree`] hands to every rank.
+pub const AGREE_MESSAGE_BYTES: usize = 1000;
+
+/// The failure a rank reported to [`Comm::agree`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Disagreement {
+    /// The lowest rank that failed.
+    pub rank: usize,
+    /// Its message (cut to [`AGREE_MESSAGE_BYTES`]).
+    pub message: String,
+}
+
 /// Where the topology comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TopologySource {
@@ -345,6 +357,47 @@ impl Comm {
         // Charged to nothing, but watched like an all-reduce of the world (what it is).
         let _armed = self.arm(Op::AllReduce, Scope::World);
         self.raw(Scope::World).barrier();
+    }
+
+    /// Every rank reports whether its part of a collective phase (opening a file, reading its
+    /// ranges, writing its shard) succeeded: `failure` is its error message, or `None`. Returns
+    /// `Ok` on every rank when every rank succeeded, else, on every rank, the lowest failing
+    /// rank and its message (up to [`AGREE_MESSAGE_BYTES`] bytes of it). Every rank must call
+    /// it: it is how one rank's I/O error reaches the others at once instead of leaving them
+    /// waiting in the next collective.
+    pub fn agree(&self, failure: Option<&str>) -> Result<(), Disagreement> {
+        let mut record = [0u8; 3 + AGREE_MESSAGE_BYTES];
+        if let Some(message) = failure {
+            // Cut at a character boundary so the message stays valid UTF-8.
+            let mut end = message.len().min(AGREE_MESSAGE_BYTES);
+            while !message.is_char_boundary(end) {
+                end -= 1;
+            }
+            record[0] = 1;
+            record[1..3].copy_from_slice(&(end as u16).to_le_bytes());
+            record[3..3 + end].copy_from_slice(&message.as_bytes()[..end]);
+        }
+        let all = if self.topology().world_size() == 1 {
+            record.to_vec()
+        } else {
+            self.world()
+                .all_gather(&record)
+                .expect("one fixed-size record per rank")
+        };
+        match all
+            .chunks_exact(record.len())
+            .enumerate()
+            .find(|(_, r)| r[0] == 1)
+        {
+            None => Ok(()),
+            Some((rank, r)) => {
+                let len = u16::from_le_bytes([r[1], r[2]]) as usize;
+                Err(Disagreement {
+                    rank,
+                    message: String::from_utf8_lossy(&r[3..3 + len]).into_owned(),
+                })
+            }
+        }
     }
 
     /// Runtime of MPI's wall clock, identical in meaning on every rank.

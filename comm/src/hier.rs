@@ -58,6 +58,18 @@ pub fn reduce_scatter_path<T: Element>(
         T::divide(&mut [], 1)?;
     }
     let layout = ShardLayout::new(data.len(), p, 1);
+    if let [group] = hops.as_slice()
+        && data.len() == layout.padded()
+    {
+        // One hop moves data: the hop order is the natural order and nothing needs padding,
+        // so reduce straight from the caller's buffer (no staging copy).
+        let mut out = vec![T::default(); data.len() / group.size()];
+        group.reduce_scatter_into(data, &mut out, Reduce::Sum)?;
+        if reduce == Reduce::Mean {
+            T::divide(&mut out, p)?;
+        }
+        return Ok(out);
+    }
     let mut buf = to_hop_order(topology, path, data, layout);
     for group in &hops {
         let mut out = vec![T::default(); buf.len() / group.size()];
@@ -82,6 +94,10 @@ pub fn all_gather_path<T: Element>(
     let mut buf = shard.to_vec();
     for group in hops.iter().rev() {
         buf = group.all_gather(&buf)?;
+    }
+    if hops.len() <= 1 {
+        // With at most one hop moving data the hop order is the natural order.
+        return Ok(buf);
     }
     Ok(from_hop_order(comm.topology(), path, &buf, shard.len()))
 }

@@ -23,7 +23,7 @@ pub mod topology;
 
 pub use background::Background;
 pub use collective::Reduce;
-pub use comm::{Comm, CommConfig, Group, PanicPolicy, TopologySource};
+pub use comm::{Comm, CommConfig, Disagreement, Group, PanicPolicy, TopologySource};
 pub use counters::{Counters, Op, Role, Traffic};
 pub use element::{Bf16, Dtype, Element};
 pub use error::CommError;

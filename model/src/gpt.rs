@@ -9,7 +9,7 @@ use burn::tensor::{DType, Device, Int, Tensor};
 
 use crate::config::GptConfig;
 use crate::init::{Init, param};
-use crate::layers::{Block, LayerNorm};
+use crate::layers::{Block, LayerNorm, residual_std};
 
 /// A GPT-2-architecture model. Module paths equal Hugging Face names minus `transformer.`.
 #[derive(Module, Debug)]
@@ -59,15 +59,42 @@ impl GptConfig {
     }
 }
 
+impl GptConfig {
+    /// How parameter `path` of this model is initialised, or `None` for a path the model does
+    /// not have. With [`crate::init::init_range`] this draws any range of any parameter
+    /// without building the model: a rank of a sharded run draws exactly what it owns.
+    pub fn init_of(&self, path: &str) -> Option<Init> {
+        let normal = Init::Normal(self.init_std);
+        match path {
+            "wte.weight" | "wpe.weight" => return Some(normal),
+            "ln_f.weight" => return Some(Init::Ones),
+            "ln_f.bias" => return Some(Init::Zeros),
+            _ => {}
+        }
+        let (layer, name) = path.strip_prefix("h.")?.split_once('.')?;
+        if layer.parse::<usize>().ok()? >= self.n_layer {
+            return None;
+        }
+        Some(match name {
+            "ln_1.weight" | "ln_2.weight" => Init::Ones,
+            "ln_1.bias" | "ln_2.bias" | "attn.c_attn.bias" | "attn.c_proj.bias"
+            | "mlp.c_fc.bias" | "mlp.c_proj.bias" => Init::Zeros,
+            "attn.c_attn.weight" | "mlp.c_fc.weight" => normal,
+            "attn.c_proj.weight" | "mlp.c_proj.weight" => Init::Normal(residual_std(self)),
+            _ => return None,
+        })
+    }
+}
+
 impl Gpt {
     /// Number of positions the model was built with.
     pub fn block_size(&self) -> usize {
-        self.wpe.weight.shape().dims::<2>()[0]
+        self.wpe.weight.lazy_shape().dims::<2>()[0]
     }
 
     /// Vocabulary size.
     pub fn vocab_size(&self) -> usize {
-        self.wte.weight.shape().dims::<2>()[0]
+        self.wte.weight.lazy_shape().dims::<2>()[0]
     }
 
     /// Next-token logits for every position.
@@ -151,4 +178,41 @@ pub fn cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
     let logp = log_softmax(logits.reshape([b * t, v]), 1); // [B*T, V]
     let picked = logp.gather(1, targets.reshape([b * t, 1])); // [B*T, 1]
     picked.mean().neg()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::init::init_values;
+    use crate::named::named_tensors;
+
+    #[test]
+    fn init_of_draws_every_parameter_the_model_builds() {
+        let config = GptConfig::new(3, 2, 16, 8, 40);
+        let model = config.init_with_seed(5, &Device::flex());
+        for t in named_tensors(&model) {
+            let init = config
+                .init_of(&t.name)
+                .unwrap_or_else(|| panic!("no init for {}", t.name));
+            let want = init_values(init, 5, &t.name, t.value.dims()[0]);
+            assert_eq!(
+                t.value.into_data().try_to_vec::<f32>().unwrap(),
+                want,
+                "{}",
+                t.name
+            );
+        }
+        assert_eq!(config.init_of("h.3.ln_1.weight"), None);
+        assert_eq!(config.init_of("h.0.attn.bias"), None);
+    }
+
+    #[test]
+    fn building_the_model_allocates_nothing_until_read() {
+        let model = GptConfig::gpt2_large().init_with_seed(0, &Device::flex());
+        assert!(!model.h[0].attn.c_attn.weight.is_initialized());
+        assert_eq!(
+            model.h[0].attn.c_attn.weight.lazy_shape().dims::<2>(),
+            [1280, 3840]
+        );
+    }
 }

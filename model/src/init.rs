@@ -5,8 +5,10 @@
 //! on the host: any rank, any world size and any run get the same initial model bit for bit.
 //! Not a general RNG: no state is shared between tensors.
 
-use burn::module::Param;
-use burn::tensor::{Device, Tensor, TensorData};
+use std::ops::Range;
+
+use burn::module::{Param, ParamId};
+use burn::tensor::{Device, Shape, Tensor, TensorData};
 
 /// How one parameter tensor starts.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -39,16 +41,22 @@ fn stream_key(seed: u64, path: &str) -> u64 {
 
 /// The values of a parameter of `numel` elements, as f32, row-major.
 pub fn init_values(init: Init, seed: u64, path: &str, numel: usize) -> Vec<f32> {
+    init_range(init, seed, path, 0..numel)
+}
+
+/// Elements `range` of [`init_values`], drawn without the elements before them: element `i`
+/// is a pure function of (seed, path, i), so a rank draws exactly the range it owns.
+pub fn init_range(init: Init, seed: u64, path: &str, range: Range<usize>) -> Vec<f32> {
     match init {
-        Init::Zeros => vec![0.0; numel],
-        Init::Ones => vec![1.0; numel],
+        Init::Zeros => vec![0.0; range.len()],
+        Init::Ones => vec![1.0; range.len()],
         Init::Normal(std) => {
             let key = stream_key(seed, path);
             // Box-Muller on pairs of uniforms in (0, 1]; f64 so the tails are accurate.
             let uniform = |i: u64| {
                 ((splitmix64(key ^ splitmix64(i)) >> 11) as f64 + 1.0) / (1u64 << 53) as f64
             };
-            (0..numel)
+            range
                 .map(|i| {
                     let pair = (i / 2) as u64;
                     let r = (-2.0 * uniform(2 * pair).ln()).sqrt();
@@ -65,7 +73,9 @@ pub fn init_values(init: Init, seed: u64, path: &str, numel: usize) -> Vec<f32> 
     }
 }
 
-/// Builds parameter `path` of `shape` on `device`, trainable.
+/// Parameter `path` of `shape` on `device`, trainable and lazy: its values are drawn the first
+/// time something reads it (Burn's `Param::uninitialized`), so a model that is only a skeleton
+/// for a partitioner never allocates them.
 pub fn param<const D: usize>(
     init: Init,
     seed: u64,
@@ -73,8 +83,18 @@ pub fn param<const D: usize>(
     shape: [usize; D],
     device: &Device,
 ) -> Param<Tensor<D>> {
-    let values = init_values(init, seed, path, shape.iter().product());
-    Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device))
+    let path = path.to_string();
+    Param::uninitialized(
+        ParamId::new(),
+        move |device, require_grad| {
+            let values = init_values(init, seed, &path, shape.iter().product());
+            let t = Tensor::from_data(TensorData::new(values, shape), device);
+            if require_grad { t.require_grad() } else { t }
+        },
+        device.clone(),
+        true,
+        Shape::new(shape),
+    )
 }
 
 #[cfg(test)]
@@ -101,6 +121,11 @@ mod tests {
         assert_eq!(
             &init_values(Init::Normal(1.0), 1, "wte.weight", 32)[..16],
             &a[..]
+        );
+        // Any range alone is that range of the whole draw.
+        assert_eq!(
+            init_range(Init::Normal(1.0), 1, "wte.weight", 5..13),
+            a[5..13]
         );
     }
 }

@@ -63,7 +63,7 @@ fn linear(d_in: usize, d_out: usize, std: f64, seed: u64, path: &str, device: &D
 
 /// GPT-2's scaled init of the projections that write into the residual stream:
 /// std / sqrt(2 L), so the stream's variance does not grow with depth (GPT-2 paper, 2.3).
-fn residual_std(config: &GptConfig) -> f64 {
+pub(crate) fn residual_std(config: &GptConfig) -> f64 {
     config.init_std / (2.0 * config.n_layer as f64).sqrt()
 }
 

@@ -7,16 +7,18 @@
 //! ```
 //!
 //! The model's code knows nothing of sharding: the user writes only `MlpStages` (which
-//! layers form a unit and how a unit runs) and hands the built model to `ShardedModel`.
+//! layers form a unit and how a unit runs) and an initialiser that can draw any range of any
+//! parameter alone (`init`), and hands the model's skeleton to `ShardedModel`. Burn's
+//! `LinearConfig::init` makes lazy parameters, so the skeleton allocates nothing: each rank
+//! draws only the elements it owns.
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor, TensorData};
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
-use ember_sharding::params::sync_from_rank0;
 use ember_sharding::{
-    AdamConfig, Flow, ShardConfig, ShardError, ShardedModel, Staged, StepHyper, UnitDecl,
+    AdamConfig, Flow, FnSource, ShardConfig, ShardError, ShardedModel, Staged, StepHyper, UnitDecl,
 };
 
 /// An ordinary Burn model.
@@ -38,6 +40,30 @@ impl Mlp {
     }
 }
 
+/// A counter-based uniform draw in [-1, 1): value `k` of a stream is a pure function of `k`.
+fn unit(k: u64) -> f32 {
+    let mut z = k.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+}
+
+/// The initial value of elements `range` of parameter `name` (shape `shape`, `[in, out]` for
+/// weights): weights uniform in `±1/sqrt(in)` (PyTorch's `nn.Linear` bound), biases zero;
+/// each element keyed by (seed, name, index), so a rank draws its range alone.
+pub fn init(seed: u64, name: &str, shape: &[usize], range: std::ops::Range<usize>) -> Vec<f32> {
+    if shape.len() < 2 {
+        return vec![0.0; range.len()];
+    }
+    let key = name.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    let bound = 1.0 / (shape[0] as f32).sqrt();
+    range
+        .map(|i| bound * unit(key ^ (i as u64).wrapping_mul(0xA24B_AED4_963E_E407)))
+        .collect()
+}
+
 /// One micro-batch: `n` inputs `(a, b)` and their targets.
 #[derive(Debug, Clone)]
 pub struct Points {
@@ -47,15 +73,9 @@ pub struct Points {
 }
 
 impl Points {
-    /// Points `index * n ..` of a deterministic stream (splitmix-style hashing), so every
-    /// rank draws its own share of a step's global batch.
+    /// Points `index * n ..` of a deterministic stream, so every rank draws its own share of a
+    /// step's global batch.
     pub fn draw(step: u64, first: u64, n: usize) -> Self {
-        let unit = |k: u64| {
-            let mut z = k.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        };
         let mut x = Vec::with_capacity(2 * n);
         let mut y = Vec::with_capacity(n);
         for i in 0..n as u64 {
@@ -118,10 +138,14 @@ pub fn train(
     batch: usize,
 ) -> Result<(f64, f64), ShardError> {
     let device = Device::flex();
-    // Burn initialises per process: take rank 0's weights everywhere.
-    let model = sync_from_rank0(comm, Mlp::new(64, &device))?;
+    // A skeleton: Burn's Linear parameters are lazy, and nothing here reads them.
+    let model = Mlp::new(64, &device);
     let config = ShardConfig::preset(preset, comm.topology().depth())?;
-    let mut sharded = ShardedModel::new(comm, MlpStages, model, config, device)?;
+    let seed = 7;
+    let mut source = FnSource::new(seed, |name: &str, shape: &[usize], range| {
+        Ok(init(seed, name, shape, range))
+    });
+    let mut sharded = ShardedModel::new(comm, MlpStages, model, config, device, &mut source)?;
     let world = comm.topology().world_size();
     if !batch.is_multiple_of(world) {
         return Err(ShardError::Config(format!(

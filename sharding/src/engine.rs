@@ -1,5 +1,13 @@
 //! The sharded model at run time: one rank's partitions of parameters, gradients and optimizer
-//! state, and the training step that gathers, computes, releases and reduces unit by unit.
+//! state, all tensors on the run's device, and the training step, which executes the plan's
+//! schedule (`schedule.rs`) event by event.
+//!
+//! # Construction
+//!
+//! The caller hands over the module's skeleton, whose parameters may be lazy (Burn's
+//! `Param::uninitialized`) and are never read, and a [`ParamSource`]. Each rank asks the
+//! source only for the elements of its own optimizer shard, so no rank ever holds a parameter
+//! range it does not own; the skeleton's parameters are replaced by empty tensors.
 //!
 //! # One optimizer step
 //!
@@ -26,41 +34,28 @@
 //! graphs alive until one backward would keep every gathered parameter alive too, which is
 //! exactly what ZeRO-3 must avoid, hence one graph per unit.
 //!
-//! # Communication thread
-//!
-//! The gathers and gradient reductions of a step run on one scoped worker thread, in the
-//! order the main thread requests them, like a dedicated communication stream (the two scalar
-//! all-reduces and the post-update parameter gather run on the caller after it is joined): parameter gathers are requested
-//! `prefetch` visits ahead so they overlap the current visit's compute, gradient reductions as
-//! soon as a unit's gradient is ready so they overlap the backward of the units before it.
-//! Every rank requests the same collectives in the same order, so MPI matches them. The
-//! worker also owns the secondary copies (hpZ), which live from a unit's first gather of the
-//! step to the end of the step.
+//! Gathers and reductions run on the communication thread (`worker.rs`) in schedule order;
+//! the step's closing collectives (gradient norm, loss, the parameter all-gather of `zero1` /
+//! `zero2`) run on the caller once it has finished.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::mpsc;
 use std::time::Instant;
 
-use burn::tensor::{DType, Device, Tensor, TensorData};
-use ember_comm::quantized::Residuals;
+use burn::tensor::{DType, Device, Tensor};
 use ember_comm::{Comm, Counters};
 
-use crate::buf::Buf;
 use crate::config::{Compute, ShardConfig, Span};
 use crate::error::ShardError;
-use crate::optim::{AdamConfig, ShardState, decay_ranges};
-use crate::params::{grads_of, load, param_shapes, param_values};
-use crate::plan::{Memory, Plan};
-use crate::route;
+use crate::memory::{self, Resident};
+use crate::optim::{AdamConfig, FlatState, decay_ranges};
+use crate::params::{grads_of, load, param_shapes};
+use crate::plan::{Plan, Visit};
+use crate::route::{self, Residuals};
+use crate::schedule::Event;
+use crate::source::ParamSource;
 use crate::stage::{Flow, Staged, assign};
-
-/// Reads `[master, exp_avg, exp_avg_sq]` of elements `range` of parameter `name` from a
-/// checkpoint (see [`ShardedModel::load_state`]).
-pub type StateReader<'a> =
-    dyn FnMut(&str, std::ops::Range<usize>) -> Result<[Vec<f32>; 3], String> + 'a;
-
-/// A parameter's path, shape and values (flattened, f32).
-pub type NamedValues = (String, Vec<usize>, Vec<f32>);
+use crate::staging;
+use crate::worker::{Done, Job, Worker};
 
 /// The hyper-parameters of one step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -87,6 +82,15 @@ fn unit_seed(base: u64, micro: usize, stage: usize) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Receives one piece of this rank's optimizer state: `(parameter, offset in its flattened
+/// elements, [master, exp_avg, exp_avg_sq])` (see [`ShardedModel::for_each_piece`]).
+pub type PieceVisitor<'a> = dyn FnMut(&str, usize, [Vec<f32>; 3]) -> Result<(), ShardError> + 'a;
+
+/// Reads `[exp_avg, exp_avg_sq]` of an element range of a parameter from a checkpoint (see
+/// [`ShardedModel::load_moments`]).
+pub type MomentReader<'a> =
+    dyn FnMut(&str, std::ops::Range<usize>) -> Result<[Vec<f32>; 2], ShardError> + 'a;
+
 /// What a step did, as this rank saw it.
 #[derive(Debug, Clone)]
 pub struct StepReport {
@@ -94,28 +98,27 @@ pub struct StepReport {
     pub loss: f64,
     /// Global gradient norm before clipping (the same on every rank).
     pub grad_norm: f64,
-    /// Seconds the main thread spent blocked on communication.
+    /// Seconds the training thread spent blocked on communication.
     pub comm_wait_s: f64,
     /// Seconds the whole step took.
     pub step_s: f64,
-    /// Bytes moved per group and op during the step.
+    /// Bytes handed to MPI during the step, per group and op.
     pub traffic: Counters,
-    /// Model-state bytes held during the step (peaks for the transient parts).
-    pub memory: Memory,
+    /// This process's resident memory as the OS reports it at the end of the step (its peak
+    /// covers the whole run so far).
+    pub resident: Resident,
+    /// Bytes of the secondary copies held during the step.
+    pub secondary_bytes: u64,
 }
 
-/// Requests to the communication thread.
-enum Job {
-    /// Gather unit `unit` whole (from the secondary copy if it exists, else the primary).
-    Gather(usize),
-    /// Reduce unit `unit`'s full gradient to this rank's optimizer shard.
-    Reduce(usize, Vec<f32>),
-}
-
-/// Answers from the communication thread, in request order.
-enum Done {
-    Gathered(Vec<f32>),
-    Reduced(usize, Vec<f32>),
+/// One rank's optimizer state for one unit: the element range of the unit's padded flat
+/// buffer it owns, and AdamW's state of those elements.
+#[derive(Debug, Clone)]
+pub struct UnitShard {
+    /// Element range of the unit's padded flat buffer.
+    pub range: std::ops::Range<usize>,
+    /// Master weights and moments, on the run's device.
+    pub state: FlatState,
 }
 
 /// One rank's share of a model partitioned by a [`ShardConfig`].
@@ -129,8 +132,10 @@ pub struct ShardedModel<'c, S: Staged<D>, const D: usize> {
     skeleton: S::Module,
     device: Device,
     autodiff: Device,
-    primary: Vec<Buf>,
-    optimizer: Vec<ShardState>,
+    /// Each unit's primary partition in the compute dtype (the master itself when
+    /// [`Plan::primary_is_master`]).
+    primary: Vec<Tensor<1>>,
+    optimizer: Vec<UnitShard>,
     adam_step: u64,
     residuals: Vec<Residuals>,
 }
@@ -145,65 +150,95 @@ impl<S: Staged<D>, const D: usize> std::fmt::Debug for ShardedModel<'_, S, D> {
     }
 }
 
+/// The state of one step on the training thread.
+struct StepState<const D: usize> {
+    /// Reduced gradient shards, per unit (summed over micro-batches).
+    grads: Vec<Option<Tensor<1>>>,
+    /// Whole unit gradients being assembled, until handed to the reducer.
+    work: Vec<Option<Tensor<1>>>,
+    /// Each stage's saved input, from its forward visit to its backward.
+    inputs: Vec<Option<Tensor<D>>>,
+    /// The gradient of the last backward visit's input.
+    upstream: Option<Tensor<D>>,
+    /// Each micro-batch's mean loss.
+    micro_losses: Vec<f64>,
+    /// Parameters that received a gradient.
+    reached: HashSet<String>,
+}
+
 impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
-    /// Partitions `module` (the same initial weights on every rank: checked) per `config` over
-    /// `comm`'s topology, computing on `device`. The module's parameters are copied into the
-    /// partitions and the module keeps none of them.
+    /// Partitions `module` per `config` over `comm`'s topology, computing on `device`. The
+    /// module is only a skeleton: its parameters' values are never read (lazy ones stay
+    /// uninitialised). Each rank reads the elements of its own optimizer shard from `source`;
+    /// optimizer moments start at zero. Every rank must call it; a source error on any rank
+    /// fails every rank.
     pub fn new(
         comm: &'c Comm,
         stages: S,
         module: S::Module,
         config: ShardConfig,
         device: Device,
+        source: &mut dyn ParamSource,
     ) -> Result<Self, ShardError> {
         let shapes_in_order = param_shapes(&module);
         let units = assign(&shapes_in_order, &stages.units(&module))?;
         let plan = Plan::new(units, config, comm.topology().clone())?;
+        route::check_same_everywhere(comm, &plan, source.fingerprint())?;
         let rank = comm.rank();
-        let values = param_values(&module);
-        route::check_same_everywhere(comm, &plan, &values)?;
-        let cfg = plan.config.clone();
-        let mut primary = Vec::with_capacity(plan.units.len());
-        let mut optimizer = Vec::with_capacity(plan.units.len());
-        for (u, unit) in plan.units.iter().enumerate() {
-            let mut flat = Vec::with_capacity(unit.padded);
-            for p in &unit.params {
-                flat.extend_from_slice(&values[&p.name]);
+        let masters = (|| -> Result<Vec<Vec<f32>>, ShardError> {
+            let mut out = Vec::with_capacity(plan.units.len());
+            for (u, unit) in plan.units.iter().enumerate() {
+                let range = plan.shard_range(u, plan.config.optimizer, rank);
+                let mut master = vec![0.0f32; range.len()];
+                for p in &unit.params {
+                    let lo = p.offset.max(range.start);
+                    let hi = (p.offset + p.numel).min(range.end);
+                    if lo < hi {
+                        let got = source.read(&p.name, &p.shape, lo - p.offset..hi - p.offset)?;
+                        master[lo - range.start..hi - range.start].copy_from_slice(&got);
+                    }
+                }
+                out.push(master);
             }
-            flat.resize(unit.padded, 0.0);
-            let opt_range = plan.shard_range(u, cfg.optimizer, rank);
+            Ok(out)
+        })();
+        let masters = agree(comm, masters)?;
+        let mut optimizer = Vec::with_capacity(plan.units.len());
+        for (u, (unit, master)) in plan.units.iter().zip(masters).enumerate() {
+            let range = plan.shard_range(u, plan.config.optimizer, rank);
             let slots: Vec<(usize, usize, bool)> = unit
                 .params
                 .iter()
                 .map(|p| (p.offset, p.numel, p.decay))
                 .collect();
-            let decay = decay_ranges(&opt_range, &slots);
-            let master = flat[opt_range.clone()].to_vec();
-            primary.push(Buf::from_f32(
-                &flat[plan.shard_range(u, cfg.params, rank)],
-                cfg.compute,
-            ));
-            optimizer.push(ShardState::new(opt_range, master, decay));
+            let decay = decay_ranges(&range, &slots);
+            optimizer.push(UnitShard {
+                range,
+                state: FlatState::new(staging::from_f32(master, &device), decay),
+            });
         }
-        let skeleton = load(module, &mut HashMap::new(), &HashMap::new(), true, false);
+        let shapes: HashMap<String, Vec<usize>> = shapes_in_order.iter().cloned().collect();
+        let skeleton = load(module, &mut HashMap::new(), &shapes, &device, false);
         let autodiff = device.clone().autodiff();
-        Ok(Self {
+        let mut model = Self {
             comm,
             stages,
             numels: shapes_in_order
                 .iter()
                 .map(|(n, s)| (n.clone(), s.iter().product()))
                 .collect(),
-            shapes: shapes_in_order.into_iter().collect(),
+            shapes,
             residuals: vec![Residuals::default(); plan.units.len()],
             plan,
             skeleton,
             device,
             autodiff,
-            primary,
+            primary: Vec::new(),
             optimizer,
             adam_step: 0,
-        })
+        };
+        model.refresh_primary()?;
+        Ok(model)
     }
 
     /// The partition plan.
@@ -216,14 +251,19 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         self.comm
     }
 
-    /// The optimizer state this rank owns, per unit.
-    pub fn optimizer_state(&self) -> &[ShardState] {
-        &self.optimizer
+    /// The device the state lives on.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// Optimizer updates applied so far.
     pub fn adam_step(&self) -> u64 {
         self.adam_step
+    }
+
+    /// The optimizer state this rank owns, per unit.
+    pub fn optimizer_state(&self) -> &[UnitShard] {
+        &self.optimizer
     }
 
     /// Whether this rank writes its optimizer shard to a checkpoint: the first of the ranks
@@ -236,91 +276,65 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             .all(|&c| c == 0)
     }
 
-    /// This rank's share of every parameter for a checkpoint: `(name, offset, [master,
-    /// exp_avg, exp_avg_sq])` for each parameter its optimizer shard overlaps, the offset
-    /// counted in the parameter's flattened elements. Padding is never included; a rank whose
-    /// shard is all padding contributes nothing.
-    pub fn owned_pieces(&self) -> Vec<(String, usize, [Vec<f32>; 3])> {
-        let mut out = Vec::new();
-        for (unit, state) in self.plan.units.iter().zip(&self.optimizer) {
-            for p in &unit.params {
-                let lo = p.offset.max(state.range.start);
-                let hi = (p.offset + p.numel).min(state.range.end);
-                if lo >= hi {
-                    continue;
-                }
-                let local = lo - state.range.start..hi - state.range.start;
-                out.push((
-                    p.name.clone(),
-                    lo - p.offset,
-                    [
-                        state.master[local.clone()].to_vec(),
-                        state.exp_avg[local.clone()].to_vec(),
-                        state.exp_avg_sq[local].to_vec(),
-                    ],
-                ));
+    /// This rank's share of every parameter for a checkpoint, one piece at a time: `visit(name,
+    /// offset, [master, exp_avg, exp_avg_sq])` for each parameter its optimizer shard
+    /// overlaps, the offset counted in the parameter's flattened elements, the values on the
+    /// host. Padding is never included; a rank whose shard is all padding visits nothing.
+    pub fn for_each_piece(&self, visit: &mut PieceVisitor<'_>) -> Result<(), ShardError> {
+        for (unit, shard) in self.plan.units.iter().zip(&self.optimizer) {
+            for (p, local) in pieces(unit, &shard.range) {
+                let part = |t: &Tensor<1>| staging::to_f32(t.clone().slice(local.clone()));
+                let s = &shard.state;
+                visit(
+                    &p.name,
+                    local.start + shard.range.start - p.offset,
+                    [part(&s.master), part(&s.exp_avg), part(&s.exp_avg_sq)],
+                )?;
             }
         }
-        out
+        Ok(())
     }
 
-    /// Fills this rank's optimizer shards from a checkpoint of any partition: `read(name,
-    /// range)` returns `[master, exp_avg, exp_avg_sq]` of elements `range` of parameter
-    /// `name`. Only the ranges this rank owns are asked for. Then rebuilds the primary
-    /// parameters. Every rank must call it.
-    pub fn load_state(
+    /// Fills this rank's optimizer moments from a checkpoint of any partition: `read(name,
+    /// range)` returns `[exp_avg, exp_avg_sq]` of elements `range` of parameter `name`. Only
+    /// the ranges this rank owns are asked for. Every rank must call it; an error on any rank
+    /// fails every rank and changes nothing.
+    pub fn load_moments(
         &mut self,
         adam_step: u64,
-        read: &mut StateReader<'_>,
+        read: &mut MomentReader<'_>,
     ) -> Result<(), ShardError> {
-        for (unit, state) in self.plan.units.iter().zip(self.optimizer.iter_mut()) {
-            let n = state.range.len();
-            let mut fresh = [vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]];
-            for p in &unit.params {
-                let lo = p.offset.max(state.range.start);
-                let hi = (p.offset + p.numel).min(state.range.end);
-                if lo >= hi {
-                    continue;
-                }
-                let got = read(&p.name, lo - p.offset..hi - p.offset).map_err(ShardError::Model)?;
-                let at = lo - state.range.start..hi - state.range.start;
-                for (dst, src) in fresh.iter_mut().zip(got) {
-                    if src.len() != at.len() {
-                        return Err(ShardError::Model(format!(
-                            "{}: {} values read for {} elements",
-                            p.name,
-                            src.len(),
-                            at.len()
-                        )));
+        let loaded = (|| -> Result<Vec<[Vec<f32>; 2]>, ShardError> {
+            let mut out = Vec::with_capacity(self.optimizer.len());
+            for (unit, shard) in self.plan.units.iter().zip(&self.optimizer) {
+                let n = shard.range.len();
+                let mut fresh = [vec![0.0f32; n], vec![0.0f32; n]];
+                for (p, local) in pieces(unit, &shard.range) {
+                    let start = local.start + shard.range.start - p.offset;
+                    let got = read(&p.name, start..start + local.len())?;
+                    for (dst, src) in fresh.iter_mut().zip(got) {
+                        if src.len() != local.len() {
+                            return Err(ShardError::Source(format!(
+                                "{}: {} values read for elements [{start}, {})",
+                                p.name,
+                                src.len(),
+                                start + local.len()
+                            )));
+                        }
+                        dst[local.clone()].copy_from_slice(&src);
                     }
-                    dst[at.clone()].copy_from_slice(&src);
                 }
+                out.push(fresh);
             }
-            let [master, m, v] = fresh;
-            state.master = master;
-            state.exp_avg = m;
-            state.exp_avg_sq = v;
+            Ok(out)
+        })();
+        let loaded = agree(self.comm, loaded)?;
+        for (shard, [m, v]) in self.optimizer.iter_mut().zip(loaded) {
+            shard.state.exp_avg = staging::from_f32(m, &self.device);
+            shard.state.exp_avg_sq = staging::from_f32(v, &self.device);
         }
         self.adam_step = adam_step;
-        self.refresh_primary()
-    }
-
-    /// Replaces this rank's optimizer state (from a checkpoint) and rebuilds the primary
-    /// parameter partition from the masters. Every rank must call it.
-    pub fn restore(&mut self, state: Vec<ShardState>, adam_step: u64) -> Result<(), ShardError> {
-        if state.len() != self.optimizer.len()
-            || state
-                .iter()
-                .zip(&self.optimizer)
-                .any(|(a, b)| a.range != b.range || a.master.len() != b.master.len())
-        {
-            return Err(ShardError::Units(
-                "restored optimizer shards do not match this rank's partition".into(),
-            ));
-        }
-        self.optimizer = state;
-        self.adam_step = adam_step;
-        self.refresh_primary()
+        Ok(())
     }
 
     fn dtype(&self) -> DType {
@@ -330,69 +344,67 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         }
     }
 
-    /// The module with the parameters of `units` set from their gathered flat buffers.
+    /// The skeleton with the parameters of `units` set from their gathered flat buffers
+    /// (views into them: nothing is copied), on the autodiff device when `autodiff`.
     fn module_with(
         &self,
         units: &[usize],
-        full: Vec<Vec<f32>>,
+        full: Vec<Tensor<1>>,
         autodiff: bool,
         require_grad: bool,
     ) -> S::Module {
+        let mut values = HashMap::new();
+        for (&u, flat) in units.iter().zip(full) {
+            let flat = if autodiff { flat.autodiff() } else { flat };
+            for p in &self.plan.units[u].params {
+                values.insert(
+                    p.name.clone(),
+                    flat.clone().slice(p.offset..p.offset + p.numel),
+                );
+            }
+        }
         let device = if autodiff {
             &self.autodiff
         } else {
             &self.device
         };
-        let dtype = self.dtype();
-        let mut values = HashMap::new();
-        for (&u, flat) in units.iter().zip(full) {
-            for p in &self.plan.units[u].params {
-                let v = flat[p.offset..p.offset + p.numel].to_vec();
-                let t = Tensor::<1>::from_data(TensorData::new(v, [p.numel]), device);
-                let t = if dtype == DType::F32 {
-                    t
-                } else {
-                    t.cast(dtype)
-                };
-                values.insert(p.name.clone(), t);
-            }
-        }
         load(
             self.skeleton.clone(),
             &mut values,
             &self.shapes,
-            true,
+            device,
             require_grad,
         )
     }
 
-    /// Adds the gradients `g` holds for unit `u`'s parameters into its flat buffer `buf`
-    /// (allocated on first use) and records which parameters were reached. A unit read by
-    /// another stage (a tied embedding) gets no gradient for the parameters that stage does
-    /// not use.
-    fn add_unit_grads(
+    /// Unit `u`'s gradient as one flat f32 buffer of its padded length, from the gradients `g`
+    /// holds for its parameters (zeros for parameters this computation did not reach: a unit
+    /// read by another stage gets no gradient for what that stage does not use).
+    fn unit_grad(
         &self,
         u: usize,
         g: &mut HashMap<String, Tensor<1>>,
-        buf: &mut Vec<f32>,
         reached: &mut HashSet<String>,
-    ) {
+    ) -> Tensor<1> {
         let unit = &self.plan.units[u];
-        if buf.is_empty() {
-            *buf = vec![0.0; unit.padded];
-        }
+        let mut parts = Vec::with_capacity(unit.params.len() + 1);
         for p in &unit.params {
-            if let Some(t) = g.remove(&p.name) {
-                add_into(&mut buf[p.offset..p.offset + p.numel], &host_f32(t));
-                reached.insert(p.name.clone());
+            match g.remove(&p.name) {
+                Some(t) => {
+                    reached.insert(p.name.clone());
+                    parts.push(if t.dtype() == DType::F32 {
+                        t
+                    } else {
+                        t.cast(DType::F32)
+                    });
+                }
+                None => parts.push(Tensor::zeros([p.numel], &self.device)),
             }
         }
-    }
-
-    /// The whole flat buffer of every unit in `units` for a model whose parameters are
-    /// replicated (no communication).
-    fn replicated(&self, units: &[usize]) -> Vec<Vec<f32>> {
-        units.iter().map(|&u| self.primary[u].to_f32()).collect()
+        if unit.padded > unit.numel {
+            parts.push(Tensor::zeros([unit.padded - unit.numel], &self.device));
+        }
+        Tensor::cat(parts, 0)
     }
 
     /// Mean loss of `batch` on this rank (forward only; every rank must call it together when
@@ -403,11 +415,20 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         for stage in 0..k {
             let needs = self.plan.units[stage].needs.clone();
             let full = if self.plan.config.params == Span(0) {
-                self.replicated(&needs)
+                needs.iter().map(|&u| self.primary[u].clone()).collect()
             } else {
                 needs
                     .iter()
-                    .map(|&u| route::gather_primary(self.comm, &self.plan, u, &self.primary[u]))
+                    .map(|&u| {
+                        route::gather_primary(
+                            self.comm,
+                            &self.plan,
+                            u,
+                            &self.primary[u],
+                            &self.device,
+                        )
+                        .map(|(full, _)| full)
+                    })
                     .collect::<Result<_, _>>()?
             };
             let module = self.module_with(&needs, full, false, false);
@@ -431,328 +452,344 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         hyper: &StepHyper,
     ) -> Result<StepReport, ShardError> {
         let start = Instant::now();
-        let comm = self.comm;
-        comm.take_counters();
+        self.comm.take_counters();
         let accum = micro_batches.len();
         assert!(accum > 0, "at least one micro-batch");
-        let cfg = self.plan.config.clone();
-        let partitioned = cfg.params != Span(0);
-        let visits = self.plan.visits(accum);
-        let c = cfg.compute.bytes() as u64;
-
-        let mut grads: Vec<Vec<f32>> = vec![Vec::new(); self.plan.units.len()];
-        let mut grad_bytes_peak = 0u64;
-        let mut gathered_live = 0u64;
-        let mut gathered_peak = 0u64;
-        let mut comm_wait = 0.0f64;
-        let mut micro_losses = vec![0.0f64; accum];
-        let mut reached = HashSet::new();
-
-        let (job_tx, job_rx) = mpsc::channel::<Job>();
-        let (done_tx, done_rx) = mpsc::channel::<Result<Done, ShardError>>();
-        let plan = &self.plan;
-        let primary = &self.primary;
-        let mut residuals = std::mem::take(&mut self.residuals);
-
-        let (secondary_peak, residuals) = std::thread::scope(|scope| {
-            let worker = scope.spawn(move || {
-                let mut secondary: Vec<Option<Buf>> = vec![None; plan.units.len()];
-                let mut peak = 0u64;
-                for job in job_rx {
-                    let out = match job {
-                        Job::Gather(u) => {
-                            route::gather(comm, plan, u, &primary[u], &mut secondary[u])
-                                .map(Done::Gathered)
-                        }
-                        Job::Reduce(u, g) => route::reduce(comm, plan, u, g, &mut residuals[u])
-                            .map(|s| Done::Reduced(u, s)),
-                    };
-                    let held: u64 = secondary.iter().flatten().map(Buf::bytes).sum();
-                    peak = peak.max(held);
-                    let failed = out.is_err();
-                    if done_tx.send(out).is_err() || failed {
-                        break;
-                    }
-                }
-                (peak, residuals)
-            });
-
-            let result = (|| -> Result<(), ShardError> {
-                // Receives answers until the gathered buffer of the next request arrives,
-                // adding reduced shards to `grads` as they come.
-                let next_gathered = |grads: &mut Vec<Vec<f32>>,
-                                     comm_wait: &mut f64|
-                 -> Result<Vec<f32>, ShardError> {
-                    loop {
-                        let t = Instant::now();
-                        let msg = done_rx.recv().map_err(|_| worker_gone())?;
-                        *comm_wait += t.elapsed().as_secs_f64();
-                        match msg? {
-                            Done::Gathered(v) => return Ok(v),
-                            Done::Reduced(u, s) => accumulate(&mut grads[u], s),
-                        }
-                    }
-                };
-                let needs = |i: usize| &self.plan.units[visits[i].stage].needs;
-                let mut issued = 0;
-                let mut issue_through = |upto: usize, live: &mut u64, peak: &mut u64| {
-                    while partitioned && issued <= upto.min(visits.len() - 1) {
-                        for &u in needs(issued) {
-                            *live += self.plan.units[u].padded as u64 * c;
-                            let _ = job_tx.send(Job::Gather(u));
-                        }
-                        *peak = (*peak).max(*live);
-                        issued += 1;
-                    }
-                };
-
-                // A unit's complete gradient: reduced now (partitioned gradients) or added to
-                // the step's whole-gradient buffer, reduced after the last micro-batch.
-                let hand_off = |u: usize, full: Vec<f32>, grads: &mut Vec<Vec<f32>>| {
-                    if cfg.shard_grads {
-                        let _ = job_tx.send(Job::Reduce(u, full));
-                    } else {
-                        accumulate(&mut grads[u], full);
-                    }
-                };
-                let k = self.plan.units.len();
-                let mut inputs: Vec<Option<Tensor<D>>> = vec![None; k];
-                let mut upstream: Option<Tensor<D>> = None;
-                let mut work: Vec<Vec<f32>> = vec![Vec::new(); k];
-                // Replicated parameters are never released, so nothing is gained by running
-                // unit by unit: one autodiff graph per micro-batch, no recompute.
-                let visits: &[crate::plan::Visit] = if partitioned { &visits } else { &[] };
-                if !partitioned {
-                    let all: Vec<usize> = (0..k).collect();
-                    for (micro, batch) in micro_batches.iter().enumerate() {
-                        let module = self.module_with(&all, self.replicated(&all), true, true);
-                        let mut x: Option<Tensor<D>> = None;
-                        let mut loss = None;
-                        for stage in 0..k {
-                            if let Some(base) = hyper.dropout_seed {
-                                self.autodiff.seed(unit_seed(base, micro, stage));
-                            }
-                            match self.stages.forward(
-                                &module,
-                                stage,
-                                x.take(),
-                                batch,
-                                &self.autodiff,
-                            ) {
-                                Flow::Hidden(h) if stage + 1 < k => x = Some(h),
-                                Flow::Loss(l) if stage + 1 == k => loss = Some(l),
-                                _ => return Err(flow_error(stage, k)),
-                            }
-                        }
-                        let loss = loss.expect("the last stage returned the loss");
-                        micro_losses[micro] = scalar(loss.clone().without_autodiff());
-                        let grads_ad = loss.backward();
-                        let mut g = grads_of(&module, &grads_ad, &self.numels);
-                        for u in 0..k {
-                            let mut full = Vec::new();
-                            self.add_unit_grads(u, &mut g, &mut full, &mut reached);
-                            hand_off(u, full, &mut grads);
-                        }
-                        grad_bytes_peak = grad_bytes_peak.max(held_bytes(&grads));
-                    }
-                }
-                for (i, v) in visits.iter().enumerate() {
-                    // This visit's gathers and those of the next `prefetch` visits are in
-                    // flight (or done) while this one computes.
-                    issue_through(i + cfg.prefetch, &mut gathered_live, &mut gathered_peak);
-                    let units = self.plan.units[v.stage].needs.clone();
-                    let full: Vec<Vec<f32>> = if partitioned {
-                        let mut f = Vec::with_capacity(units.len());
-                        for _ in &units {
-                            f.push(next_gathered(&mut grads, &mut comm_wait)?);
-                        }
-                        f
-                    } else {
-                        self.replicated(&units)
-                    };
-                    let batch = &micro_batches[v.micro];
-                    if let Some(base) = hyper.dropout_seed {
-                        self.autodiff.seed(unit_seed(base, v.micro, v.stage));
-                    }
-                    if !v.backward {
-                        // With dropout the forward runs on the autodiff device (dropout is
-                        // off elsewhere), tracking nothing: no parameter requires a gradient.
-                        let replay = hyper.dropout_seed.is_some();
-                        let module = self.module_with(&units, full, replay, false);
-                        let device = if replay { &self.autodiff } else { &self.device };
-                        // Keep the input for the recompute; the output is the next input.
-                        let input = inputs[v.stage]
-                            .clone()
-                            .map(|x| if replay { x.autodiff() } else { x });
-                        match self.stages.forward(&module, v.stage, input, batch, device) {
-                            Flow::Hidden(h) => {
-                                let h = if replay { h.without_autodiff() } else { h };
-                                inputs[v.stage + 1] = Some(h);
-                            }
-                            Flow::Loss(_) => return Err(flow_error(v.stage, k)),
-                        }
-                    } else {
-                        let module = self.module_with(&units, full, true, true);
-                        let input = inputs[v.stage].take().map(|x| x.autodiff().require_grad());
-                        let out = self.stages.forward(
-                            &module,
-                            v.stage,
-                            input.clone(),
-                            batch,
-                            &self.autodiff,
-                        );
-                        let grads_ad = match (out, v.stage + 1 == k) {
-                            (Flow::Loss(l), true) => {
-                                micro_losses[v.micro] = scalar(l.clone().without_autodiff());
-                                l.backward()
-                            }
-                            (Flow::Hidden(h), false) => {
-                                let up = upstream.take().expect("the later stage ran first");
-                                (h * up.autodiff()).sum().backward()
-                            }
-                            _ => return Err(flow_error(v.stage, k)),
-                        };
-                        let mut g = grads_of(&module, &grads_ad, &self.numels);
-                        for &u in &units {
-                            self.add_unit_grads(u, &mut g, &mut work[u], &mut reached);
-                        }
-                        upstream = input.and_then(|x| x.grad(&grads_ad));
-                        for &u in &units {
-                            if self.plan.units[u].grad_ready_at != v.stage {
-                                continue;
-                            }
-                            hand_off(u, std::mem::take(&mut work[u]), &mut grads);
-                        }
-                        grad_bytes_peak = grad_bytes_peak.max(held_bytes(&grads));
-                    }
-                    if partitioned {
-                        gathered_live -= units
-                            .iter()
-                            .map(|&u| self.plan.units[u].padded as u64 * c)
-                            .sum::<u64>();
-                    }
-                }
-                if !cfg.shard_grads {
-                    for (u, g) in grads.iter_mut().enumerate() {
-                        let _ = job_tx.send(Job::Reduce(u, std::mem::take(g)));
-                    }
-                }
-                drop(job_tx);
-                loop {
-                    let t = Instant::now();
-                    let Ok(msg) = done_rx.recv() else { break };
-                    comm_wait += t.elapsed().as_secs_f64();
-                    match msg? {
-                        Done::Reduced(u, s) => accumulate(&mut grads[u], s),
-                        Done::Gathered(_) => unreachable!("every gather was received"),
-                    }
-                }
-                Ok(())
-            })();
-            let (peak, res) = worker.join().map_err(|_| worker_gone())?;
-            result.map(|()| (peak, res))
+        let schedule = self.plan.schedule(accum);
+        let k = self.plan.units.len();
+        let mut state = StepState {
+            grads: vec![None; k],
+            work: vec![None; k],
+            inputs: vec![None; k],
+            upstream: None,
+            micro_losses: vec![0.0; accum],
+            reached: HashSet::new(),
+        };
+        let residuals = std::mem::take(&mut self.residuals);
+        let (comm_wait, finished) = std::thread::scope(|scope| {
+            let mut worker = Worker::spawn(
+                scope,
+                self.comm,
+                &self.plan,
+                &self.primary,
+                residuals,
+                &self.device,
+            );
+            let result = self
+                .run_schedule(&schedule, micro_batches, hyper, &mut state, &mut worker)
+                .and_then(|()| drain(&mut worker, &mut state.grads));
+            let waited = worker.waited_s;
+            let finished = worker.join();
+            result.and(finished).map(|f| (waited, f))
         })?;
-        self.residuals = residuals;
+        self.residuals = finished.residuals;
         if let Some(p) = self
             .plan
             .units
             .iter()
             .flat_map(|u| u.params.iter())
-            .find(|p| !reached.contains(&p.name))
+            .find(|p| !state.reached.contains(&p.name))
         {
             return Err(ShardError::Model(format!(
                 "no gradient reached parameter `{}`: does a unit's forward use it?",
                 p.name
             )));
         }
-        if cfg.shard_grads {
-            grad_bytes_peak = grad_bytes_peak.max(held_bytes(&grads));
-        }
-
-        // Mean over micro-batches, then the global norm over the optimizer group.
-        let inv = 1.0 / accum as f64;
-        let mut sq = 0.0f64;
-        for g in grads.iter_mut() {
-            if accum > 1 {
-                g.iter_mut().for_each(|x| *x *= inv as f32);
-            }
-            sq += g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
-        }
         let t = Instant::now();
-        let sq = route::sum_over(comm, self.plan.group(cfg.optimizer), sq as f32)? as f64;
-        let local_loss = micro_losses.iter().sum::<f64>() * inv;
-        let world = self.plan.group(Span(self.plan.topology.depth()));
-        let loss = route::sum_over(comm, world, local_loss as f32)? as f64
-            / self.plan.topology.world_size() as f64;
-        comm_wait += t.elapsed().as_secs_f64();
-        let norm = sq.sqrt();
-        if !loss.is_finite() || !norm.is_finite() {
-            return Err(ShardError::Model(format!(
-                "training diverged: loss {loss}, gradient norm {norm}; lower --lr or raise \
-                 --warmup-iters"
-            )));
-        }
-        if hyper.grad_clip > 0.0 && norm > hyper.grad_clip {
-            let factor = (hyper.grad_clip / (norm + 1e-6)) as f32;
-            grads
-                .iter_mut()
-                .for_each(|g| g.iter_mut().for_each(|x| *x *= factor));
-        }
-        self.adam_step += 1;
-        for (state, g) in self.optimizer.iter_mut().zip(&grads) {
-            state.update(&hyper.adam, self.adam_step, hyper.lr, g);
-        }
-        let t = Instant::now();
-        self.refresh_primary()?;
-        comm_wait += t.elapsed().as_secs_f64();
-
-        let memory = Memory {
-            params: self.primary.iter().map(Buf::bytes).sum(),
-            secondary: secondary_peak,
-            grads: grad_bytes_peak,
-            optimizer: self.optimizer.iter().map(ShardState::bytes).sum(),
-            gathered_peak,
-        };
+        let (loss, grad_norm) = self.finish_step(state, hyper)?;
         Ok(StepReport {
             loss,
-            grad_norm: norm,
-            comm_wait_s: comm_wait,
+            grad_norm,
+            comm_wait_s: comm_wait + t.elapsed().as_secs_f64(),
             step_s: start.elapsed().as_secs_f64(),
-            traffic: comm.take_counters(),
-            memory,
+            traffic: self.comm.take_counters(),
+            resident: memory::resident(),
+            secondary_bytes: finished.secondary_bytes,
         })
     }
 
-    /// Rebuilds the primary parameter partition from the f32 masters.
-    fn refresh_primary(&mut self) -> Result<(), ShardError> {
-        let cfg = &self.plan.config;
-        for (u, state) in self.optimizer.iter().enumerate() {
-            let shard = Buf::from_f32(&state.master, cfg.compute);
-            self.primary[u] = if cfg.params == cfg.optimizer {
-                shard
-            } else {
-                route::all_gather_params(self.comm, &self.plan, &shard)?
-            };
+    /// Executes the step's schedule on the training thread, handing gathers and reductions to
+    /// the communication thread as they come.
+    fn run_schedule(
+        &self,
+        schedule: &[Event],
+        micro_batches: &[S::Batch],
+        hyper: &StepHyper,
+        state: &mut StepState<D>,
+        worker: &mut Worker<'_>,
+    ) -> Result<(), ShardError> {
+        for &event in schedule {
+            match event {
+                Event::Gather { unit, source } => worker.send(Job::Gather { unit, source }),
+                Event::Visit(v) => {
+                    let needs = &self.plan.units[v.stage].needs;
+                    let mut full = Vec::with_capacity(needs.len());
+                    for _ in needs {
+                        full.push(next_gathered(worker, &mut state.grads)?);
+                    }
+                    if v.backward {
+                        self.backward_visit(v, full, &micro_batches[v.micro], hyper, state)?;
+                    } else {
+                        self.forward_visit(v, full, &micro_batches[v.micro], hyper, state)?;
+                    }
+                }
+                Event::Whole { micro } => {
+                    self.whole_micro_batch(micro, &micro_batches[micro], hyper, state)?
+                }
+                Event::Reduce { unit } => {
+                    let grad = state.work[unit]
+                        .take()
+                        .expect("the schedule reduces a unit after its backward");
+                    worker.send(Job::Reduce {
+                        unit,
+                        grad: Box::new(grad),
+                    });
+                }
+            }
+        }
+        worker.close();
+        Ok(())
+    }
+
+    /// A forward visit: the stage without autodiff (on the autodiff device with nothing
+    /// requiring a gradient when dropout must be replayed), keeping its output as the next
+    /// stage's input.
+    fn forward_visit(
+        &self,
+        v: Visit,
+        full: Vec<Tensor<1>>,
+        batch: &S::Batch,
+        hyper: &StepHyper,
+        state: &mut StepState<D>,
+    ) -> Result<(), ShardError> {
+        let k = self.plan.units.len();
+        let replay = hyper.dropout_seed.is_some();
+        if let Some(base) = hyper.dropout_seed {
+            self.autodiff.seed(unit_seed(base, v.micro, v.stage));
+        }
+        let needs = &self.plan.units[v.stage].needs;
+        let module = self.module_with(needs, full, replay, false);
+        let device = if replay { &self.autodiff } else { &self.device };
+        let input = state.inputs[v.stage]
+            .clone()
+            .map(|x| if replay { x.autodiff() } else { x });
+        match self.stages.forward(&module, v.stage, input, batch, device) {
+            Flow::Hidden(h) => {
+                state.inputs[v.stage + 1] = Some(if replay { h.without_autodiff() } else { h });
+                Ok(())
+            }
+            Flow::Loss(_) => Err(flow_error(v.stage, k)),
+        }
+    }
+
+    /// A backward visit: the stage recomputed with autodiff from its saved input, then
+    /// backpropagated from the loss (last stage) or from the upstream gradient.
+    fn backward_visit(
+        &self,
+        v: Visit,
+        full: Vec<Tensor<1>>,
+        batch: &S::Batch,
+        hyper: &StepHyper,
+        state: &mut StepState<D>,
+    ) -> Result<(), ShardError> {
+        let k = self.plan.units.len();
+        if let Some(base) = hyper.dropout_seed {
+            self.autodiff.seed(unit_seed(base, v.micro, v.stage));
+        }
+        let needs = &self.plan.units[v.stage].needs;
+        let module = self.module_with(needs, full, true, true);
+        let input = state.inputs[v.stage]
+            .take()
+            .map(|x| x.autodiff().require_grad());
+        let out = self
+            .stages
+            .forward(&module, v.stage, input.clone(), batch, &self.autodiff);
+        let grads_ad = match (out, v.stage + 1 == k) {
+            (Flow::Loss(l), true) => {
+                state.micro_losses[v.micro] = scalar(l.clone().without_autodiff());
+                l.backward()
+            }
+            (Flow::Hidden(h), false) => {
+                let up = state.upstream.take().expect("the later stage ran first");
+                (h * up.autodiff()).sum().backward()
+            }
+            _ => return Err(flow_error(v.stage, k)),
+        };
+        let mut g = grads_of(&module, &grads_ad, &self.numels);
+        state.upstream = input.and_then(|x| x.grad(&grads_ad));
+        drop(grads_ad);
+        drop(module);
+        for &u in needs {
+            let grad = self.unit_grad(u, &mut g, &mut state.reached);
+            add_to(&mut state.work[u], grad);
         }
         Ok(())
     }
 
-    /// Every parameter's current value (f32 masters, gathered to every rank), by path, in
-    /// unit order. Every rank must call it.
-    pub fn full_parameters(&self) -> Result<Vec<NamedValues>, ShardError> {
-        let mut out = Vec::new();
-        for (u, state) in self.optimizer.iter().enumerate() {
-            let full = route::all_gather_masters(self.comm, &self.plan, &state.master)?;
-            for p in &self.plan.units[u].params {
-                out.push((
-                    p.name.clone(),
-                    p.shape.clone(),
-                    full[p.offset..p.offset + p.numel].to_vec(),
-                ));
+    /// One micro-batch through every unit in one autodiff graph (replicated parameters).
+    fn whole_micro_batch(
+        &self,
+        micro: usize,
+        batch: &S::Batch,
+        hyper: &StepHyper,
+        state: &mut StepState<D>,
+    ) -> Result<(), ShardError> {
+        let k = self.plan.units.len();
+        let all: Vec<usize> = (0..k).collect();
+        let module = self.module_with(&all, self.primary.clone(), true, true);
+        let mut x: Option<Tensor<D>> = None;
+        let mut loss = None;
+        for stage in 0..k {
+            if let Some(base) = hyper.dropout_seed {
+                self.autodiff.seed(unit_seed(base, micro, stage));
+            }
+            match self
+                .stages
+                .forward(&module, stage, x.take(), batch, &self.autodiff)
+            {
+                Flow::Hidden(h) if stage + 1 < k => x = Some(h),
+                Flow::Loss(l) if stage + 1 == k => loss = Some(l),
+                _ => return Err(flow_error(stage, k)),
             }
         }
-        Ok(out)
+        let loss = loss.expect("the last stage returned the loss");
+        state.micro_losses[micro] = scalar(loss.clone().without_autodiff());
+        let grads_ad = loss.backward();
+        let mut g = grads_of(&module, &grads_ad, &self.numels);
+        drop(grads_ad);
+        drop(module);
+        for u in 0..k {
+            let grad = self.unit_grad(u, &mut g, &mut state.reached);
+            add_to(&mut state.work[u], grad);
+        }
+        Ok(())
     }
+
+    /// The step's end on every rank: gradients averaged over micro-batches, the global norm
+    /// over the optimizer group, clipping, AdamW on the master shards, the primary rebuilt.
+    /// Returns the step's mean loss over the world and the norm.
+    fn finish_step(
+        &mut self,
+        state: StepState<D>,
+        hyper: &StepHyper,
+    ) -> Result<(f64, f64), ShardError> {
+        let accum = state.micro_losses.len();
+        let inv = 1.0 / accum as f64;
+        let mut grads: Vec<Tensor<1>> = state
+            .grads
+            .into_iter()
+            .map(|g| g.expect("every unit's gradient was reduced"))
+            .map(|g| if accum > 1 { g * inv } else { g })
+            .collect();
+        let sq: f64 = grads
+            .iter()
+            .map(|g| scalar((g.clone() * g.clone()).sum()))
+            .sum();
+        let cfg = &self.plan.config;
+        let sq = route::sum_over(self.comm, self.plan.group(cfg.optimizer), sq as f32)? as f64;
+        let local_loss = state.micro_losses.iter().sum::<f64>() * inv;
+        let world = self.plan.group(Span(self.plan.topology.depth()));
+        let loss = route::sum_over(self.comm, world, local_loss as f32)? as f64
+            / self.plan.topology.world_size() as f64;
+        let norm = sq.sqrt();
+        if !loss.is_finite() || !norm.is_finite() {
+            return Err(ShardError::Diverged { loss, norm });
+        }
+        if hyper.grad_clip > 0.0 && norm > hyper.grad_clip {
+            let factor = hyper.grad_clip / (norm + 1e-6);
+            grads = grads.into_iter().map(|g| g * factor).collect();
+        }
+        self.adam_step += 1;
+        for (shard, g) in self.optimizer.iter_mut().zip(grads) {
+            shard.state.update(&hyper.adam, self.adam_step, hyper.lr, g);
+        }
+        self.refresh_primary()?;
+        Ok((loss, norm))
+    }
+
+    /// Rebuilds the primary parameter partition from the f32 masters: the master itself, its
+    /// cast to the compute dtype, or (replicated parameters) the all-gather of that cast.
+    fn refresh_primary(&mut self) -> Result<(), ShardError> {
+        let dtype = self.dtype();
+        let cfg = &self.plan.config;
+        self.primary.clear();
+        for shard in &self.optimizer {
+            let master = shard.state.master.clone();
+            let own = if dtype == DType::F32 {
+                master
+            } else {
+                master.cast(dtype)
+            };
+            self.primary.push(if cfg.params == cfg.optimizer {
+                own
+            } else {
+                route::all_gather_params(self.comm, &self.plan, own, &self.device)?
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The `(parameter, local range)` pieces of `range` (a shard of `unit`'s padded buffer), the
+/// local range relative to `range.start`; padding is never part of a piece.
+fn pieces<'u>(
+    unit: &'u crate::plan::UnitPlan,
+    range: &std::ops::Range<usize>,
+) -> impl Iterator<Item = (&'u crate::plan::ParamSlot, std::ops::Range<usize>)> {
+    let range = range.clone();
+    unit.params.iter().filter_map(move |p| {
+        let lo = p.offset.max(range.start);
+        let hi = (p.offset + p.numel).min(range.end);
+        (lo < hi).then(|| (p, lo - range.start..hi - range.start))
+    })
+}
+
+/// Receives answers until the gathered unit of the next request arrives, adding reduced
+/// shards to `grads` as they come.
+fn next_gathered(
+    worker: &mut Worker<'_>,
+    grads: &mut [Option<Tensor<1>>],
+) -> Result<Tensor<1>, ShardError> {
+    loop {
+        match worker.recv()? {
+            Some(Done::Gathered(t)) => return Ok(t),
+            Some(Done::Reduced { unit, shard }) => add_to(&mut grads[unit], shard),
+            None => return Err(worker_gone()),
+        }
+    }
+}
+
+/// Receives the remaining answers (reductions) after the last job was handed over.
+fn drain(worker: &mut Worker<'_>, grads: &mut [Option<Tensor<1>>]) -> Result<(), ShardError> {
+    while let Some(done) = worker.recv()? {
+        match done {
+            Done::Reduced { unit, shard } => add_to(&mut grads[unit], shard),
+            Done::Gathered(_) => unreachable!("every gather was received"),
+        }
+    }
+    Ok(())
+}
+
+/// Every rank learns whether every rank's `result` is `Ok`; a failure on any rank fails all
+/// of them, each naming the first failing rank and its message.
+pub(crate) fn agree<T>(comm: &Comm, result: Result<T, ShardError>) -> Result<T, ShardError> {
+    let mine = result.as_ref().err().map(|e| e.to_string());
+    match comm.agree(mine.as_deref()) {
+        Ok(()) => result,
+        Err(failure) if failure.rank == comm.rank() => result,
+        Err(failure) => Err(ShardError::OtherRank {
+            rank: failure.rank,
+            message: failure.message,
+        }),
+    }
+}
+
+/// `acc += x`, taking `x` whole when `acc` is empty.
+fn add_to(acc: &mut Option<Tensor<1>>, x: Tensor<1>) {
+    *acc = Some(match acc.take() {
+        Some(a) => a + x,
+        None => x,
+    });
 }
 
 /// The sum of `x` over every rank (for metrics such as a validation loss).
@@ -764,39 +801,9 @@ pub fn all_ranks_sum(comm: &Comm, x: f32) -> Result<f32, ShardError> {
 fn scalar(t: Tensor<1>) -> f64 {
     t.into_data()
         .convert::<f64>()
-        .try_into_vec::<f64>()
+        .try_to_vec::<f64>()
         .map(|v| v[0])
         .unwrap_or(f64::NAN)
-}
-
-fn host_f32(t: Tensor<1>) -> Vec<f32> {
-    let t = if t.dtype() == DType::F32 {
-        t
-    } else {
-        t.cast(DType::F32)
-    };
-    t.into_data()
-        .convert::<f32>()
-        .try_into_vec::<f32>()
-        .expect("a float tensor")
-}
-
-/// Adds `x` to `acc`, taking it whole when `acc` is still empty.
-fn accumulate(acc: &mut Vec<f32>, x: Vec<f32>) {
-    if acc.is_empty() {
-        *acc = x;
-    } else {
-        add_into(acc, &x);
-    }
-}
-
-/// Bytes of f32 gradient buffers held.
-fn held_bytes(grads: &[Vec<f32>]) -> u64 {
-    grads.iter().map(|g| 4 * g.len() as u64).sum()
-}
-
-fn add_into(acc: &mut [f32], x: &[f32]) {
-    acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
 }
 
 fn flow_error(stage: usize, k: usize) -> ShardError {

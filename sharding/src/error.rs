@@ -1,11 +1,13 @@
-//! Errors of the partitioner. Each message names what is wrong and what to do about it.
+//! Errors of the partitioner. Each message names what is wrong, in the library's terms (the
+//! fields of [`crate::ShardConfig`], parameter paths, element ranges), and what to do about it.
+//! A binary maps them onto its own flags.
 
 use ember_comm::CommError;
 
 /// What can go wrong building or running a sharded model.
 #[derive(Debug, thiserror::Error)]
 pub enum ShardError {
-    /// An invalid `ShardConfig` or a flag that contradicts it.
+    /// An invalid `ShardConfig`.
     #[error("{0}")]
     Config(String),
     /// Units that do not cover the module's parameters exactly once, or ranks that disagree.
@@ -14,7 +16,34 @@ pub enum ShardError {
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] CommError),
-    /// The model produced something the partitioner cannot use (a missing gradient, a NaN).
+    /// A parameter source (an initialiser, a checkpoint, a pretrained directory) could not
+    /// give a range this rank needs.
+    #[error("{0}")]
+    Source(String),
+    /// Reading or writing a checkpoint failed.
+    #[error("{0}")]
+    Io(String),
+    /// Another rank failed in a phase every rank runs together; this rank stops with it.
+    #[error("rank {rank} failed: {message}")]
+    OtherRank {
+        /// The lowest failing rank.
+        rank: usize,
+        /// Its error.
+        message: String,
+    },
+    /// The loss or the gradient norm is not finite.
+    #[error(
+        "training diverged: loss {loss}, gradient norm {norm}; lower the learning rate or \
+         lengthen the warmup"
+    )]
+    Diverged {
+        /// The step's loss.
+        loss: f64,
+        /// The global gradient norm.
+        norm: f64,
+    },
+    /// The model produced something the partitioner cannot use (a missing gradient, a unit
+    /// returning the wrong kind of output).
     #[error("{0}")]
     Model(String),
 }

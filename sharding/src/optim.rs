@@ -1,10 +1,11 @@
-//! AdamW on one rank's f32 shard of a unit: the master weights and both moments of the
-//! elements it owns. The arithmetic is PyTorch's `torch.optim.AdamW` in the order ember's
-//! single-process optimizer applies it, one f32 operation at a time, so a shard updates
-//! exactly as the same elements of an unsharded model would.
+//! AdamW on flat f32 tensors on the run's device: the master weights and both moments of one
+//! buffer (a whole parameter, or a rank's shard of a unit), with weight decay on sub-ranges.
+//! The arithmetic is PyTorch's `torch.optim.AdamW`, one tensor op at a time in one fixed
+//! order, so a shard updates exactly as the same elements of an unsharded model do.
 
 use std::ops::Range;
 
+use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
 /// AdamW hyper-parameters.
@@ -16,81 +17,79 @@ pub struct AdamConfig {
     pub beta2: f64,
     /// Denominator epsilon.
     pub eps: f64,
-    /// Decoupled weight decay, applied to tensors of two or more dimensions only.
+    /// Decoupled weight decay, applied on the buffer's decay ranges only (GPT-2 training
+    /// decays matrices and embeddings, not biases and norms).
     pub weight_decay: f64,
 }
 
-/// One rank's optimizer state for one unit.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ShardState {
-    /// Element range of the unit's padded flat buffer this rank owns.
-    pub range: Range<usize>,
-    /// f32 master weights of those elements.
-    pub master: Vec<f32>,
-    /// First moment.
-    pub exp_avg: Vec<f32>,
-    /// Second moment.
-    pub exp_avg_sq: Vec<f32>,
-    /// Sub-ranges (relative to `range`) where weight decay applies.
+/// One flat buffer's optimizer state, all `[n]` f32 tensors on one device.
+#[derive(Debug, Clone)]
+pub struct FlatState {
+    /// f32 master weights.
+    pub master: Tensor<1>,
+    /// First moment (`exp_avg` in PyTorch).
+    pub exp_avg: Tensor<1>,
+    /// Second moment (`exp_avg_sq`).
+    pub exp_avg_sq: Tensor<1>,
+    /// Element ranges where weight decay applies, ascending and disjoint.
     pub decay: Vec<Range<usize>>,
 }
 
-impl ShardState {
+impl FlatState {
     /// Fresh state: `master` as given, zero moments.
-    pub fn new(range: Range<usize>, master: Vec<f32>, decay: Vec<Range<usize>>) -> Self {
-        let n = master.len();
+    pub fn new(master: Tensor<1>, decay: Vec<Range<usize>>) -> Self {
         Self {
-            range,
+            exp_avg: master.zeros_like(),
+            exp_avg_sq: master.zeros_like(),
             master,
-            exp_avg: vec![0.0; n],
-            exp_avg_sq: vec![0.0; n],
             decay,
         }
     }
 
-    /// Bytes held (master and two moments).
-    pub fn bytes(&self) -> u64 {
-        4 * (self.master.len() + self.exp_avg.len() + self.exp_avg_sq.len()) as u64
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        self.master.dims()[0]
     }
 
-    /// Applies update number `step` (1-based) with rate `lr` to gradient `grad`.
-    pub fn update(&mut self, c: &AdamConfig, step: u64, lr: f64, grad: &[f32]) {
-        assert_eq!(
-            grad.len(),
-            self.master.len(),
-            "one gradient per owned element"
-        );
+    /// True when the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Applies update number `step` (1-based) with rate `lr` to gradient `grad` (`[n]`, f32).
+    pub fn update(&mut self, c: &AdamConfig, step: u64, lr: f64, grad: Tensor<1>) {
+        assert_eq!(grad.dims(), self.master.dims(), "one gradient per element");
         let t = step as i32;
         let bias1 = 1.0 - c.beta1.powi(t);
         let bias2 = 1.0 - c.beta2.powi(t);
-        let step_size = (lr / bias1) as f32;
-        let sqrt_bias2 = bias2.sqrt() as f32;
-        let decay_factor = (1.0 - lr * c.weight_decay) as f32;
+        // PyTorch: denom = sqrt(v) / sqrt(bias2) + eps; p -= lr / bias1 * m / denom.
+        let step_size = lr / bias1;
+        let sqrt_bias2 = bias2.sqrt();
         if c.weight_decay > 0.0 {
-            for r in &self.decay {
-                self.master[r.clone()]
-                    .iter_mut()
-                    .for_each(|p| *p *= decay_factor);
+            let factor = 1.0 - lr * c.weight_decay;
+            let n = self.len();
+            match self.decay.as_slice() {
+                [] => {}
+                [whole] if *whole == (0..n) => self.master = self.master.clone() * factor,
+                ranges => {
+                    for r in ranges {
+                        let part = self.master.clone().slice(r.clone()) * factor;
+                        self.master = self.master.clone().slice_assign(r.clone(), part);
+                    }
+                }
             }
         }
-        let (b1, b1c) = (c.beta1 as f32, (1.0 - c.beta1) as f32);
-        let (b2, b2c) = (c.beta2 as f32, (1.0 - c.beta2) as f32);
-        let eps = c.eps as f32;
-        let state = self
-            .master
-            .iter_mut()
-            .zip(self.exp_avg.iter_mut())
-            .zip(self.exp_avg_sq.iter_mut());
-        for (((p, m), v), &g) in state.zip(grad) {
-            *m = *m * b1 + g * b1c;
-            *v = *v * b2 + (g * g) * b2c;
-            let denom = v.sqrt() / sqrt_bias2 + eps;
-            *p -= (*m / denom) * step_size;
-        }
+        let m = self.exp_avg.clone() * c.beta1 + grad.clone() * (1.0 - c.beta1);
+        let v = self.exp_avg_sq.clone() * c.beta2 + (grad.clone() * grad) * (1.0 - c.beta2);
+        let denom = v.clone().sqrt() / sqrt_bias2 + c.eps;
+        self.master = self.master.clone() - (m.clone() / denom) * step_size;
+        self.exp_avg = m;
+        self.exp_avg_sq = v;
     }
 }
 
-/// The decay sub-ranges of `range` given each parameter's `(offset, numel, decay)`.
+/// The decay sub-ranges of `range` given each parameter's `(offset, numel, decay)`, relative
+/// to `range.start`.
 pub fn decay_ranges(range: &Range<usize>, params: &[(usize, usize, bool)]) -> Vec<Range<usize>> {
     params
         .iter()
@@ -106,6 +105,15 @@ pub fn decay_ranges(range: &Range<usize>, params: &[(usize, usize, bool)]) -> Ve
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn::tensor::{Device, TensorData};
+
+    fn t(v: &[f32]) -> Tensor<1> {
+        Tensor::from_data(TensorData::new(v.to_vec(), [v.len()]), &Device::flex())
+    }
+
+    fn v(t: &Tensor<1>) -> Vec<f32> {
+        t.to_data().try_to_vec::<f32>().unwrap()
+    }
 
     #[test]
     fn decay_ranges_clip_parameters_to_the_shard() {
@@ -116,17 +124,29 @@ mod tests {
     }
 
     #[test]
-    fn first_step_moves_each_weight_by_lr_against_the_gradient_sign() {
+    fn adamw_matches_a_hand_computed_step_and_decays_only_its_ranges() {
         let c = AdamConfig {
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,
-            weight_decay: 0.0,
+            weight_decay: 0.1,
         };
-        let mut s = ShardState::new(0..3, vec![1.0, 1.0, 1.0], vec![]);
-        s.update(&c, 1, 0.01, &[0.5, -2.0, 0.0]);
-        assert!((s.master[0] - 0.99).abs() < 1e-6);
-        assert!((s.master[1] - 1.01).abs() < 1e-6);
-        assert_eq!(s.master[2], 1.0);
+        let (lr, g) = (0.01f64, [0.3f64, -0.1, 0.3]);
+        let decay = std::iter::once(0..2).collect();
+        let mut s = FlatState::new(t(&[1.0, -2.0, 0.5]), decay);
+        s.update(&c, 1, lr, t(&[0.3, -0.1, 0.3]));
+        // Step 1: m = 0.1 g, v = 0.05 g^2, so m_hat = g, v_hat = g^2: a step of lr * sign(g).
+        let expect = |p: f64, gi: f64, decay: bool| {
+            let p = if decay { p * (1.0 - lr * 0.1) } else { p };
+            let vv = (0.05 * gi * gi).sqrt() / 0.05f64.sqrt() + 1e-8;
+            (p - lr * gi / vv) as f32
+        };
+        let got = v(&s.master);
+        for (i, (p, decay)) in [(1.0, true), (-2.0, true), (0.5, false)].iter().enumerate() {
+            assert!(
+                (got[i] - expect(*p, g[i], *decay)).abs() < 1e-6,
+                "{i}: {got:?}"
+            );
+        }
     }
 }

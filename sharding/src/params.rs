@@ -1,11 +1,13 @@
-//! Walking any Burn module's float parameters by dotted path: listing them, emptying them,
-//! loading a subset, and reading their gradients. Paths are the only key (`ParamId` is random
-//! per process and per run). Nothing here knows which model it walks.
+//! Walking any Burn module's float parameters by dotted path: their shapes, loading a subset
+//! of values into a skeleton, and reading gradients. Paths are the only key (`ParamId` is
+//! random per process and per run). Nothing here knows which model it walks, and nothing here
+//! ever reads a parameter's value: a module whose parameters are lazy (Burn's
+//! `Param::uninitialized`, which `LinearConfig::init` and friends produce) stays unmaterialised.
 
 use std::collections::HashMap;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::{Gradients, Tensor};
+use burn::tensor::{Device, Gradients, Tensor};
 
 /// Tracks the dotted path through `enter_module`/`exit_module` (Burn never calls the
 /// `*_with_path` visitor hooks from `Module::visit`).
@@ -18,7 +20,8 @@ impl Path {
     }
 }
 
-/// Every float parameter's path and shape, in visit order.
+/// Every float parameter's path and shape, in visit order. Reads `lazy_shape`, so a lazy
+/// parameter is not initialised.
 pub fn param_shapes<M: Module>(module: &M) -> Vec<(String, Vec<usize>)> {
     #[derive(Debug, Default)]
     struct Shapes {
@@ -34,7 +37,7 @@ pub fn param_shapes<M: Module>(module: &M) -> Vec<(String, Vec<usize>)> {
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             self.out
-                .push((self.path.join(), param.val().dims().to_vec()));
+                .push((self.path.join(), param.lazy_shape().to_vec()));
         }
     }
     let mut v = Shapes::default();
@@ -42,51 +45,23 @@ pub fn param_shapes<M: Module>(module: &M) -> Vec<(String, Vec<usize>)> {
     v.out
 }
 
-/// Every float parameter's values as f32, flattened row-major, by path.
-pub fn param_values<M: Module>(module: &M) -> HashMap<String, Vec<f32>> {
-    #[derive(Debug, Default)]
-    struct Values {
-        path: Path,
-        out: HashMap<String, Vec<f32>>,
-    }
-    impl ModuleVisitor for Values {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.0.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.0.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let values = param
-                .val()
-                .into_data()
-                .convert::<f32>()
-                .try_into_vec::<f32>()
-                .unwrap_or_default();
-            self.out.insert(self.path.join(), values);
-        }
-    }
-    let mut v = Values::default();
-    module.visit(&mut v);
-    v.out
-}
-
-/// Sets the parameters named in `values` (flat, reshaped to the parameter's rank by `shapes`)
-/// and empties every other one: `empty_rest` replaces them by zero-element tensors, which is
-/// how released parameters cost no memory. With `require_grad` the loaded values become
-/// autodiff leaves (pass values on an autodiff device). Values keep the parameter's id.
+/// Sets the parameters named in `values` (flat, reshaped to the parameter's shape from
+/// `shapes`) and replaces every other one by a zero-element tensor on `device`, which is how a
+/// skeleton holds no parameter memory. A replaced parameter is never read, so a lazy one is
+/// dropped without being initialised. With `require_grad` the loaded values become autodiff
+/// leaves (pass values on an autodiff device). Every parameter keeps its id.
 pub fn load<M: Module>(
     module: M,
     values: &mut HashMap<String, Tensor<1>>,
     shapes: &HashMap<String, Vec<usize>>,
-    empty_rest: bool,
+    device: &Device,
     require_grad: bool,
 ) -> M {
     struct Loader<'a> {
         path: Path,
         values: &'a mut HashMap<String, Tensor<1>>,
         shapes: &'a HashMap<String, Vec<usize>>,
-        empty_rest: bool,
+        device: &'a Device,
         require_grad: bool,
     }
     impl ModuleMapper for Loader<'_> {
@@ -98,7 +73,6 @@ pub fn load<M: Module>(
         }
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let name = self.path.join();
-            let (id, old, mapper) = param.consume();
             let value = match self.values.remove(&name) {
                 Some(flat) => {
                     let shape: [usize; D] = self.shapes[&name]
@@ -113,22 +87,24 @@ pub fn load<M: Module>(
                         v
                     }
                 }
-                None if self.empty_rest => Tensor::empty([0; D], &old.device()),
-                None => old,
+                None => Tensor::empty([0; D], self.device),
             };
-            Param::from_mapped_value(id, value, mapper)
+            // `Param::consume` would initialise a lazy parameter only to drop its value: build
+            // the replacement from the id alone.
+            Param::initialized(param.id, value)
         }
     }
     module.map(&mut Loader {
         path: Path::default(),
         values,
         shapes,
-        empty_rest,
+        device,
         require_grad,
     })
 }
 
-/// The gradients of the parameters named in `wanted`, flattened, by path.
+/// The gradients of the parameters named in `wanted` (path -> element count), flattened, by
+/// path.
 pub fn grads_of<M: Module>(
     module: &M,
     grads: &Gradients,
@@ -149,6 +125,7 @@ pub fn grads_of<M: Module>(
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let name = self.path.join();
+            // Only loaded parameters are read: the others are empty and never lazy.
             if let Some(&numel) = self.wanted.get(&name)
                 && let Some(g) = param.val().grad(self.grads)
             {
@@ -166,43 +143,53 @@ pub fn grads_of<M: Module>(
     v.out
 }
 
-/// Every float parameter of `module` replaced by rank 0's value (FSDP's `sync_module_states`):
-/// Burn initialises parameters per process, so replicas built independently differ. Every
-/// rank must call it with a module of the same structure; one broadcast per parameter.
-pub fn sync_from_rank0<M: Module>(
-    comm: &ember_comm::Comm,
-    module: M,
-) -> Result<M, crate::error::ShardError> {
-    let shapes = param_shapes(&module);
-    let mut values = param_values(&module);
-    let device = {
-        #[derive(Default)]
-        struct First(Option<burn::tensor::Device>);
-        impl ModuleVisitor for First {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                if self.0.is_none() {
-                    self.0 = Some(param.val().device());
-                }
-            }
-        }
-        let mut f = First::default();
-        module.visit(&mut f);
-        match f.0 {
-            Some(d) => d,
-            None => return Ok(module),
-        }
-    };
-    let mut tensors = HashMap::new();
-    for (name, shape) in &shapes {
-        let mut v = values.remove(name).unwrap_or_default();
-        comm.world().broadcast(&mut v, 0)?;
-        let n = v.len();
-        tensors.insert(
-            name.clone(),
-            Tensor::<1>::from_data(burn::tensor::TensorData::new(v, [n]), &device),
-        );
-        debug_assert_eq!(n, shape.iter().product::<usize>());
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::nn::LinearConfig;
+
+    #[derive(Module, Debug)]
+    struct Two {
+        a: burn::nn::Linear,
+        b: burn::nn::Linear,
     }
-    let shapes: HashMap<String, Vec<usize>> = shapes.into_iter().collect();
-    Ok(load(module, &mut tensors, &shapes, false, false))
+
+    #[test]
+    fn shapes_and_loading_never_initialise_a_lazy_parameter() {
+        let device = Device::flex();
+        let m = Two {
+            a: LinearConfig::new(3, 4).init(&device),
+            b: LinearConfig::new(4, 2).init(&device),
+        };
+        assert!(!m.a.weight.is_initialized());
+        let shapes = param_shapes(&m);
+        assert_eq!(
+            shapes,
+            vec![
+                ("a.weight".to_string(), vec![3, 4]),
+                ("a.bias".to_string(), vec![4]),
+                ("b.weight".to_string(), vec![4, 2]),
+                ("b.bias".to_string(), vec![2]),
+            ]
+        );
+        assert!(!m.a.weight.is_initialized() && !m.b.weight.is_initialized());
+        let shape_map: HashMap<String, Vec<usize>> = shapes.into_iter().collect();
+        let mut values = HashMap::from([(
+            "b.bias".to_string(),
+            Tensor::<1>::from_floats([1.0, 2.0], &device),
+        )]);
+        let loaded = load(m, &mut values, &shape_map, &device, false);
+        assert_eq!(loaded.a.weight.val().dims(), [0, 0]);
+        assert_eq!(
+            loaded
+                .b
+                .bias
+                .as_ref()
+                .unwrap()
+                .val()
+                .into_data()
+                .try_to_vec::<f32>(),
+            Ok(vec![1.0, 2.0])
+        );
+    }
 }

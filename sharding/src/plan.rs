@@ -122,26 +122,56 @@ pub fn levels_of(scope: ember_comm::Scope, depth: usize) -> Levels {
     }
 }
 
-/// Model-state bytes one rank holds (the same on every rank).
+/// Bytes one rank holds during a step, as the plan predicts them from the step's schedule
+/// (the same [`crate::schedule::Event`]s the engine executes). Runs measure the process's
+/// resident memory instead (see [`crate::memory`]); tests compare the two.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Memory {
-    /// Primary parameter partition, compute dtype.
+    /// Primary parameter partition in the compute dtype; 0 when it is the f32 master itself
+    /// (f32 compute with parameters split like the optimizer state).
     pub params: u64,
-    /// Secondary copy while it exists (from the first forward gather to the optimizer step).
+    /// Secondary copy, from a unit's first gather of the step to the optimizer step: int8
+    /// blocks when weights are quantized (the bytes the gather delivered), else the compute
+    /// dtype.
     pub secondary: u64,
-    /// Gradient accumulation buffer, f32.
+    /// Gradient accumulators, f32.
     pub grads: u64,
     /// f32 master, first and second moments.
     pub optimizer: u64,
-    /// Peak of gathered whole units alive at once (current stage plus prefetched ones).
+    /// Error-feedback residuals, f32, one buffer per quantized hop per unit.
+    pub residuals: u64,
+    /// Largest bytes of gathered whole units alive at once.
     pub gathered_peak: u64,
+    /// Largest activation bytes alive at once (unit boundaries kept for backward plus the
+    /// autodiff graph being built), from the units' [`ActivationBytes`].
+    pub activations_peak: u64,
+    /// Largest sum, at one moment of the step, of gathered units, gradient buffers on their
+    /// way to the reduction, their staging copies and activations.
+    pub working_peak: u64,
 }
 
 impl Memory {
-    /// Everything together.
+    /// Everything a rank holds at its peak: the states held through the step plus the
+    /// working peak.
     pub fn total(&self) -> u64 {
-        self.params + self.secondary + self.grads + self.optimizer + self.gathered_peak
+        self.params
+            + self.secondary
+            + self.grads
+            + self.optimizer
+            + self.residuals
+            + self.working_peak
     }
+}
+
+/// What one unit's computation keeps alive for one micro-batch: the activation it hands to the
+/// next unit, and what autodiff saves for its backward (inputs of matmuls, norms, softmax).
+/// The model's owner estimates these; they only feed the plan's memory prediction.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct ActivationBytes {
+    /// Bytes of the unit's output (the next unit's input).
+    pub output: u64,
+    /// Bytes the unit's autodiff graph keeps until its backward.
+    pub saved: u64,
 }
 
 /// Bytes per (group, op) of one optimizer step, as one rank sends and receives them.
@@ -156,6 +186,9 @@ pub struct Plan {
     pub topology: Topology,
     /// Units in stage order.
     pub units: Vec<UnitPlan>,
+    /// What each unit's computation keeps alive per micro-batch (zeros unless given with
+    /// [`Plan::with_activations`]).
+    pub activations: Vec<ActivationBytes>,
 }
 
 impl Plan {
@@ -214,10 +247,28 @@ impl Plan {
             }
         }
         Ok(Self {
+            activations: vec![ActivationBytes::default(); out.len()],
             config,
             topology,
             units: out,
         })
+    }
+
+    /// The same plan with each unit's activation bytes per micro-batch, for the memory
+    /// prediction.
+    pub fn with_activations(
+        mut self,
+        activations: Vec<ActivationBytes>,
+    ) -> Result<Self, ShardError> {
+        if activations.len() != self.units.len() {
+            return Err(ShardError::Units(format!(
+                "{} activation estimates for {} units",
+                activations.len(),
+                self.units.len()
+            )));
+        }
+        self.activations = activations;
+        Ok(self)
     }
 
     /// Real parameter elements of the model.
@@ -238,6 +289,11 @@ impl Plan {
         i * len..(i + 1) * len
     }
 
+    /// Ranks the primary parameter partition splits each unit over.
+    pub fn params_group_size(&self) -> usize {
+        self.config.params.group_size(&self.topology)
+    }
+
     /// The group a span partitions over.
     pub fn group(&self, span: Span) -> Levels {
         Levels { lo: 0, hi: span.0 }
@@ -255,32 +311,6 @@ impl Plan {
                 h
             })
             .collect()
-    }
-
-    /// Model-state bytes per rank in a step of `grad_accum` micro-batches.
-    pub fn memory(&self, grad_accum: usize) -> Memory {
-        let c = self.config.compute.bytes() as u64;
-        let sum = |span: Span| -> u64 {
-            (0..self.units.len())
-                .map(|u| self.shard_len(u, span) as u64)
-                .sum()
-        };
-        let cfg = &self.config;
-        Memory {
-            params: sum(cfg.params) * c,
-            secondary: cfg.secondary.map_or(0, |s| sum(s) * c),
-            grads: if cfg.shard_grads {
-                sum(cfg.optimizer) * 4
-            } else {
-                sum(Span(0)) * 4
-            },
-            optimizer: sum(cfg.optimizer) * 12,
-            gathered_peak: if cfg.params == Span(0) {
-                0
-            } else {
-                self.gathered_peak_elements(grad_accum) as u64 * c
-            },
-        }
     }
 
     /// The order units compute in one optimizer step: per micro-batch, the forward of every
@@ -305,27 +335,8 @@ impl Plan {
         out
     }
 
-    /// Largest number of gathered elements alive at once: a visit's units plus those of the
-    /// next `prefetch` visits, whose receive buffers exist from the moment their gathers are
-    /// issued. Every visit gathers its own copy, so a unit two visits need counts twice.
-    /// Prefetch runs across micro-batches but not across steps.
-    fn gathered_peak_elements(&self, grad_accum: usize) -> usize {
-        let visits = self.visits(grad_accum.min(2));
-        let window = self.config.prefetch + 1;
-        (0..visits.len())
-            .map(|start| {
-                visits[start..(start + window).min(visits.len())]
-                    .iter()
-                    .flat_map(|v| self.units[v.stage].needs.iter())
-                    .map(|&u| self.units[u].padded)
-                    .sum()
-            })
-            .max()
-            .unwrap_or(0)
-    }
-
     /// The traffic of one gather of unit `u` from the primary partition.
-    fn gather_primary(&self, u: usize, table: &mut TrafficTable) {
+    pub(crate) fn gather_primary_traffic(&self, u: usize, table: &mut TrafficTable) {
         let c = self.config.compute.bytes();
         let shard = self.shard_len(u, self.config.params);
         let mut per_rank = match self.config.quantize_weights {
@@ -342,17 +353,27 @@ impl Plan {
         }
     }
 
+    /// Bytes one rank holds of unit `u`'s secondary copy at `span`: int8 blocks (the bytes the
+    /// primary gather delivered) when weights are quantized, else the compute dtype.
+    pub fn secondary_bytes(&self, u: usize, span: Span) -> usize {
+        let len = self.shard_len(u, span);
+        match self.config.quantize_weights {
+            WeightQuant::Off => len * self.config.compute.bytes(),
+            WeightQuant::Int8 => Quantized::wire_bytes(QuantFormat::Int8, self.block(), len),
+        }
+    }
+
     /// The traffic of one gather of unit `u` from a secondary partition at `span`.
-    fn gather_secondary(&self, u: usize, span: Span, table: &mut TrafficTable) {
+    pub(crate) fn gather_secondary_traffic(&self, u: usize, span: Span, table: &mut TrafficTable) {
         let g = span.group_size(&self.topology);
         if g > 1 {
-            let bytes = self.units[u].padded * self.config.compute.bytes();
+            let bytes = self.secondary_bytes(u, span) * g;
             add(table, self.group(span), Op::AllGather, bytes as u64, g);
         }
     }
 
     /// The traffic of reducing unit `u`'s gradient once.
-    fn reduce(&self, u: usize, table: &mut TrafficTable) {
+    pub(crate) fn reduce_traffic(&self, u: usize, table: &mut TrafficTable) {
         let padded = self.units[u].padded;
         let world = Levels {
             lo: 0,
@@ -396,70 +417,14 @@ impl Plan {
         }
     }
 
-    fn block(&self) -> BlockSize {
+    pub(crate) fn block(&self) -> BlockSize {
         BlockSize::new(self.config.quant_block).expect("validated: a positive multiple of 8")
-    }
-
-    /// Bytes one rank moves per (group, op) in one optimizer step of `grad_accum`
-    /// micro-batches (the order of events is the engine's; see the module doc).
-    pub fn traffic(&self, grad_accum: usize) -> TrafficTable {
-        let mut t = TrafficTable::new();
-        let cfg = &self.config;
-        let k = self.units.len();
-        if cfg.params != Span(0) {
-            // Whether unit u has its secondary copy yet this step.
-            let mut has_secondary = vec![false; k];
-            let gather = |u: usize, t: &mut TrafficTable, has: &mut Vec<bool>| match cfg.secondary {
-                Some(s) if has[u] => self.gather_secondary(u, s, t),
-                Some(_) => {
-                    self.gather_primary(u, t);
-                    has[u] = true;
-                }
-                None => self.gather_primary(u, t),
-            };
-            for v in self.visits(grad_accum) {
-                for &u in &self.units[v.stage].needs {
-                    gather(u, &mut t, &mut has_secondary);
-                }
-            }
-        }
-        let reductions = if cfg.shard_grads { grad_accum } else { 1 };
-        for _ in 0..reductions {
-            for u in 0..k {
-                self.reduce(u, &mut t);
-            }
-        }
-        if cfg.params == Span(0) && cfg.optimizer != Span(0) {
-            // Replicated parameters are rebuilt from the updated master shards.
-            let c = cfg.compute.bytes();
-            for u in 0..k {
-                let mut per_rank = self.shard_len(u, cfg.optimizer) * c;
-                for hop in self.hops().into_iter().rev() {
-                    let g = hop.size(&self.topology);
-                    if g > 1 {
-                        add(&mut t, hop, Op::AllGather, (per_rank * g) as u64, g);
-                        per_rank *= g;
-                    }
-                }
-            }
-        }
-        let norm_group = self.group(cfg.optimizer);
-        let g = norm_group.size(&self.topology);
-        if g > 1 {
-            add(&mut t, norm_group, Op::AllReduce, 4, g);
-        }
-        let world = self.group(Span(self.topology.depth()));
-        let w = world.size(&self.topology);
-        if w > 1 {
-            add(&mut t, world, Op::AllReduce, 4, w);
-        }
-        t
     }
 }
 
 /// Charges one collective to `table` by the comm crate's formula (the one its counters use;
 /// a 4-byte scalar all-reduce over more than 4 ranks rounds to 0 bytes there too).
-fn add(table: &mut TrafficTable, group: Levels, op: Op, bytes: u64, g: usize) {
+pub(crate) fn add(table: &mut TrafficTable, group: Levels, op: Op, bytes: u64, g: usize) {
     *table.entry((group, op)).or_default() += formula(op, bytes, g, Role::Member);
 }
 
@@ -540,10 +505,11 @@ mod tests {
             .iter()
             .map(|u| u.padded as u64)
             .sum();
+        // With f32 compute the primary partition is the f32 master itself: no copy.
         let ddp = plan("ddp", "2x2x2").memory(1);
         assert_eq!(
             (ddp.params, ddp.grads, ddp.optimizer),
-            (4 * psi, 4 * psi, 12 * psi)
+            (0, 4 * psi, 12 * psi)
         );
         let z1 = plan("zero1", "2x2x2").memory(1);
         assert_eq!(
@@ -555,18 +521,71 @@ mod tests {
         let z3 = plan("zero3", "2x2x2").memory(1);
         assert_eq!(
             (z3.params, z3.grads, z3.optimizer),
-            (4 * psi / 8, 4 * psi / 8, 12 * psi / 8)
+            (0, 4 * psi / 8, 12 * psi / 8)
         );
         // Prefetch 1: backward of the head (head + embed) with h.0 prefetched is the largest
         // window.
         assert_eq!(z3.gathered_peak, 4 * psi);
-        let h3 = plan("hier3", "2x2x2").memory(1);
-        let psi_q: u64 = plan("hier3", "2x2x2")
+        // hier3 keeps its secondary copy over the GCD pair as the int8 blocks it gathered.
+        let h3p = plan("hier3", "2x2x2");
+        let int8: u64 = h3p
             .units
             .iter()
-            .map(|u| u.padded as u64)
+            .map(|u| (u.padded / 2 + 4 * (u.padded / 2).div_ceil(256)) as u64)
             .sum();
-        assert_eq!(h3.secondary, 4 * psi_q / 2);
+        assert_eq!(h3p.memory(1).secondary, int8);
+    }
+
+    #[test]
+    fn activations_enter_the_working_peak() {
+        let base = plan("zero3", "2x2x2").memory(1);
+        let acts = vec![
+            ActivationBytes {
+                output: 1000,
+                saved: 5000,
+            };
+            3
+        ];
+        let with = plan("zero3", "2x2x2")
+            .with_activations(acts)
+            .unwrap()
+            .memory(1);
+        assert!(with.activations_peak >= 5000 + 1000, "{with:?}");
+        assert!(with.working_peak > base.working_peak);
+        assert!(with.total() > base.total());
+        assert!(
+            plan("zero3", "2x2x2")
+                .with_activations(vec![ActivationBytes::default(); 2])
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn every_backward_gathers_before_it_computes_and_reduces_after() {
+        use crate::schedule::Event;
+        for preset in ["zero3", "hier3", "zero2", "ddp"] {
+            let p = plan(preset, "2x2x2");
+            let events = p.schedule(2);
+            let mut gathered = vec![0usize; p.units.len()];
+            for (i, e) in events.iter().enumerate() {
+                match e {
+                    Event::Gather { unit, .. } => gathered[*unit] += 1,
+                    Event::Visit(v) => {
+                        for &u in &p.units[v.stage].needs {
+                            assert!(gathered[u] > 0, "{preset}: visit {i} before its gather");
+                            gathered[u] -= 1;
+                        }
+                    }
+                    Event::Reduce { unit } => assert!(
+                        events[..i].iter().any(|e| matches!(e, Event::Visit(v)
+                            if v.backward && v.stage == p.units[*unit].grad_ready_at)
+                            || matches!(e, Event::Whole { .. })),
+                        "{preset}: reduce of {unit} before its gradient is complete"
+                    ),
+                    Event::Whole { .. } => {}
+                }
+            }
+        }
     }
 
     #[test]

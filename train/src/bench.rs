@@ -9,16 +9,16 @@ use std::time::Instant;
 use anyhow::Result;
 use ember_comm::Comm;
 use ember_data::{STREAM_TRAIN, Sampler};
-use ember_sharding::{Memory, ShardedModel};
+use ember_sharding::Memory;
 use serde::Serialize;
 
 use crate::config::{TrainConfig, TrainOverrides};
 use crate::device::{device, peak_flops};
 use crate::error::CliResult;
 use crate::sharded::{
-    ShardArgs, batch_plan, load_data, micro_batches, step_hyper, traffic_by_name,
+    ShardArgs, batch_plan, build, load_data, micro_batches, rss_peaks, run_plan, step_hyper,
+    traffic_by_name,
 };
-use crate::stages::GptStages;
 use crate::trainer::Trainer;
 
 /// One benchmark result.
@@ -139,10 +139,12 @@ pub struct ShardBench {
     pub bytes_predicted: BTreeMap<String, u64>,
     /// Measured bytes sent over groups that span the outermost level.
     pub outermost_bytes: u64,
-    /// Model-state bytes held, measured.
-    pub memory: Memory,
-    /// The same, predicted.
-    pub memory_predicted: Memory,
+    /// Peak resident memory of every rank during this preset's steps, bytes, from the OS.
+    pub rss_peak_bytes: Vec<u64>,
+    /// The plan's prediction of one rank's peak, bytes.
+    pub plan_bytes: u64,
+    /// The plan's prediction, by state.
+    pub plan_memory: Memory,
 }
 
 /// Times `steps` sharded training steps (after `warmup`) of each sharding preset in `shards`
@@ -178,12 +180,11 @@ pub fn bench_shard(
         };
         let shard_config = flags.resolve(&topology, config.dtype)?;
         let dev = device(config.device)?;
-        let model = config.model.init_with_seed(config.seed, &dev);
-        let stages = GptStages {
-            n_layer: config.model.n_layer,
-        };
-        let mut sharded = ShardedModel::new(comm, stages, model, shard_config, dev)
-            .map_err(anyhow::Error::new)?;
+        let plan_memory =
+            run_plan(&config, &topology, shard_config.clone())?.memory(config.grad_accum);
+        // Each preset's peak is its own: the previous preset's memory is freed by now.
+        ember_sharding::memory::reset_peak();
+        let mut sharded = build(comm, &config, shard_config, dev, None, None)?;
         let mut times = Vec::new();
         let mut waits = Vec::new();
         let mut last = None;
@@ -235,8 +236,9 @@ pub fn bench_shard(
             bytes_sent: traffic_by_name(comm, &last.traffic),
             bytes_predicted,
             outermost_bytes,
-            memory: last.memory,
-            memory_predicted: sharded.plan().memory(config.grad_accum),
+            rss_peak_bytes: rss_peaks(comm)?,
+            plan_bytes: plan_memory.total(),
+            plan_memory,
         });
     }
     Ok(out)

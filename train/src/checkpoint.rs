@@ -681,3 +681,32 @@ pub fn load(dir: &Path) -> Result<Loaded> {
         tensors,
     })
 }
+
+/// A checkpoint's master weights as the source a sharded model reads its own ranges from.
+#[derive(Debug)]
+pub struct Params<'a>(pub &'a Index);
+
+impl ember_sharding::ParamSource for Params<'_> {
+    fn read(
+        &mut self,
+        name: &str,
+        _shape: &[usize],
+        range: std::ops::Range<usize>,
+    ) -> std::result::Result<Vec<f32>, ember_sharding::ShardError> {
+        self.0
+            .read("param", name, range)
+            .map_err(|e| ember_sharding::ShardError::Source(format!("{e:#}")))
+    }
+
+    fn fingerprint(&self) -> u64 {
+        // Every rank opened the same checkpoint: the checksums of its files.
+        self.0
+            .manifest
+            .files
+            .iter()
+            .flat_map(|f| f.sha256.bytes())
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+            })
+    }
+}

@@ -157,122 +157,198 @@ pub fn export(dir: &Path, out: &Path, dtype: Dtype, max_shard_bytes: u64) -> Res
     Ok(written)
 }
 
-/// A Hugging Face GPT-2 directory read back: its model shape and every parameter by ember
-/// path, f32.
+/// A Hugging Face GPT-2 directory opened for reading by range: its model shape, where every
+/// parameter lies in which file (memory-mapped; nothing is read until asked), and its
+/// tokenizer. A sharded run's ranks each read only the ranges they own.
 #[derive(Debug)]
-pub struct HfModel {
+pub struct HfDir {
+    /// The directory.
+    pub dir: PathBuf,
     /// Shape from `config.json`.
     pub config: GptConfig,
-    /// `(path, shape, values)` for every tensor named `transformer.*`.
-    pub tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
     /// `tokenizer.json`, when the directory has one.
     pub tokenizer: Option<PathBuf>,
+    maps: Vec<(PathBuf, memmap2::Mmap)>,
+    /// Ember path -> (file, shape, dtype, byte offset of its data in the file).
+    tensors: HashMap<String, (usize, Vec<usize>, StDtype, usize)>,
 }
 
-/// Reads a Hugging Face GPT-2 directory (`config.json` plus `model.safetensors` or the
-/// sharded files of `model.safetensors.index.json`), as written by [`export`] or by
-/// `transformers`' `save_pretrained`. Names with or without the `transformer.` prefix are
-/// accepted; `lm_head.weight` and attention-mask buffers are skipped.
-pub fn read_hf(dir: &Path) -> Result<HfModel> {
-    let config_path = dir.join("config.json");
-    let text = fs::read_to_string(&config_path).with_context(|| {
-        format!(
-            "{} has no config.json: --init-from takes a Hugging Face GPT-2 directory",
-            dir.display()
-        )
-    })?;
-    let c: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not JSON", config_path.display()))?;
-    let field = |k: &str| {
-        c.get(k)
-            .and_then(serde_json::Value::as_u64)
-            .map(|v| v as usize)
-            .with_context(|| format!("{}: no integer `{k}`", config_path.display()))
-    };
-    if let Some(a) = c.get("activation_function").and_then(|v| v.as_str()) {
-        ensure!(
-            a == "gelu_new" || a == "gelu_pytorch_tanh",
-            "{}: activation {a} is not GPT-2's tanh GELU",
-            config_path.display()
-        );
-    }
-    let config = GptConfig::new(
-        field("n_layer")?,
-        field("n_head")?,
-        field("n_embd")?,
-        field("n_positions")?,
-        field("vocab_size")?,
-    );
-    config
-        .validate()
-        .map_err(|e| anyhow!("{}: {e}", config_path.display()))?;
-    let files: Vec<PathBuf> = if dir.join("model.safetensors").is_file() {
-        vec![dir.join("model.safetensors")]
-    } else {
-        let index_path = dir.join("model.safetensors.index.json");
-        let index: serde_json::Value =
-            serde_json::from_str(&fs::read_to_string(&index_path).with_context(|| {
-                format!(
-                    "{} has neither model.safetensors nor model.safetensors.index.json",
-                    dir.display()
-                )
-            })?)
-            .with_context(|| format!("{} is not JSON", index_path.display()))?;
-        let mut names: Vec<String> = index["weight_map"]
-            .as_object()
-            .with_context(|| format!("{}: no weight_map", index_path.display()))?
-            .values()
-            .filter_map(|v| v.as_str().map(String::from))
-            .collect();
-        names.sort();
-        names.dedup();
-        names.into_iter().map(|n| dir.join(n)).collect()
-    };
-    let mut tensors = HashMap::new();
-    for path in files {
-        let bytes = fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-        let st = SafeTensors::deserialize(&bytes)
-            .map_err(|e| anyhow!("{}: bad safetensors file: {e}", path.display()))?;
-        for (name, view) in st.tensors() {
-            if name == "lm_head.weight"
-                || name.ends_with(".attn.bias")
-                || name.ends_with(".attn.masked_bias")
-            {
-                continue;
-            }
-            let key = name.strip_prefix(HF_PREFIX).unwrap_or(&name).to_string();
-            let values: Vec<f32> = match view.dtype() {
-                StDtype::F32 => view
-                    .data()
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-                StDtype::BF16 => view
-                    .data()
-                    .chunks_exact(2)
-                    .map(|c| ember_comm::Bf16(u16::from_le_bytes([c[0], c[1]])).to_f32())
-                    .collect(),
-                StDtype::F16 => view
-                    .data()
-                    .chunks_exact(2)
-                    .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
-                    .collect(),
-                other => {
-                    return Err(anyhow!(
-                        "{}: {name} is {other:?}; expected F32, BF16 or F16",
-                        path.display()
-                    ));
-                }
-            };
-            tensors.insert(key, (view.shape().to_vec(), values));
+impl HfDir {
+    /// Opens a Hugging Face GPT-2 directory (`config.json` plus `model.safetensors` or the
+    /// sharded files of `model.safetensors.index.json`), as written by [`export`] or by
+    /// `transformers`' `save_pretrained`. Names with or without the `transformer.` prefix are
+    /// accepted; `lm_head.weight` and attention-mask buffers are skipped.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let config_path = dir.join("config.json");
+        let text = fs::read_to_string(&config_path).with_context(|| {
+            format!(
+                "{} has no config.json: --init-from takes a Hugging Face GPT-2 directory",
+                dir.display()
+            )
+        })?;
+        let c: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not JSON", config_path.display()))?;
+        let field = |k: &str| {
+            c.get(k)
+                .and_then(serde_json::Value::as_u64)
+                .map(|v| v as usize)
+                .with_context(|| format!("{}: no integer `{k}`", config_path.display()))
+        };
+        if let Some(a) = c.get("activation_function").and_then(|v| v.as_str()) {
+            ensure!(
+                a == "gelu_new" || a == "gelu_pytorch_tanh",
+                "{}: activation {a} is not GPT-2's tanh GELU",
+                config_path.display()
+            );
         }
+        let config = GptConfig::new(
+            field("n_layer")?,
+            field("n_head")?,
+            field("n_embd")?,
+            field("n_positions")?,
+            field("vocab_size")?,
+        );
+        config
+            .validate()
+            .map_err(|e| anyhow!("{}: {e}", config_path.display()))?;
+        let files: Vec<PathBuf> = if dir.join("model.safetensors").is_file() {
+            vec![dir.join("model.safetensors")]
+        } else {
+            let index_path = dir.join("model.safetensors.index.json");
+            let index: serde_json::Value =
+                serde_json::from_str(&fs::read_to_string(&index_path).with_context(|| {
+                    format!(
+                        "{} has neither model.safetensors nor model.safetensors.index.json",
+                        dir.display()
+                    )
+                })?)
+                .with_context(|| format!("{} is not JSON", index_path.display()))?;
+            let mut names: Vec<String> = index["weight_map"]
+                .as_object()
+                .with_context(|| format!("{}: no weight_map", index_path.display()))?
+                .values()
+                .filter_map(|v| v.as_str().map(String::from))
+                .collect();
+            names.sort();
+            names.dedup();
+            names.into_iter().map(|n| dir.join(n)).collect()
+        };
+        let mut maps = Vec::new();
+        let mut tensors = HashMap::new();
+        for path in files {
+            let file =
+                fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+            // SAFETY: opened read-only; a directory being read is not written concurrently
+            // (export writes a new directory).
+            let map = unsafe { memmap2::Mmap::map(&file) }
+                .with_context(|| format!("mapping {}", path.display()))?;
+            // Bounds-checks the header and every tensor's offsets against the file.
+            let (header_len, meta) = SafeTensors::read_metadata(&map)
+                .map_err(|e| anyhow!("{}: bad safetensors file: {e}", path.display()))?;
+            for (name, info) in meta.tensors() {
+                if name == "lm_head.weight"
+                    || name.ends_with(".attn.bias")
+                    || name.ends_with(".attn.masked_bias")
+                {
+                    continue;
+                }
+                ensure!(
+                    matches!(info.dtype, StDtype::F32 | StDtype::BF16 | StDtype::F16),
+                    "{}: {name} is {:?}; expected F32, BF16 or F16",
+                    path.display(),
+                    info.dtype
+                );
+                let key = name.strip_prefix(HF_PREFIX).unwrap_or(&name).to_string();
+                tensors.insert(
+                    key,
+                    (
+                        maps.len(),
+                        info.shape.clone(),
+                        info.dtype,
+                        8 + header_len + info.data_offsets.0,
+                    ),
+                );
+            }
+            maps.push((path, map));
+        }
+        let tokenizer = dir.join("tokenizer.json");
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            config,
+            tokenizer: tokenizer.is_file().then_some(tokenizer),
+            maps,
+            tensors,
+        })
     }
-    let tokenizer = dir.join("tokenizer.json");
-    Ok(HfModel {
-        config,
-        tensors,
-        tokenizer: tokenizer.is_file().then_some(tokenizer),
-    })
+
+    /// Elements `range` of parameter `name` (an ember path) of shape `shape`, as f32; only
+    /// those bytes are read.
+    pub fn read(
+        &self,
+        name: &str,
+        shape: &[usize],
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<f32>> {
+        let (file, found, dtype, start) = self.tensors.get(name).with_context(|| {
+            format!(
+                "{} has no tensor {HF_PREFIX}{name}: it is not a GPT-2 of this shape",
+                self.dir.display()
+            )
+        })?;
+        ensure!(
+            found.as_slice() == shape,
+            "{}: {HF_PREFIX}{name} has shape {found:?}, the model's is {shape:?}",
+            self.dir.display()
+        );
+        let n: usize = shape.iter().product();
+        ensure!(
+            range.end <= n,
+            "{}: {name} has {n} elements, [{}, {}) asked",
+            self.dir.display(),
+            range.start,
+            range.end
+        );
+        let width = if *dtype == StDtype::F32 { 4 } else { 2 };
+        let bytes = &self.maps[*file].1[start + width * range.start..start + width * range.end];
+        Ok(match dtype {
+            StDtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            StDtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|c| ember_comm::Bf16(u16::from_le_bytes([c[0], c[1]])).to_f32())
+                .collect(),
+            _ => bytes
+                .chunks_exact(2)
+                .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+        })
+    }
+}
+
+impl ember_sharding::ParamSource for HfDir {
+    fn read(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<f32>, ember_sharding::ShardError> {
+        HfDir::read(self, name, shape, range)
+            .map_err(|e| ember_sharding::ShardError::Source(format!("--init-from: {e:#}")))
+    }
+
+    fn fingerprint(&self) -> u64 {
+        // The same directory on every rank: its files' sizes and names.
+        self.maps
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, (p, m)| {
+                p.to_string_lossy()
+                    .bytes()
+                    .chain(m.len().to_le_bytes())
+                    .fold(h, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+            })
+    }
 }
 
 /// IEEE half to f32 (exact).

@@ -276,7 +276,7 @@ fn train(args: TrainArgs) -> CliResult<()> {
         }
     };
     let rank = comm.as_ref().map_or(0, |c| c.rank());
-    let mut init: Option<ember_train::export::HfModel> = None;
+    let mut init: Option<ember_train::export::HfDir> = None;
     let (mut config, loaded) = match &args.resume {
         Some(path) => {
             if !path.exists() {
@@ -323,7 +323,7 @@ fn train(args: TrainArgs) -> CliResult<()> {
                         dir.display()
                     )));
                 }
-                let hf = ember_train::export::read_hf(dir)
+                let hf = ember_train::export::HfDir::open(dir)
                     .map_err(|e| usage(format!("--init-from: {e:#}")))?;
                 let shape = [
                     ("--n-layer", settings.n_layer, hf.config.n_layer),
@@ -425,11 +425,11 @@ fn train(args: TrainArgs) -> CliResult<()> {
             Some(Resume::Sharded(dir, _)) => Some(dir.as_path()),
             _ => None,
         };
-        let weights = init.as_ref().map(|hf| &hf.tensors);
+
         // A global batch that does not split over the ranks is a usage error (exit 2).
         sharded::batch_plan(&config, comm.topology().world_size(), rank)
             .map_err(|e| usage(e.to_string()))?;
-        sharded::run(comm, &config, shard, dev, &prepared, from, weights)?;
+        sharded::run(comm, &config, shard, dev, &prepared, from, init.as_mut())?;
         if rank != 0 {
             return Ok(());
         }
@@ -440,7 +440,7 @@ fn train(args: TrainArgs) -> CliResult<()> {
         };
         let mut t = trainer::Trainer::new(config, dev, prepared, loaded)?;
         if let Some(hf) = &init {
-            t.load_weights(&hf.tensors)?;
+            t.load_weights(hf)?;
         }
         t.run()?;
     }
@@ -785,7 +785,8 @@ fn bench_shard(args: BenchShardArgs) -> CliResult<()> {
         }
         println!(
             "{:<7} {} on {} ({} ranks), batch {} x {}: {:>9.1} ms/step{} {:>7.0} tok/s, comm \
-             wait {:>3.0}%, outermost level {} B/step, memory {} B (plan {} B)",
+             wait {:>3.0}%, outermost level {} B/step, peak resident memory {:.1} MB on the \
+             largest rank (plan {:.1} MB)",
             r.shard,
             r.model,
             r.topology,
@@ -798,8 +799,8 @@ fn bench_shard(args: BenchShardArgs) -> CliResult<()> {
             r.tokens_per_s,
             100.0 * r.comm_wait_frac,
             r.outermost_bytes,
-            r.memory.total(),
-            r.memory_predicted.total()
+            r.rss_peak_bytes.iter().copied().max().unwrap_or(0) as f64 / 1e6,
+            r.plan_bytes as f64 / 1e6
         );
         for (k, v) in &r.bytes_sent {
             let p = r.bytes_predicted.get(k).copied().unwrap_or(0);

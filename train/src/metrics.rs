@@ -45,10 +45,13 @@ pub struct StepMetrics {
     /// Sharded runs: share of the step's time the training thread waited on communication.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub comm_wait_frac: Option<f64>,
-    /// Sharded runs: model-state bytes this rank held during the step (peaks for the
-    /// secondary copy, gradients and gathered units), as `ember plan` predicts them.
+    /// Peak resident memory of each rank since it started, in bytes, as the OS reports it
+    /// (`VmHWM`), rank 0 first.
     #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub model_state_bytes: Option<ember_sharding::Memory>,
+    pub rss_peak_bytes: Option<Vec<u64>>,
+    /// Sharded runs: the plan's prediction of what one rank holds at its peak, in bytes.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub plan_bytes: Option<u64>,
 }
 
 /// Appends to `metrics.jsonl`, flushing each line so a crash loses at most one.

@@ -13,7 +13,7 @@ use ember_sharding::{Memory, Plan, ShardConfig};
 use serde::Serialize;
 
 use crate::error::{CliResult, usage};
-use crate::stages::gpt_units;
+use crate::stages::{gpt_activations, gpt_units};
 
 /// One row of the traffic table.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -94,6 +94,22 @@ pub fn load_profile(spec: &str) -> CliResult<Profile> {
     parsed.map_err(|e| usage(format!("--profile {spec}: {e}")))
 }
 
+/// The plan of a GPT run: its units, with the activations one rank's micro-batch (of
+/// `batch_size / (ranks x grad_accum)` sequences of `block_size` tokens) keeps.
+pub fn gpt_plan(
+    model: &GptConfig,
+    topology: &Topology,
+    shard: ShardConfig,
+    batch_size: usize,
+    grad_accum: usize,
+    block_size: usize,
+) -> Result<Plan, ember_sharding::ShardError> {
+    let per_rank = batch_size / (topology.world_size() * grad_accum).max(1);
+    let elem = shard.compute.bytes();
+    Plan::new(gpt_units(model), shard, topology.clone())?
+        .with_activations(gpt_activations(model, per_rank, block_size, elem))
+}
+
 /// The report for `model` sharded per `shard` over `topology`.
 pub fn report(
     preset: &str,
@@ -115,8 +131,15 @@ pub fn report(
     profile
         .validate(topology.depth())
         .map_err(|e| usage(format!("--profile: {e}")))?;
-    let plan = Plan::new(gpt_units(model), shard, topology.clone())
-        .map_err(|e| usage(format!("--shard: {e}")))?;
+    let plan = gpt_plan(
+        model,
+        topology,
+        shard,
+        batch_size,
+        grad_accum,
+        model.block_size,
+    )
+    .map_err(|e| usage(format!("--shard: {e}")))?;
     let memory = plan.memory(grad_accum);
     let table: TrafficTable = plan.traffic(grad_accum);
     let traffic = table
@@ -186,7 +209,10 @@ pub fn render(r: &PlanReport, profile: &Profile) -> String {
         ("secondary copy", m.secondary),
         ("gradients (f32)", m.grads),
         ("optimizer (f32 master, m, v)", m.optimizer),
-        ("largest gathered units", m.gathered_peak),
+        ("error-feedback residuals", m.residuals),
+        ("working set at its peak", m.working_peak),
+        ("  (largest gathered units)", m.gathered_peak),
+        ("  (largest activations)", m.activations_peak),
         ("total", m.total()),
     ] {
         out += &format!("  {name:<30} {:>12.4}\n", gb(v));

@@ -8,24 +8,27 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, anyhow, ensure};
+use anyhow::{Context, Result, anyhow, ensure};
 use burn::tensor::Device;
 use clap::Args;
 use ember_comm::{Comm, CommConfig, PanicPolicy, Topology, TopologySource};
 use ember_data::{Batch, BatchPlan, PreparedData, STREAM_TRAIN, STREAM_VAL, Sampler};
 use ember_sharding::plan::Levels;
 use ember_sharding::{
-    AdamConfig, Compute, GradQuant, ShardConfig, ShardedModel, Span, StepHyper, WeightQuant,
+    AdamConfig, Compute, GradQuant, Plan, ShardConfig, ShardError, ShardedModel, Span, StepHyper,
+    WeightQuant,
 };
 
 use crate::checkpoint;
 use crate::config::{Dtype, TrainConfig};
 use crate::device::peak_flops;
 use crate::error::{CliResult, usage};
+use crate::export::HfDir;
 use crate::log0;
 use crate::metrics::{MetricsWriter, StepMetrics, progress_bar};
 use crate::optim::LrSchedule;
-use crate::stages::GptStages;
+use crate::planning::gpt_plan;
+use crate::stages::{GptStages, SeededGpt};
 use ember_model::init::splitmix64;
 
 /// Flags of sharded training. `train` refuses them without `--shard`; `bench shard` takes
@@ -187,37 +190,6 @@ pub const SHARDED_RNG_SCHEME: &str = "weights: splitmix64/Box-Muller keyed by (s
      ranks; dropout: the device RNG is seeded before every unit's forward and recompute with \
      unit_seed(splitmix64(seed ^ splitmix64(step)) ^ splitmix64(rank + 1), micro-batch, unit)";
 
-/// Initial weights by path (`--init-from`): shape and values.
-pub type InitWeights = HashMap<String, (Vec<usize>, Vec<f32>)>;
-
-/// `model` with every parameter replaced by `init`'s value of the same path and shape.
-pub fn with_weights(
-    model: ember_model::Gpt,
-    init: &InitWeights,
-    device: &Device,
-) -> Result<ember_model::Gpt> {
-    let mut values = HashMap::new();
-    for t in ember_model::named_tensors(&model) {
-        let (shape, v) = init
-            .get(&t.name)
-            .ok_or_else(|| anyhow!("the initial weights have no {}", t.name))?;
-        ensure!(
-            shape == &t.shape,
-            "initial weight {} has shape {shape:?}, the model's is {:?}",
-            t.name,
-            t.shape
-        );
-        values.insert(
-            t.name,
-            burn::tensor::Tensor::<1>::from_data(
-                burn::tensor::TensorData::new(v.clone(), [v.len()]),
-                device,
-            ),
-        );
-    }
-    ember_model::replace_named(model, values).map_err(|e| anyhow!(e.join("; ")))
-}
-
 /// The hyper-parameters of optimizer step `step` on `rank`: the scheduled learning rate,
 /// clipping, AdamW, and (with dropout) this rank's mask seed, a function of (seed, step,
 /// rank) so a resumed run draws the same masks.
@@ -276,6 +248,112 @@ pub fn batch_plan(c: &TrainConfig, world: usize, rank: usize) -> Result<BatchPla
     })
 }
 
+/// Every rank learns whether every rank's `result` is `Ok`; a failure on any rank fails all of
+/// them within one collective, each naming the failing rank and its error.
+pub fn all_ok<T>(comm: &Comm, result: Result<T>) -> Result<T> {
+    let mine = result.as_ref().err().map(|e| format!("{e:#}"));
+    match comm.agree(mine.as_deref()) {
+        Ok(()) => result,
+        Err(f) if f.rank == comm.rank() => result,
+        Err(f) => Err(anyhow!("rank {} failed: {}", f.rank, f.message)),
+    }
+}
+
+/// The sharded GPT of `c` over `comm`, its weights from `resume` (a verified checkpoint,
+/// moments included), `init` (a Hugging Face directory) or the seed. Only the skeleton of the
+/// model is built (its parameters stay lazy); each rank reads or draws only its own ranges.
+pub fn build<'c>(
+    comm: &'c Comm,
+    c: &TrainConfig,
+    shard: ShardConfig,
+    device: Device,
+    resume: Option<&checkpoint::Index>,
+    init: Option<&mut HfDir>,
+) -> Result<ShardedModel<'c, GptStages, 3>> {
+    let skeleton = c.model.init_with_seed(c.seed, &device);
+    let stages = GptStages {
+        n_layer: c.model.n_layer,
+    };
+    Ok(match (resume, init) {
+        (Some(index), _) => {
+            check_tensors(c, index)?;
+            let mut source = checkpoint::Params(index);
+            let mut sharded =
+                ShardedModel::new(comm, stages, skeleton, shard, device, &mut source)?;
+            sharded.load_moments(index.adam_step, &mut |name, range| {
+                let read = |kind: &str| {
+                    index
+                        .read(kind, name, range.clone())
+                        .map_err(|e| ShardError::Source(format!("{e:#}")))
+                };
+                Ok([read("exp_avg")?, read("exp_avg_sq")?])
+            })?;
+            sharded
+        }
+        (None, Some(hf)) => ShardedModel::new(comm, stages, skeleton, shard, device, hf)?,
+        (None, None) => {
+            let mut source = SeededGpt {
+                config: &c.model,
+                seed: c.seed,
+            };
+            ShardedModel::new(comm, stages, skeleton, shard, device, &mut source)?
+        }
+    })
+}
+
+/// Refuses a checkpoint whose tensors are not this model's (every rank checks the same
+/// manifest alike, so every rank refuses together).
+fn check_tensors(c: &TrainConfig, index: &checkpoint::Index) -> Result<()> {
+    let expected: Vec<(String, Vec<usize>)> = crate::stages::gpt_units(&c.model)
+        .into_iter()
+        .flat_map(|u| u.params)
+        .collect();
+    let found: Vec<(String, Vec<usize>)> = index
+        .manifest
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone()))
+        .collect();
+    if let Some(((n, s), (m, t))) = expected.iter().zip(&found).find(|(a, b)| a != b) {
+        return Err(anyhow!(
+            "{}: tensor {m} {t:?} does not match this model's {n} {s:?}: the checkpoint is of \
+             another model configuration",
+            index.dir.display()
+        ));
+    }
+    ensure!(
+        expected.len() == found.len(),
+        "{}: {} tensors, this model has {}: the checkpoint is of another model configuration",
+        index.dir.display(),
+        found.len(),
+        expected.len()
+    );
+    Ok(())
+}
+
+/// The plan of `c`'s run with its activation estimate (what `ember plan` prints).
+pub fn run_plan(c: &TrainConfig, topology: &Topology, shard: ShardConfig) -> Result<Plan> {
+    gpt_plan(
+        &c.model,
+        topology,
+        shard,
+        c.batch_size,
+        c.grad_accum,
+        c.block_size,
+    )
+    .map_err(|e| anyhow!("{e}"))
+}
+
+/// Peak resident memory of every rank (rank 0 first), gathered to all.
+pub fn rss_peaks(comm: &Comm) -> Result<Vec<u64>> {
+    let mine = ember_sharding::memory::resident().peak;
+    let all = comm.world().all_gather(&mine.to_le_bytes())?;
+    Ok(all
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect())
+}
+
 /// Trains `config` sharded per `shard` over `comm` until `max_iters`.
 pub fn run(
     comm: &Comm,
@@ -284,21 +362,14 @@ pub fn run(
     device: Device,
     data: &PreparedData,
     resume: Option<&Path>,
-    init: Option<&InitWeights>,
+    init: Option<&mut HfDir>,
 ) -> Result<Vec<StepMetrics>> {
     let rank = comm.rank();
     let world = comm.topology().world_size();
     let c = config;
     let batch_plan = batch_plan(c, world, rank)?;
-    let mut model = c.model.init_with_seed(c.seed, &device);
-    if let Some(init) = init {
-        model = with_weights(model, init, &device)?;
-    }
-    let stages = GptStages {
-        n_layer: c.model.n_layer,
-    };
-    let mut sharded = ShardedModel::new(comm, stages, model, shard, device)?;
-    let (first_step, mut tokens_seen) = match resume {
+    let plan_bytes = run_plan(c, comm.topology(), shard.clone())?.memory(c.grad_accum);
+    let index = match resume {
         Some(dir) => {
             let index = open_verified(comm, dir)?;
             ensure!(
@@ -307,11 +378,17 @@ pub fn run(
                  --data and --tokenizer",
                 dir.display()
             );
-            restore(&mut sharded, &index)?;
+            Some(index)
+        }
+        None => None,
+    };
+    let mut sharded = build(comm, c, shard, device, index.as_ref(), init)?;
+    let (first_step, mut tokens_seen) = match &index {
+        Some(index) => {
             log0!(
                 rank,
                 "resumed {} (step {}, saved by a job of {} ranks{}) into {} over {}",
-                dir.display(),
+                index.dir.display(),
                 index.manifest.step,
                 index.manifest.world_size,
                 index
@@ -326,11 +403,13 @@ pub fn run(
         }
         None => (0, 0),
     };
-    let memory = sharded.plan().memory(c.grad_accum);
+    drop(index);
+    let memory = plan_bytes;
     log0!(
         rank,
         "sharding {} over {} ({} ranks): per rank {:.2} MB params, {:.2} MB secondary, {:.2} MB \
-         grads, {:.2} MB optimizer, {:.2} MB largest gathered",
+         grads, {:.2} MB optimizer, {:.2} MB working set at its peak (gathered units, gradients \
+         in flight, activations): {:.2} MB in all",
         sharded.plan().config.preset,
         comm.topology(),
         world,
@@ -338,7 +417,8 @@ pub fn run(
         memory.secondary as f64 / 1e6,
         memory.grads as f64 / 1e6,
         memory.optimizer as f64 / 1e6,
-        memory.gathered_peak as f64 / 1e6
+        memory.working_peak as f64 / 1e6,
+        memory.total() as f64 / 1e6
     );
     let sampler = Sampler::new(&data.train, c.block_size, c.seed, STREAM_TRAIN)?;
     let mut writer = if rank == 0 {
@@ -387,7 +467,8 @@ pub fn run(
                 val_loss,
                 comm_bytes: Some(traffic_by_name(comm, &report.traffic)),
                 comm_wait_frac: Some(report.comm_wait_s / report.step_s.max(1e-9)),
-                model_state_bytes: Some(report.memory),
+                rss_peak_bytes: Some(rss_peaks(comm)?),
+                plan_bytes: Some(plan_bytes.total()),
             };
             if let Some(w) = writer.as_mut() {
                 w.write(&m)?;
@@ -413,90 +494,37 @@ pub fn run(
         }
     }
     bar.finish_and_clear();
+    let peaks = rss_peaks(comm)?;
+    log0!(
+        rank,
+        "peak resident memory per rank: {} (plan {:.3} GB per rank)",
+        peaks
+            .iter()
+            .map(|b| format!("{:.3} GB", *b as f64 / 1e9))
+            .collect::<Vec<_>>()
+            .join(", "),
+        plan_bytes.total() as f64 / 1e9
+    );
     Ok(logged)
 }
 
-/// True on every rank when every rank passes `ok` (one byte per rank over the world).
-fn all_ok(comm: &Comm, ok: bool) -> Result<bool> {
-    let flags = comm.world().all_gather(&[u8::from(ok)])?;
-    Ok(flags.iter().all(|&f| f == 1))
-}
-
 /// Opens a checkpoint on every rank (headers, sizes and layouts, which every rank checks
-/// alike) and verifies its files' checksums, each rank a share of the files. Fails on every
-/// rank, naming the file, if any rank found a bad one.
+/// alike) and verifies its files' checksums, each rank a share of the files. Any rank's
+/// failure (a missing or unreadable file, a bad checksum) fails every rank, naming the rank
+/// and the file: nothing is loaded.
 pub fn open_verified(comm: &Comm, dir: &Path) -> Result<checkpoint::Index> {
     let (rank, world) = (comm.rank(), comm.topology().world_size());
-    let index = checkpoint::Index::open(dir)?;
-    // The first file of this rank's share that fails its checksum, as index + 1 (0: none).
-    let mut bad = 0u32;
-    for (i, entry) in index.manifest.files.iter().enumerate() {
-        if i % world == rank && checkpoint::sha256_file(&dir.join(&entry.path))? != entry.sha256 {
-            bad = i as u32 + 1;
-            break;
-        }
-    }
-    let all = comm.world().all_gather(&bad.to_le_bytes())?;
-    let found = all
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .enumerate()
-        .find(|(_, b)| *b > 0);
-    if let Some((r, b)) = found {
-        let entry = &index.manifest.files[b as usize - 1];
-        return Err(anyhow!(
-            "{} fails its SHA-256 check (corrupted; checked by rank {r}): nothing was loaded",
-            dir.join(&entry.path).display()
-        ));
-    }
+    let index = all_ok(comm, checkpoint::Index::open(dir))?;
+    let verified = checkpoint::verify_some(dir, &index.manifest, |i| i % world == rank)
+        .with_context(|| format!("nothing was loaded from {}", dir.display()));
+    all_ok(comm, verified)?;
     Ok(index)
-}
-
-/// Loads this rank's optimizer shards from `index`, whatever partition wrote it, after
-/// checking it holds this model's tensors.
-fn restore(sharded: &mut ShardedModel<'_, GptStages, 3>, index: &checkpoint::Index) -> Result<()> {
-    let expected: Vec<(String, Vec<usize>)> = sharded
-        .plan()
-        .units
-        .iter()
-        .flat_map(|u| u.params.iter().map(|p| (p.name.clone(), p.shape.clone())))
-        .collect();
-    let found: Vec<(String, Vec<usize>)> = index
-        .manifest
-        .tensors
-        .iter()
-        .map(|t| (t.name.clone(), t.shape.clone()))
-        .collect();
-    if let Some(((n, s), (m, t))) = expected.iter().zip(&found).find(|(a, b)| a != b) {
-        return Err(anyhow!(
-            "{}: tensor {m} {t:?} does not match this model's {n} {s:?}: the checkpoint is of \
-             another model configuration",
-            index.dir.display()
-        ));
-    }
-    ensure!(
-        expected.len() == found.len(),
-        "{}: {} tensors, this model has {}: the checkpoint is of another model configuration",
-        index.dir.display(),
-        found.len(),
-        expected.len()
-    );
-    let mut read = |name: &str, range: std::ops::Range<usize>| -> Result<[Vec<f32>; 3], String> {
-        let mut out: [Vec<f32>; 3] = Default::default();
-        for (k, kind) in checkpoint::KINDS.iter().enumerate() {
-            out[k] = index
-                .read(kind, name, range.clone())
-                .map_err(|e| format!("{e:#}"))?;
-        }
-        Ok(out)
-    };
-    sharded.load_state(index.adam_step, &mut read)?;
-    Ok(())
 }
 
 /// Writes a checkpoint of step `step`: every writing rank its own shard file (no rank
 /// gathers the model), rank 0 the tokenizer and the manifest with every file's checksum,
-/// then the directory is renamed into place. Every rank must call it.
+/// then the directory is renamed into place. Every rank must call it; a failure on any rank
+/// fails every rank and leaves earlier checkpoints untouched.
 pub fn save(
     sharded: &ShardedModel<'_, GptStages, 3>,
     c: &TrainConfig,
@@ -516,94 +544,79 @@ pub fn save(
     } else {
         Ok(())
     };
-    if !all_ok(comm, begun.is_ok())? {
-        begun?;
-        return Err(anyhow!("rank 0 could not create {}", tmp.display()));
-    }
+    all_ok(comm, begun)?;
     // Each writer: its file, then (size, SHA-256) to rank 0 in a fixed-size record.
     const RECORD: usize = 1 + 8 + 64;
     let mut record = [0u8; RECORD];
     let written = if sharded.is_writer() {
-        let numel: HashMap<&str, usize> = sharded
-            .plan()
-            .units
-            .iter()
-            .flat_map(|u| u.params.iter().map(|p| (p.name.as_str(), p.numel)))
-            .collect();
-        let entries = sharded
-            .owned_pieces()
-            .into_iter()
-            .map(|(name, offset, values)| {
-                let global_numel = numel[name.as_str()];
-                (
-                    name,
-                    checkpoint::Range {
-                        offset,
-                        global_numel,
-                    },
-                    values,
-                )
-            })
-            .collect();
-        let shard = checkpoint::ShardData {
-            rank,
-            entries,
-            adam_step: sharded.adam_step(),
-        };
-        checkpoint::write_shard(&tmp, &shard).and_then(|p| checkpoint::file_entry(&p))
+        write_own_shard(sharded, &tmp).map(Some)
     } else {
-        Err(anyhow!("not a writer"))
+        Ok(None)
     };
-    match &written {
-        Ok(entry) => {
-            record[0] = 1;
-            record[1..9].copy_from_slice(&entry.bytes.to_le_bytes());
-            record[9..].copy_from_slice(entry.sha256.as_bytes());
-        }
-        Err(_) if !sharded.is_writer() => {}
-        Err(e) => {
-            eprintln!("[ember] rank {rank}: writing its checkpoint file failed: {e:#}");
-            record[0] = 2;
-        }
+    if let Some(entry) = all_ok(comm, written)? {
+        record[0] = 1;
+        record[1..9].copy_from_slice(&entry.bytes.to_le_bytes());
+        record[9..].copy_from_slice(entry.sha256.as_bytes());
     }
     let records = comm.world().all_gather(&record)?;
-    let failed = records.chunks_exact(RECORD).position(|r| r[0] == 2);
     let finished = if rank == 0 {
-        match failed {
-            Some(r) => Err(anyhow!("rank {r} could not write its checkpoint file")),
-            None => {
-                let files = records
-                    .chunks_exact(RECORD)
-                    .enumerate()
-                    .filter(|(_, r)| r[0] == 1)
-                    .map(|(r, rec)| checkpoint::FileEntry {
-                        path: checkpoint::shard_file_name(r),
-                        bytes: u64::from_le_bytes(rec[1..9].try_into().expect("8 bytes")),
-                        sha256: String::from_utf8_lossy(&rec[9..]).into_owned(),
-                    })
-                    .collect();
-                let manifest = manifest(sharded, c, step, tokens_seen, &tokenizer.1);
-                checkpoint::finish(&c.out_dir, &tmp, manifest, files, &tokenizer.0).and_then(
-                    |dir| {
-                        if c.keep_last > 0 {
-                            checkpoint::prune(&c.out_dir, c.keep_last as usize)?;
-                        }
-                        Ok(dir)
-                    },
-                )
+        let files = records
+            .chunks_exact(RECORD)
+            .enumerate()
+            .filter(|(_, r)| r[0] == 1)
+            .map(|(r, rec)| checkpoint::FileEntry {
+                path: checkpoint::shard_file_name(r),
+                bytes: u64::from_le_bytes(rec[1..9].try_into().expect("8 bytes")),
+                sha256: String::from_utf8_lossy(&rec[9..]).into_owned(),
+            })
+            .collect();
+        let manifest = manifest(sharded, c, step, tokens_seen, &tokenizer.1);
+        checkpoint::finish(&c.out_dir, &tmp, manifest, files, &tokenizer.0).and_then(|dir| {
+            if c.keep_last > 0 {
+                checkpoint::prune(&c.out_dir, c.keep_last as usize)?;
             }
-        }
+            Ok(dir)
+        })
     } else {
         Ok(c.out_dir.join(checkpoint::step_dir_name(step)))
     };
-    if !all_ok(comm, finished.is_ok())? {
-        finished?;
-        return Err(anyhow!(
-            "the checkpoint of step {step} could not be completed (see rank 0's error); the \
-             previous checkpoints are untouched"
-        ));
-    }
-    finished
+    all_ok(
+        comm,
+        finished.with_context(|| {
+            format!(
+                "the checkpoint of step {step} was not completed; earlier checkpoints are untouched"
+            )
+        }),
+    )
+}
+
+/// This rank's shard file in `tmp`: every parameter range it owns, with the moments.
+fn write_own_shard(
+    sharded: &ShardedModel<'_, GptStages, 3>,
+    tmp: &Path,
+) -> Result<checkpoint::FileEntry> {
+    let numel: HashMap<&str, usize> = sharded
+        .plan()
+        .units
+        .iter()
+        .flat_map(|u| u.params.iter().map(|p| (p.name.as_str(), p.numel)))
+        .collect();
+    let mut entries = Vec::new();
+    sharded.for_each_piece(&mut |name, offset, values| {
+        let range = checkpoint::Range {
+            offset,
+            global_numel: numel[name],
+        };
+        entries.push((name.to_string(), range, values));
+        Ok(())
+    })?;
+    let shard = checkpoint::ShardData {
+        rank: sharded.comm().rank(),
+        entries,
+        adam_step: sharded.adam_step(),
+    };
+    let path = checkpoint::write_shard(tmp, &shard)?;
+    checkpoint::file_entry(&path)
 }
 
 /// The manifest of a sharded checkpoint.
@@ -641,7 +654,7 @@ fn manifest(
 
 /// `ember reshard`: loads a checkpoint into this job's partition and writes it again under
 /// `out`, unchanged in value: the same step, weights, moments and data position. Every rank
-/// must call it.
+/// must call it; each reads only its own ranges.
 pub fn reshard(comm: &Comm, dir: &Path, out: &Path, shard: ShardConfig) -> Result<PathBuf> {
     let index = open_verified(comm, dir)?;
     let mut c = index.manifest.train.clone();
@@ -650,13 +663,7 @@ pub fn reshard(comm: &Comm, dir: &Path, out: &Path, shard: ShardConfig) -> Resul
         dir.join("tokenizer.json"),
         index.manifest.tokenizer_sha256.clone(),
     );
-    let device = Device::flex();
-    let model = c.model.init_with_seed(c.seed, &device);
-    let stages = GptStages {
-        n_layer: c.model.n_layer,
-    };
-    let mut sharded = ShardedModel::new(comm, stages, model, shard, device)?;
-    restore(&mut sharded, &index)?;
+    let sharded = build(comm, &c, shard, Device::flex(), Some(&index), None)?;
     save(
         &sharded,
         &c,
@@ -665,6 +672,7 @@ pub fn reshard(comm: &Comm, dir: &Path, out: &Path, shard: ShardConfig) -> Resul
         &tokenizer,
     )
 }
+
 /// Validation loss with the run's eval settings, the same number the single-process trainer
 /// reports: the eval micro-batch is split over the ranks when it divides, else every rank
 /// scores all of it.

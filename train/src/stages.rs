@@ -2,10 +2,13 @@
 //! `head` (ln_f, reading the tied wte of `embed`). The model's code is untouched: the stages
 //! call its `embed`, block and `head` pieces.
 
+use std::ops::Range;
+
 use burn::tensor::{Device, Tensor};
 use ember_data::Batch;
+use ember_model::init::init_range;
 use ember_model::{Gpt, GptConfig, cross_entropy};
-use ember_sharding::{Flow, Staged, UnitDecl, UnitSpec};
+use ember_sharding::{ActivationBytes, Flow, ParamSource, ShardError, Staged, UnitDecl, UnitSpec};
 
 use crate::trainer::tokens;
 
@@ -106,6 +109,73 @@ pub fn gpt_units(config: &GptConfig) -> Vec<UnitSpec> {
         uses: vec![0],
     });
     units
+}
+
+/// A GPT's initial weights, drawn from (seed, path) by the model's own initialiser: any
+/// range of any parameter alone, so a rank draws only what it owns.
+#[derive(Debug, Clone)]
+pub struct SeededGpt<'a> {
+    /// The model.
+    pub config: &'a GptConfig,
+    /// The run's seed.
+    pub seed: u64,
+}
+
+impl ParamSource for SeededGpt<'_> {
+    fn read(
+        &mut self,
+        name: &str,
+        _shape: &[usize],
+        range: Range<usize>,
+    ) -> Result<Vec<f32>, ShardError> {
+        let init = self
+            .config
+            .init_of(name)
+            .ok_or_else(|| ShardError::Source(format!("{name} is not a parameter of this GPT")))?;
+        Ok(init_range(init, self.seed, name, range))
+    }
+
+    fn fingerprint(&self) -> u64 {
+        self.seed
+    }
+}
+
+/// Bytes of activations each unit of a GPT keeps per micro-batch of `batch` sequences of
+/// `block` tokens, computing in elements of `elem` bytes, for the plan's memory prediction.
+///
+/// A block keeps about `38 d + 2 h T` values per token for its backward (inputs of its four
+/// matmuls and two norms, the GELU's intermediates, the attention's probabilities), measured
+/// with the resident set of single-process steps of `small-cpu` at d 256 and 512 and T 64
+/// and 128 (the growth per token of the peak). The head keeps its logits, their log-softmax
+/// and their gradient (`3 V` values per token, in f32) and the final norm's inputs.
+pub fn gpt_activations(
+    config: &GptConfig,
+    batch: usize,
+    block: usize,
+    elem: usize,
+) -> Vec<ActivationBytes> {
+    let tokens = (batch * block) as u64;
+    let (d, h, t, v) = (
+        config.n_embd as u64,
+        config.n_head as u64,
+        block as u64,
+        config.vocab_size as u64,
+    );
+    let e = elem as u64;
+    let hidden = tokens * d * e;
+    let mut out = vec![ActivationBytes {
+        output: hidden,
+        saved: 2 * hidden,
+    }];
+    out.extend((0..config.n_layer).map(|_| ActivationBytes {
+        output: hidden,
+        saved: tokens * (38 * d + 2 * h * t) * e,
+    }));
+    out.push(ActivationBytes {
+        output: 0,
+        saved: tokens * (3 * v * 4 + 4 * d * e),
+    });
+    out
 }
 
 #[cfg(test)]

@@ -170,20 +170,13 @@ impl Trainer {
         Ok(())
     }
 
-    /// Starts from the given weights (`ember train --init-from`) instead of the seed's: every
-    /// parameter must be present with its shape.
-    pub fn load_weights(&mut self, values: &HashMap<String, (Vec<usize>, Vec<f32>)>) -> Result<()> {
+    /// Starts from the weights of a Hugging Face directory (`ember train --init-from`) instead
+    /// of the seed's: every parameter must be present with its shape.
+    pub fn load_weights(&mut self, hf: &crate::export::HfDir) -> Result<()> {
         for p in self.opt.params.iter_mut() {
-            let (shape, v) = values
-                .get(&p.name)
-                .with_context(|| format!("the initial weights have no {}", p.name))?;
-            ensure!(
-                shape == &p.shape,
-                "initial weight {} has shape {shape:?}, the model's is {:?}",
-                p.name,
-                p.shape
-            );
-            p.master = Tensor::<1>::from_data(TensorData::new(v.clone(), [v.len()]), &self.device);
+            let n = p.shape.iter().product();
+            let v = hf.read(&p.name, &p.shape, 0..n)?;
+            p.master = Tensor::<1>::from_data(TensorData::new(v, [n]), &self.device);
         }
         self.sync_model_from_masters()
     }
@@ -390,7 +383,8 @@ impl Trainer {
                     val_loss,
                     comm_bytes: None,
                     comm_wait_frac: None,
-                    model_state_bytes: None,
+                    rss_peak_bytes: Some(vec![ember_sharding::memory::resident().peak]),
+                    plan_bytes: None,
                 };
                 writer.write(&m)?;
                 let val = val_loss.map_or(String::new(), |v| format!(" val {v:.4}"));

@@ -1,0 +1,338 @@
+//! The schedule of one optimizer step as data: every gather, unit computation and gradient
+//! reduction in the order the engine performs them. The engine executes exactly this list
+//! (`engine.rs` walks it event by event), and the plan's per-step traffic and memory are folds
+//! over the same list, so the prediction and the run cannot drift apart. Pure functions of the
+//! plan; nothing here communicates or allocates tensors.
+
+use serde::Serialize;
+
+use crate::config::{Compute, GradQuant, Span, WeightQuant};
+use crate::plan::{Memory, Plan, TrafficTable, Visit, add};
+use ember_comm::counters::Op;
+use ember_comm::quant::{QuantFormat, Quantized};
+
+/// Where a gather takes a unit's parameters from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Source {
+    /// The primary partition, over the gradient path's hops (outermost first).
+    Primary,
+    /// The primary partition, keeping this rank's slice of the result as the secondary copy
+    /// for the rest of the step (hpZ: no extra traffic).
+    PrimaryToSecondary,
+    /// The secondary copy, gathered over its (smaller) group.
+    Secondary,
+}
+
+/// One thing the engine does in a step, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Event {
+    /// Hand the communication thread a gather of `unit`, for the next visit that needs it
+    /// (issued `prefetch` visits ahead).
+    Gather {
+        /// The unit gathered.
+        unit: usize,
+        /// Where from.
+        source: Source,
+    },
+    /// Compute one unit visit with partitioned parameters: take its gathers, run it, release
+    /// them.
+    Visit(Visit),
+    /// Run micro-batch `micro` through every unit in one autodiff graph (replicated
+    /// parameters: nothing is released, so nothing is recomputed).
+    Whole {
+        /// The micro-batch.
+        micro: usize,
+    },
+    /// Hand the communication thread `unit`'s complete gradient, to be reduced to this rank's
+    /// optimizer shard.
+    Reduce {
+        /// The unit reduced.
+        unit: usize,
+    },
+}
+
+impl Plan {
+    /// The events of one optimizer step of `grad_accum` micro-batches.
+    pub fn schedule(&self, grad_accum: usize) -> Vec<Event> {
+        let cfg = &self.config;
+        let k = self.units.len();
+        let mut out = Vec::new();
+        if cfg.params == Span(0) {
+            for micro in 0..grad_accum {
+                out.push(Event::Whole { micro });
+                if cfg.shard_grads {
+                    out.extend((0..k).map(|unit| Event::Reduce { unit }));
+                }
+            }
+        } else {
+            let visits = self.visits(grad_accum);
+            let mut has_secondary = vec![false; k];
+            let mut issued = 0;
+            for (i, v) in visits.iter().enumerate() {
+                // This visit's gathers and those of the next `prefetch` visits are in flight
+                // (or done) while this one computes.
+                while issued <= (i + cfg.prefetch).min(visits.len() - 1) {
+                    for &unit in &self.units[visits[issued].stage].needs {
+                        let source = match cfg.secondary {
+                            None => Source::Primary,
+                            Some(_) if has_secondary[unit] => Source::Secondary,
+                            Some(_) => {
+                                has_secondary[unit] = true;
+                                Source::PrimaryToSecondary
+                            }
+                        };
+                        out.push(Event::Gather { unit, source });
+                    }
+                    issued += 1;
+                }
+                out.push(Event::Visit(*v));
+                if v.backward && cfg.shard_grads {
+                    for &unit in &self.units[v.stage].needs {
+                        if self.units[unit].grad_ready_at == v.stage {
+                            out.push(Event::Reduce { unit });
+                        }
+                    }
+                }
+            }
+        }
+        if !cfg.shard_grads {
+            out.extend((0..k).map(|unit| Event::Reduce { unit }));
+        }
+        out
+    }
+
+    /// Bytes one rank moves per (group, op) in one optimizer step: the schedule's gathers and
+    /// reductions, then the step's closing collectives (the gradient norm over the optimizer
+    /// group, the loss over the world, and the parameter all-gather after the update when
+    /// parameters are replicated but optimizer state is not).
+    pub fn traffic(&self, grad_accum: usize) -> TrafficTable {
+        let mut t = TrafficTable::new();
+        let cfg = &self.config;
+        for event in self.schedule(grad_accum) {
+            match event {
+                Event::Gather { unit, source } => match (source, cfg.secondary) {
+                    (Source::Secondary, Some(span)) => {
+                        self.gather_secondary_traffic(unit, span, &mut t)
+                    }
+                    _ => self.gather_primary_traffic(unit, &mut t),
+                },
+                Event::Reduce { unit } => self.reduce_traffic(unit, &mut t),
+                Event::Visit(_) | Event::Whole { .. } => {}
+            }
+        }
+        if cfg.params == Span(0) && cfg.optimizer != Span(0) {
+            // Replicated parameters are rebuilt from the updated master shards.
+            let c = cfg.compute.bytes();
+            for u in 0..self.units.len() {
+                let mut per_rank = self.shard_len(u, cfg.optimizer) * c;
+                for hop in self.hops().into_iter().rev() {
+                    let g = hop.size(&self.topology);
+                    if g > 1 {
+                        add(&mut t, hop, Op::AllGather, (per_rank * g) as u64, g);
+                        per_rank *= g;
+                    }
+                }
+            }
+        }
+        for group in [
+            self.group(cfg.optimizer),
+            self.group(Span(self.topology.depth())),
+        ] {
+            let g = group.size(&self.topology);
+            if g > 1 {
+                add(&mut t, group, Op::AllReduce, 4, g);
+            }
+        }
+        t
+    }
+
+    /// Whether the primary partition is the f32 master itself (no copy is kept).
+    pub fn primary_is_master(&self) -> bool {
+        self.config.compute == Compute::F32 && self.config.params == self.config.optimizer
+    }
+
+    /// Bytes one rank holds in a step of `grad_accum` micro-batches, predicted by walking the
+    /// schedule (see [`Memory`]).
+    ///
+    /// The working set follows the engine event by event: a gather holds its unit from the
+    /// moment it is issued until the visit that used it ends (its staging copy only while it
+    /// runs); a backward visit holds autodiff's parameter gradients and the unit's flat
+    /// gradient; a handed-off gradient stays until the reduction ends, modelled as the end of
+    /// the next visit (the communication thread reduces while the next unit computes), with a
+    /// staging copy; activations are the unit boundaries a micro-batch keeps for backward plus
+    /// the graph of the unit computing.
+    pub fn memory(&self, grad_accum: usize) -> Memory {
+        let cfg = &self.config;
+        let c = cfg.compute.bytes() as u64;
+        let k = self.units.len();
+        let padded = |u: usize| self.units[u].padded as u64;
+        let sum = |f: &dyn Fn(usize) -> u64| (0..k).map(f).sum::<u64>();
+        let params = if self.primary_is_master() {
+            0
+        } else {
+            sum(&|u| self.shard_len(u, cfg.params) as u64 * c)
+        };
+        let secondary = cfg
+            .secondary
+            .map_or(0, |s| sum(&|u| self.secondary_bytes(u, s) as u64));
+        let grads = if cfg.shard_grads {
+            sum(&|u| 4 * self.shard_len(u, cfg.optimizer) as u64)
+        } else {
+            sum(&|u| 4 * padded(u))
+        };
+        let optimizer = sum(&|u| 12 * self.shard_len(u, cfg.optimizer) as u64);
+        let residuals = if cfg.error_feedback && cfg.quantize_grads != GradQuant::Off {
+            sum(&|u| {
+                let mut len = padded(u);
+                let mut bytes = 0;
+                for hop in self.hops() {
+                    let g = hop.size(&self.topology) as u64;
+                    if g > 1 {
+                        bytes += 4 * len;
+                        len /= g;
+                    }
+                }
+                bytes
+            })
+        } else {
+            0
+        };
+
+        // Staging while a gather runs: the int8 wire bytes gathered (and their hop-order
+        // copy); an unquantized gather over several hops also reorders a whole copy.
+        let live_hops = self
+            .hops()
+            .iter()
+            .filter(|h| h.size(&self.topology) > 1)
+            .count();
+        let gather_staging = |u: usize, source: Source| -> u64 {
+            match (cfg.quantize_weights, source) {
+                (WeightQuant::Int8, _) => {
+                    let wire = Quantized::wire_bytes(
+                        QuantFormat::Int8,
+                        self.block(),
+                        self.units[u].padded,
+                    ) as u64;
+                    let copies = if live_hops > 1 && source != Source::Secondary {
+                        2
+                    } else {
+                        1
+                    };
+                    // Dequantized in f32, then cast when computing in bf16.
+                    copies * wire + if c == 4 { 0 } else { 4 * padded(u) }
+                }
+                (WeightQuant::Off, Source::Secondary) => 0,
+                (WeightQuant::Off, _) if live_hops > 1 => padded(u) * c,
+                (WeightQuant::Off, _) => 0,
+            }
+        };
+        // A reduction's staging: the hop-ordered copy (and, quantized, the residual and
+        // dequantized temporaries).
+        let reduce_staging = |u: usize| -> u64 {
+            match cfg.quantize_grads {
+                GradQuant::Off if live_hops > 1 => 4 * padded(u),
+                GradQuant::Off => 0,
+                _ => 8 * padded(u),
+            }
+        };
+        let act = &self.activations;
+
+        let mut gathered = 0u64; // whole units gathered and not yet released
+        let mut in_flight: Vec<usize> = Vec::new(); // units gathered, in request order
+        let mut reducing: Vec<u64> = Vec::new(); // gradients handed off, not yet reduced
+        let mut work = vec![0u64; k]; // flat unit gradients being assembled
+        let mut boundaries = 0u64; // unit outputs a micro-batch keeps for backward
+        let mut gathered_peak = 0u64;
+        let mut activations_peak = 0u64;
+        let mut working_peak = 0u64;
+        let mut note = |extra: u64, activations: u64, g: u64, w: u64| {
+            gathered_peak = gathered_peak.max(g);
+            activations_peak = activations_peak.max(activations);
+            working_peak = working_peak.max(w + extra);
+        };
+        let working = |g: u64, work: &[u64], reducing: &[u64], b: u64| {
+            g + work.iter().sum::<u64>() + reducing.iter().sum::<u64>() + b
+        };
+        for event in self.schedule(grad_accum) {
+            match event {
+                Event::Gather { unit, source } => {
+                    gathered += padded(unit) * c;
+                    in_flight.push(unit);
+                    let w = working(gathered, &work, &reducing, boundaries);
+                    note(gather_staging(unit, source), boundaries, gathered, w);
+                }
+                Event::Visit(v) => {
+                    let needs = &self.units[v.stage].needs;
+                    let a = &act[v.stage];
+                    let graph = if v.backward {
+                        // Recompute with autodiff, the upstream gradient, and autodiff's
+                        // parameter gradients beside the flat ones being assembled.
+                        for &u in needs {
+                            work[u] = 4 * padded(u);
+                        }
+                        a.saved + a.output + needs.iter().map(|&u| 4 * padded(u)).sum::<u64>()
+                    } else {
+                        a.saved + a.output
+                    };
+                    let w = working(gathered, &work, &reducing, boundaries);
+                    note(graph, boundaries + a.saved + a.output, gathered, w);
+                    // The visit ends: its gathers are released, the reductions handed off
+                    // before it have finished, and its boundary is kept or consumed.
+                    for &u in needs {
+                        let at = in_flight
+                            .iter()
+                            .position(|&x| x == u)
+                            .expect("a visit's gathers were issued before it");
+                        in_flight.remove(at);
+                        gathered -= padded(u) * c;
+                    }
+                    reducing.clear();
+                    if v.backward {
+                        if v.stage > 0 {
+                            boundaries -= act[v.stage - 1].output;
+                        }
+                        for &u in needs {
+                            if !cfg.shard_grads && self.units[u].grad_ready_at == v.stage {
+                                // Added into the step's whole-gradient buffer (`grads`).
+                                work[u] = 0;
+                            }
+                        }
+                    } else {
+                        boundaries += a.output;
+                    }
+                }
+                Event::Whole { .. } => {
+                    let graph: u64 = act.iter().map(|a| a.saved + a.output).sum::<u64>()
+                        + sum(&|u| 8 * padded(u));
+                    let w = working(gathered, &work, &reducing, boundaries);
+                    note(graph, graph, gathered, w);
+                    if cfg.shard_grads {
+                        for (u, w) in work.iter_mut().enumerate() {
+                            *w = 4 * padded(u);
+                        }
+                    }
+                }
+                Event::Reduce { unit } => {
+                    let handed = if cfg.shard_grads {
+                        std::mem::take(&mut work[unit])
+                    } else {
+                        0
+                    };
+                    reducing.push(handed + reduce_staging(unit));
+                    let w = working(gathered, &work, &reducing, boundaries);
+                    note(0, boundaries, gathered, w);
+                }
+            }
+        }
+        Memory {
+            params,
+            secondary,
+            grads,
+            optimizer,
+            residuals,
+            gathered_peak,
+            activations_peak,
+            working_peak,
+        }
+    }
+}
