@@ -124,6 +124,22 @@ impl ModuleMapper for Replacer {
             self.errors.push(format!("no value for parameter `{name}`"));
             return param;
         };
+        if !param.is_initialized() {
+            // A lazy parameter is replaced without drawing its initial values: trainable
+            // wherever the device it was to be made on tracks gradients.
+            let shape: [usize; D] = param.lazy_shape().dims();
+            let numel: usize = shape.iter().product();
+            if new.dims()[0] != numel {
+                self.errors.push(format!(
+                    "parameter `{name}` has shape {shape:?} ({numel} values) but {} were given",
+                    new.dims()[0]
+                ));
+                return param;
+            }
+            let trainable = param.lazy_device().is_autodiff();
+            let value = new.reshape(shape).detach().set_require_grad(trainable);
+            return Param::initialized(param.id, value);
+        }
         let (id, old, mapper) = param.consume();
         let shape: [usize; D] = old.dims();
         let numel: usize = shape.iter().product();

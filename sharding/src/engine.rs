@@ -44,6 +44,7 @@ use std::time::Instant;
 use burn::tensor::{DType, Device, Tensor};
 use ember_comm::{Comm, Counters};
 
+use crate::checkpoint::Checkpoint;
 use crate::config::{Compute, ShardConfig, Span};
 use crate::error::ShardError;
 use crate::memory::{self, Resident};
@@ -82,14 +83,29 @@ fn unit_seed(base: u64, micro: usize, stage: usize) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Receives one piece of this rank's optimizer state: `(parameter, offset in its flattened
-/// elements, [master, exp_avg, exp_avg_sq])` (see [`ShardedModel::for_each_piece`]).
-pub type PieceVisitor<'a> = dyn FnMut(&str, usize, [Vec<f32>; 3]) -> Result<(), ShardError> + 'a;
+/// Reads elements of a moment (`exp_avg`, `exp_avg_sq`) of a parameter from a checkpoint.
+type MomentReader<'a> =
+    dyn FnMut(&str, &str, std::ops::Range<usize>) -> Result<Vec<f32>, ShardError> + 'a;
 
-/// Reads `[exp_avg, exp_avg_sq]` of an element range of a parameter from a checkpoint (see
-/// [`ShardedModel::load_moments`]).
-pub type MomentReader<'a> =
-    dyn FnMut(&str, std::ops::Range<usize>) -> Result<[Vec<f32>; 2], ShardError> + 'a;
+/// Reads an element range of one parameter.
+type SliceReader<'a> =
+    dyn FnMut(&crate::plan::ParamSlot, std::ops::Range<usize>) -> Result<Vec<f32>, ShardError> + 'a;
+
+/// One parameter range of this rank's optimizer shard (see [`ShardedModel::owned_pieces`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnedPiece {
+    /// The parameter's path.
+    pub name: String,
+    /// First element of the range, in the flattened parameter.
+    pub offset: usize,
+    /// Elements in the range.
+    pub len: usize,
+    /// Elements of the whole parameter.
+    pub global_numel: usize,
+    unit: usize,
+    /// The range within the unit's optimizer shard.
+    local: std::ops::Range<usize>,
+}
 
 /// What a step did, as this rank saw it.
 #[derive(Debug, Clone)]
@@ -138,6 +154,7 @@ pub struct ShardedModel<'c, S: Staged<D>, const D: usize> {
     optimizer: Vec<UnitShard>,
     adam_step: u64,
     residuals: Vec<Residuals>,
+    restored_residuals: bool,
 }
 
 impl<S: Staged<D>, const D: usize> std::fmt::Debug for ShardedModel<'_, S, D> {
@@ -180,43 +197,69 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         device: Device,
         source: &mut dyn ParamSource,
     ) -> Result<Self, ShardError> {
+        Self::build(comm, stages, module, config, device, source, None)
+    }
+
+    /// [`ShardedModel::new`], with the optimizer moments read by `moments(kind, name, range)`
+    /// (`kind` `exp_avg` or `exp_avg_sq`) instead of zero. Each unit's shard becomes tensors
+    /// as soon as it is read, so the host holds one unit's staging at a time.
+    fn build(
+        comm: &'c Comm,
+        stages: S,
+        module: S::Module,
+        config: ShardConfig,
+        device: Device,
+        source: &mut dyn ParamSource,
+        mut moments: Option<&mut MomentReader<'_>>,
+    ) -> Result<Self, ShardError> {
         let shapes_in_order = param_shapes(&module);
         let units = assign(&shapes_in_order, &stages.units(&module))?;
         let plan = Plan::new(units, config, comm.topology().clone())?;
         route::check_same_everywhere(comm, &plan, source.fingerprint())?;
         let rank = comm.rank();
-        let masters = (|| -> Result<Vec<Vec<f32>>, ShardError> {
+        let optimizer = (|| -> Result<Vec<UnitShard>, ShardError> {
             let mut out = Vec::with_capacity(plan.units.len());
             for (u, unit) in plan.units.iter().enumerate() {
                 let range = plan.shard_range(u, plan.config.optimizer, rank);
-                let mut master = vec![0.0f32; range.len()];
-                for p in &unit.params {
-                    let lo = p.offset.max(range.start);
-                    let hi = (p.offset + p.numel).min(range.end);
-                    if lo < hi {
-                        let got = source.read(&p.name, &p.shape, lo - p.offset..hi - p.offset)?;
-                        master[lo - range.start..hi - range.start].copy_from_slice(&got);
+                // Elements of `range` from per-parameter reads; padding stays zero.
+                let shard = |read: &mut SliceReader<'_>| -> Result<Tensor<1>, ShardError> {
+                    let mut values = vec![0.0f32; range.len()];
+                    for (p, local) in pieces(unit, &range) {
+                        let start = local.start + range.start - p.offset;
+                        let got = read(p, start..start + local.len())?;
+                        if got.len() != local.len() {
+                            return Err(ShardError::Source(format!(
+                                "{}: {} values read for elements [{start}, {})",
+                                p.name,
+                                got.len(),
+                                start + local.len()
+                            )));
+                        }
+                        values[local].copy_from_slice(&got);
                     }
-                }
-                out.push(master);
+                    Ok(staging::from_f32(values, &device))
+                };
+                let master = shard(&mut |p, r| source.read(&p.name, &p.shape, r))?;
+                let slots: Vec<(usize, usize, bool)> = unit
+                    .params
+                    .iter()
+                    .map(|p| (p.offset, p.numel, p.decay))
+                    .collect();
+                let decay = decay_ranges(&range, &slots);
+                let state = match moments.as_deref_mut() {
+                    None => FlatState::new(master, decay),
+                    Some(read) => FlatState {
+                        master,
+                        exp_avg: shard(&mut |p, r| read("exp_avg", &p.name, r))?,
+                        exp_avg_sq: shard(&mut |p, r| read("exp_avg_sq", &p.name, r))?,
+                        decay,
+                    },
+                };
+                out.push(UnitShard { range, state });
             }
             Ok(out)
         })();
-        let masters = agree(comm, masters)?;
-        let mut optimizer = Vec::with_capacity(plan.units.len());
-        for (u, (unit, master)) in plan.units.iter().zip(masters).enumerate() {
-            let range = plan.shard_range(u, plan.config.optimizer, rank);
-            let slots: Vec<(usize, usize, bool)> = unit
-                .params
-                .iter()
-                .map(|p| (p.offset, p.numel, p.decay))
-                .collect();
-            let decay = decay_ranges(&range, &slots);
-            optimizer.push(UnitShard {
-                range,
-                state: FlatState::new(staging::from_f32(master, &device), decay),
-            });
-        }
+        let optimizer = agree(comm, optimizer)?;
         let shapes: HashMap<String, Vec<usize>> = shapes_in_order.iter().cloned().collect();
         let skeleton = load(module, &mut HashMap::new(), &shapes, &device, false);
         let autodiff = device.clone().autodiff();
@@ -236,6 +279,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             primary: Vec::new(),
             optimizer,
             adam_step: 0,
+            restored_residuals: false,
         };
         model.refresh_primary()?;
         Ok(model)
@@ -276,65 +320,145 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             .all(|&c| c == 0)
     }
 
-    /// This rank's share of every parameter for a checkpoint, one piece at a time: `visit(name,
-    /// offset, [master, exp_avg, exp_avg_sq])` for each parameter its optimizer shard
-    /// overlaps, the offset counted in the parameter's flattened elements, the values on the
-    /// host. Padding is never included; a rank whose shard is all padding visits nothing.
-    pub fn for_each_piece(&self, visit: &mut PieceVisitor<'_>) -> Result<(), ShardError> {
-        for (unit, shard) in self.plan.units.iter().zip(&self.optimizer) {
+    /// The parameter ranges this rank's optimizer shard holds, unit by unit (padding is
+    /// never part of one; a rank whose shard is all padding holds none): what it writes to a
+    /// checkpoint.
+    pub fn owned_pieces(&self) -> Vec<OwnedPiece> {
+        let mut out = Vec::new();
+        for (u, (unit, shard)) in self.plan.units.iter().zip(&self.optimizer).enumerate() {
             for (p, local) in pieces(unit, &shard.range) {
-                let part = |t: &Tensor<1>| staging::to_f32(t.clone().slice(local.clone()));
-                let s = &shard.state;
-                visit(
-                    &p.name,
-                    local.start + shard.range.start - p.offset,
-                    [part(&s.master), part(&s.exp_avg), part(&s.exp_avg_sq)],
-                )?;
+                out.push(OwnedPiece {
+                    name: p.name.clone(),
+                    offset: local.start + shard.range.start - p.offset,
+                    len: local.len(),
+                    global_numel: p.numel,
+                    unit: u,
+                    local,
+                });
             }
         }
-        Ok(())
+        out
     }
 
-    /// Fills this rank's optimizer moments from a checkpoint of any partition: `read(name,
-    /// range)` returns `[exp_avg, exp_avg_sq]` of elements `range` of parameter `name`. Only
-    /// the ranges this rank owns are asked for. Every rank must call it; an error on any rank
-    /// fails every rank and changes nothing.
-    pub fn load_moments(
-        &mut self,
-        adam_step: u64,
-        read: &mut MomentReader<'_>,
-    ) -> Result<(), ShardError> {
-        let loaded = (|| -> Result<Vec<[Vec<f32>; 2]>, ShardError> {
-            let mut out = Vec::with_capacity(self.optimizer.len());
-            for (unit, shard) in self.plan.units.iter().zip(&self.optimizer) {
-                let n = shard.range.len();
-                let mut fresh = [vec![0.0f32; n], vec![0.0f32; n]];
-                for (p, local) in pieces(unit, &shard.range) {
-                    let start = local.start + shard.range.start - p.offset;
-                    let got = read(&p.name, start..start + local.len())?;
-                    for (dst, src) in fresh.iter_mut().zip(got) {
-                        if src.len() != local.len() {
-                            return Err(ShardError::Source(format!(
-                                "{}: {} values read for elements [{start}, {})",
-                                p.name,
-                                src.len(),
-                                start + local.len()
-                            )));
-                        }
-                        dst[local.clone()].copy_from_slice(&src);
-                    }
+    /// `[master, exp_avg, exp_avg_sq]` of one owned range, copied to the host.
+    pub fn read_piece(&self, piece: &OwnedPiece) -> [Vec<f32>; 3] {
+        let s = &self.optimizer[piece.unit].state;
+        let part = |t: &Tensor<1>| staging::to_f32(t.clone().slice(piece.local.clone()));
+        [part(&s.master), part(&s.exp_avg), part(&s.exp_avg_sq)]
+    }
+
+    /// This rank's error-feedback residuals as `(unit, hop, values)`; empty without error
+    /// feedback or before the first step.
+    pub fn residual_tensors(&self) -> Vec<(usize, usize, Tensor<1>)> {
+        self.residuals
+            .iter()
+            .enumerate()
+            .flat_map(|(u, r)| {
+                r.per_hop
+                    .iter()
+                    .enumerate()
+                    .filter_map(move |(h, t)| t.clone().map(|t| (u, h, t)))
+            })
+            .collect()
+    }
+
+    /// The layout this rank's residuals belong to (JSON): they are only meaningful to the
+    /// same rank of the same topology, gradient path, format and unit sizes.
+    pub fn residual_layout(&self) -> String {
+        let cfg = &self.plan.config;
+        serde_json::json!({
+            "rank": self.comm.rank(),
+            "topology": self.plan.topology.to_string(),
+            "grad_hops": cfg.grad_hops,
+            "quantize_grads": cfg.quantize_grads,
+            "quant_block": cfg.quant_block,
+            "padded": self.plan.units.iter().map(|u| u.padded).collect::<Vec<_>>(),
+        })
+        .to_string()
+    }
+
+    /// Whether [`ShardedModel::resume`] restored error-feedback residuals (they are kept only
+    /// when the checkpoint was written by the same layout; elsewhere they start at zero).
+    pub fn restored_residuals(&self) -> bool {
+        self.restored_residuals
+    }
+
+    /// A model partitioned per `config` over `comm`'s topology, resumed from `checkpoint` (of
+    /// any partition): each rank reads only its own ranges of the master weights and
+    /// moments, and, when the checkpoint was written by the same layout, its error-feedback
+    /// residuals. Refuses a checkpoint of another model, naming the first tensor that differs.
+    /// Every rank must call it.
+    pub fn resume(
+        comm: &'c Comm,
+        stages: S,
+        module: S::Module,
+        config: ShardConfig,
+        device: Device,
+        checkpoint: &Checkpoint,
+    ) -> Result<Self, ShardError> {
+        let manifest = checkpoint.manifest();
+        let found: HashMap<&str, &Vec<usize>> = manifest
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), &t.shape))
+            .collect();
+        let expected = param_shapes(&module);
+        for (name, shape) in &expected {
+            match found.get(name.as_str()) {
+                Some(s) if *s == shape => {}
+                Some(s) => {
+                    return Err(ShardError::Source(format!(
+                        "{}: tensor {name} has shape {s:?}, this model's is {shape:?}: the \
+                         checkpoint is of another model configuration",
+                        checkpoint.dir().display()
+                    )));
                 }
-                out.push(fresh);
+                None => {
+                    return Err(ShardError::Source(format!(
+                        "{} has no tensor {name}: the checkpoint is of another model \
+                         configuration",
+                        checkpoint.dir().display()
+                    )));
+                }
             }
-            Ok(out)
-        })();
-        let loaded = agree(self.comm, loaded)?;
-        for (shard, [m, v]) in self.optimizer.iter_mut().zip(loaded) {
-            shard.state.exp_avg = staging::from_f32(m, &self.device);
-            shard.state.exp_avg_sq = staging::from_f32(v, &self.device);
         }
-        self.adam_step = adam_step;
-        Ok(())
+        if found.len() != expected.len() {
+            return Err(ShardError::Source(format!(
+                "{} holds {} tensors, this model has {}: the checkpoint is of another model \
+                 configuration",
+                checkpoint.dir().display(),
+                found.len(),
+                expected.len()
+            )));
+        }
+        let mut source = checkpoint;
+        let index = checkpoint.index();
+        let mut model = Self::build(
+            comm,
+            stages,
+            module,
+            config,
+            device,
+            &mut source,
+            Some(&mut |kind, name, range| index.read(kind, name, range)),
+        )?;
+        model.adam_step = index.adam_step;
+        if model.plan.config.error_feedback {
+            let stored = agree(comm, index.residuals(comm.rank()))?;
+            if let Some((layout, values)) = stored
+                && layout == model.residual_layout()
+            {
+                for ((u, h), v) in values {
+                    let r = &mut model.residuals[u].per_hop;
+                    if r.len() <= h {
+                        r.resize(h + 1, None);
+                    }
+                    r[h] = Some(staging::from_f32(v, &model.device));
+                }
+                model.restored_residuals = true;
+            }
+        }
+        Ok(model)
     }
 
     fn dtype(&self) -> DType {

@@ -10,6 +10,7 @@
 //! the per-step traffic as plain data, folded over the same schedule the engine runs. It
 //! deliberately knows no particular model; communication goes through `ember-comm` only.
 
+pub mod checkpoint;
 pub mod config;
 pub mod engine;
 pub mod error;
@@ -26,8 +27,9 @@ pub mod stage;
 mod staging;
 mod worker;
 
+pub use checkpoint::{Checkpoint, SaveOptions};
 pub use config::{Compute, GradQuant, PRESETS, ShardConfig, Span, WeightQuant};
-pub use engine::{ShardedModel, StepHyper, StepReport, UnitShard};
+pub use engine::{OwnedPiece, ShardedModel, StepHyper, StepReport, UnitShard};
 pub use error::ShardError;
 pub use optim::{AdamConfig, FlatState};
 pub use plan::{ActivationBytes, Levels, Memory, Plan, UnitSpec};

@@ -52,3 +52,12 @@ impl From<ember_data::DataError> for CliError {
         CliError::Runtime(err.into())
     }
 }
+
+impl From<ember_sharding::ShardError> for CliError {
+    fn from(err: ember_sharding::ShardError) -> Self {
+        match err {
+            ember_sharding::ShardError::Config(msg) => CliError::Usage(msg),
+            other => CliError::Runtime(other.into()),
+        }
+    }
+}

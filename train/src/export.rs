@@ -10,11 +10,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, anyhow, ensure};
 use ember_model::GptConfig;
-use safetensors::tensor::{Dtype as StDtype, SafeTensors, TensorView};
+use ember_sharding::Checkpoint;
+use ember_sharding::checkpoint::{FileDtype, ShardWriter};
+use safetensors::tensor::{Dtype as StDtype, SafeTensors};
 use serde_json::json;
 
 use crate::checkpoint;
@@ -74,34 +77,29 @@ pub fn hf_config(model: &GptConfig, dtype: Dtype) -> serde_json::Value {
 }
 
 /// Writes the Hugging Face layout of checkpoint `dir` into `out`; returns the files written.
+/// Offline and streamed: each tensor is read from the checkpoint's rank files and written out
+/// one at a time, so the export needs memory for one tensor, not the model.
 pub fn export(dir: &Path, out: &Path, dtype: Dtype, max_shard_bytes: u64) -> Result<Vec<PathBuf>> {
-    let loaded = checkpoint::load(dir)?;
-    let model = &loaded.manifest.train.model;
+    let checkpoint = Checkpoint::open_local(dir)?;
+    let index = checkpoint.index();
+    let run = checkpoint::RunRecord::of(&index.manifest, &index.dir)?;
+    let model = &run.train.model;
     fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    // (name, shape, bytes) in model order, split greedily into files of at most the limit
-    // (a tensor larger than the limit gets a file of its own, as transformers does).
-    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = loaded
-        .tensors
-        .iter()
-        .map(|t| {
-            let bytes: Vec<u8> = match dtype {
-                Dtype::F32 => t.values[0].iter().flat_map(|x| x.to_le_bytes()).collect(),
-                Dtype::Bf16 => t.values[0]
-                    .iter()
-                    .flat_map(|&x| ember_comm::Bf16::from_f32(x).0.to_le_bytes())
-                    .collect(),
-            };
-            (
-                format!("{HF_PREFIX}{}", t.meta.name),
-                t.meta.shape.clone(),
-                bytes,
-            )
-        })
-        .collect();
+    let file_dtype = match dtype {
+        Dtype::F32 => FileDtype::F32,
+        Dtype::Bf16 => FileDtype::Bf16,
+    };
+    let width = match dtype {
+        Dtype::F32 => 4u64,
+        Dtype::Bf16 => 2,
+    };
+    // Tensors in model order, split greedily into files of at most the limit (a tensor larger
+    // than the limit gets a file of its own, as transformers does).
+    let tensors = &index.manifest.tensors;
     let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
     let mut size = 0u64;
     for (i, t) in tensors.iter().enumerate() {
-        let n = t.2.len() as u64;
+        let n = width * t.shape.iter().product::<usize>() as u64;
         if size + n > max_shard_bytes && !groups.last().expect("one group").is_empty() {
             groups.push(Vec::new());
             size = 0;
@@ -109,33 +107,36 @@ pub fn export(dir: &Path, out: &Path, dtype: Dtype, max_shard_bytes: u64) -> Res
         groups.last_mut().expect("one group").push(i);
         size += n;
     }
-    let st_dtype = match dtype {
-        Dtype::F32 => StDtype::F32,
-        Dtype::Bf16 => StDtype::BF16,
-    };
     let count = groups.len();
     let mut written = Vec::new();
     let mut weight_map = BTreeMap::new();
     let mut total = 0u64;
+    let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
     for (k, group) in groups.iter().enumerate() {
         let name = if count == 1 {
             "model.safetensors".to_string()
         } else {
             format!("model-{:05}-of-{count:05}.safetensors", k + 1)
         };
-        let views = group
+        let path = out.join(&name);
+        let names: Vec<(String, Vec<usize>)> = group
             .iter()
             .map(|&i| {
-                let (n, shape, bytes) = &tensors[i];
-                weight_map.insert(n.clone(), name.clone());
-                total += bytes.len() as u64;
-                Ok((n.clone(), TensorView::new(st_dtype, shape.clone(), bytes)?))
+                (
+                    format!("{HF_PREFIX}{}", tensors[i].name),
+                    tensors[i].shape.clone(),
+                )
             })
-            .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-        let path = out.join(&name);
-        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-        safetensors::serialize_to_file(views, Some(meta), &path)
-            .with_context(|| format!("writing {}", path.display()))?;
+            .collect();
+        let mut w = ShardWriter::create(&path, &meta, &names, file_dtype)?;
+        for &i in group {
+            let t = &tensors[i];
+            let n: usize = t.shape.iter().product();
+            w.write(&index.read("param", &t.name, 0..n)?)?;
+            weight_map.insert(format!("{HF_PREFIX}{}", t.name), name.clone());
+            total += width * n as u64;
+        }
+        w.finish()?;
         written.push(path);
     }
     if count > 1 {
@@ -151,8 +152,8 @@ pub fn export(dir: &Path, out: &Path, dtype: Dtype, max_shard_bytes: u64) -> Res
     )?;
     written.push(config);
     let tok = out.join("tokenizer.json");
-    fs::copy(loaded.dir.join("tokenizer.json"), &tok)
-        .with_context(|| format!("copying {}", loaded.dir.join("tokenizer.json").display()))?;
+    fs::copy(index.dir.join("tokenizer.json"), &tok)
+        .with_context(|| format!("copying {}", index.dir.join("tokenizer.json").display()))?;
     written.push(tok);
     Ok(written)
 }
@@ -168,7 +169,9 @@ pub struct HfDir {
     pub config: GptConfig,
     /// `tokenizer.json`, when the directory has one.
     pub tokenizer: Option<PathBuf>,
-    maps: Vec<(PathBuf, memmap2::Mmap)>,
+    files: Vec<(PathBuf, fs::File)>,
+    /// Every file's path and size.
+    sizes: Vec<(PathBuf, usize)>,
     /// Ember path -> (file, shape, dtype, byte offset of its data in the file).
     tensors: HashMap<String, (usize, Vec<usize>, StDtype, usize)>,
 }
@@ -235,6 +238,7 @@ impl HfDir {
         };
         let mut maps = Vec::new();
         let mut tensors = HashMap::new();
+        let mut opened = Vec::new();
         for path in files {
             let file =
                 fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
@@ -262,21 +266,25 @@ impl HfDir {
                 tensors.insert(
                     key,
                     (
-                        maps.len(),
+                        opened.len(),
                         info.shape.clone(),
                         info.dtype,
                         8 + header_len + info.data_offsets.0,
                     ),
                 );
             }
-            maps.push((path, map));
+            // The map served the header; values are read with `pread`, so what a rank reads
+            // is page cache, not its resident memory.
+            maps.push((path.clone(), map.len()));
+            opened.push((path, file));
         }
         let tokenizer = dir.join("tokenizer.json");
         Ok(Self {
             dir: dir.to_path_buf(),
             config,
             tokenizer: tokenizer.is_file().then_some(tokenizer),
-            maps,
+            sizes: maps,
+            files: opened,
             tensors,
         })
     }
@@ -309,7 +317,10 @@ impl HfDir {
             range.end
         );
         let width = if *dtype == StDtype::F32 { 4 } else { 2 };
-        let bytes = &self.maps[*file].1[start + width * range.start..start + width * range.end];
+        let (path, f) = &self.files[*file];
+        let mut bytes = vec![0u8; width * range.len()];
+        f.read_exact_at(&mut bytes, (start + width * range.start) as u64)
+            .with_context(|| format!("reading {}", path.display()))?;
         Ok(match dtype {
             StDtype::F32 => bytes
                 .chunks_exact(4)
@@ -340,12 +351,12 @@ impl ember_sharding::ParamSource for HfDir {
 
     fn fingerprint(&self) -> u64 {
         // The same directory on every rank: its files' sizes and names.
-        self.maps
+        self.sizes
             .iter()
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, (p, m)| {
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, (p, len)| {
                 p.to_string_lossy()
                     .bytes()
-                    .chain(m.len().to_le_bytes())
+                    .chain(len.to_le_bytes())
                     .fold(h, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
             })
     }

@@ -29,7 +29,7 @@ pub fn restore(path: &Path, device: &Device) -> Result<Restored> {
     let dir = checkpoint::locate(path)?;
     let loaded = checkpoint::load(&dir)?;
     let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))?;
-    let model_config = &loaded.manifest.train.model;
+    let model_config = &loaded.run.train.model;
     let model = model_config.init_with_seed(0, device);
     let values: HashMap<String, Tensor<1>> = loaded
         .tensors

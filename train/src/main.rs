@@ -288,30 +288,29 @@ fn train(args: TrainArgs) -> CliResult<()> {
             let dir = checkpoint::locate(path)?;
             // A sharded job reads only its ranges later; one process reads it whole now.
             let loaded = match &comm {
-                Some(_) => Resume::Sharded(dir.clone(), Box::new(checkpoint::read_manifest(&dir)?)),
+                Some(_) => {
+                    let manifest = checkpoint::read_manifest(&dir)?;
+                    let run = checkpoint::RunRecord::of(&manifest, &dir)?;
+                    Resume::Sharded(dir.clone(), manifest.step, Box::new(run))
+                }
                 None => Resume::Whole(Box::new(checkpoint::load(&dir)?)),
             };
-            let manifest = loaded.manifest();
-            let mut config = manifest.train.clone();
+            let (step, run) = loaded.position();
+            let mut config = run.train.clone();
             // A checkpoint continues where it lives (it may have been moved since), unless
             // --out-dir says otherwise.
             if let Some(parent) = dir.parent() {
                 config.out_dir = parent.to_path_buf();
             }
             config.apply(&settings, false)?;
-            if config.max_iters <= manifest.step {
+            if config.max_iters <= step {
                 return Err(usage(format!(
                     "--max-iters {} is not past the checkpoint's step {}: nothing to train; \
                      raise --max-iters",
-                    config.max_iters, manifest.step
+                    config.max_iters, step
                 )));
             }
-            log0!(
-                rank,
-                "resuming from {} (step {})",
-                dir.display(),
-                manifest.step
-            );
+            log0!(rank, "resuming from {} (step {step})", dir.display());
             (config, Some(loaded))
         }
         None => {
@@ -422,7 +421,7 @@ fn train(args: TrainArgs) -> CliResult<()> {
     if let Some(comm) = &comm {
         let shard = args.shard.resolve(comm.topology(), config.dtype)?;
         let from = match &loaded {
-            Some(Resume::Sharded(dir, _)) => Some(dir.as_path()),
+            Some(Resume::Sharded(dir, ..)) => Some(dir.as_path()),
             _ => None,
         };
 
@@ -460,14 +459,15 @@ fn train(args: TrainArgs) -> CliResult<()> {
 /// (a sharded job).
 enum Resume {
     Whole(Box<checkpoint::Loaded>),
-    Sharded(PathBuf, Box<checkpoint::Manifest>),
+    Sharded(PathBuf, u64, Box<checkpoint::RunRecord>),
 }
 
 impl Resume {
-    fn manifest(&self) -> &checkpoint::Manifest {
+    /// The checkpoint's step and ember's record in it.
+    fn position(&self) -> (u64, &checkpoint::RunRecord) {
         match self {
-            Resume::Whole(l) => &l.manifest,
-            Resume::Sharded(_, m) => m,
+            Resume::Whole(l) => (l.manifest.step, &l.run),
+            Resume::Sharded(_, step, run) => (*step, run),
         }
     }
 }
@@ -536,13 +536,13 @@ fn eval_cmd(args: EvalArgs) -> CliResult<()> {
     }
     let dev = burn::tensor::Device::flex();
     let r = generate::restore(&args.checkpoint, &dev)?;
-    let block = r.loaded.manifest.train.block_size;
+    let block = r.loaded.run.train.block_size;
     let ids: Vec<u32> = match &args.data {
         Some(path) => r.tokenizer.encode(&data::read_text("--data", path)?)?,
         None => {
-            let config = &r.loaded.manifest.train;
+            let config = &r.loaded.run.train;
             let prepared = data::load(config)?;
-            if prepared.tokenizer.sha256() != r.loaded.manifest.tokenizer_sha256 {
+            if prepared.tokenizer.sha256() != r.loaded.run.tokenizer_sha256 {
                 return Err(CliError::Runtime(anyhow::anyhow!(
                     "the run's data now tokenizes differently from when {} was saved; pass \
                      --data FILE to score a text with the checkpoint's own tokenizer",
@@ -633,8 +633,9 @@ fn reshard_cmd(args: ReshardArgs) -> CliResult<()> {
     }
     let dir = checkpoint::locate(&args.checkpoint)?;
     let manifest = checkpoint::read_manifest(&dir)?;
+    let run = checkpoint::RunRecord::of(&manifest, &dir)?;
     let comm = args.shard.init_comm()?;
-    let shard = args.shard.resolve(comm.topology(), manifest.train.dtype)?;
+    let shard = args.shard.resolve(comm.topology(), run.train.dtype)?;
     let out = sharded::reshard(&comm, &dir, &args.out, shard)?;
     log0!(
         comm.rank(),

@@ -4,7 +4,7 @@
 //! writes `metrics.jsonl` (with bytes per level and the communication wait share) and
 //! `loss.png`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -15,11 +15,11 @@ use ember_comm::{Comm, CommConfig, PanicPolicy, Topology, TopologySource};
 use ember_data::{Batch, BatchPlan, PreparedData, STREAM_TRAIN, STREAM_VAL, Sampler};
 use ember_sharding::plan::Levels;
 use ember_sharding::{
-    AdamConfig, Compute, GradQuant, Plan, ShardConfig, ShardError, ShardedModel, Span, StepHyper,
-    WeightQuant,
+    AdamConfig, Checkpoint, Compute, GradQuant, Plan, SaveOptions, ShardConfig, ShardedModel, Span,
+    StepHyper, WeightQuant,
 };
 
-use crate::checkpoint;
+use crate::checkpoint::RunRecord;
 use crate::config::{Dtype, TrainConfig};
 use crate::device::peak_flops;
 use crate::error::{CliResult, usage};
@@ -267,7 +267,7 @@ pub fn build<'c>(
     c: &TrainConfig,
     shard: ShardConfig,
     device: Device,
-    resume: Option<&checkpoint::Index>,
+    resume: Option<&Checkpoint>,
     init: Option<&mut HfDir>,
 ) -> Result<ShardedModel<'c, GptStages, 3>> {
     let skeleton = c.model.init_with_seed(c.seed, &device);
@@ -275,20 +275,8 @@ pub fn build<'c>(
         n_layer: c.model.n_layer,
     };
     Ok(match (resume, init) {
-        (Some(index), _) => {
-            check_tensors(c, index)?;
-            let mut source = checkpoint::Params(index);
-            let mut sharded =
-                ShardedModel::new(comm, stages, skeleton, shard, device, &mut source)?;
-            sharded.load_moments(index.adam_step, &mut |name, range| {
-                let read = |kind: &str| {
-                    index
-                        .read(kind, name, range.clone())
-                        .map_err(|e| ShardError::Source(format!("{e:#}")))
-                };
-                Ok([read("exp_avg")?, read("exp_avg_sq")?])
-            })?;
-            sharded
+        (Some(checkpoint), _) => {
+            ShardedModel::resume(comm, stages, skeleton, shard, device, checkpoint)?
         }
         (None, Some(hf)) => ShardedModel::new(comm, stages, skeleton, shard, device, hf)?,
         (None, None) => {
@@ -299,36 +287,6 @@ pub fn build<'c>(
             ShardedModel::new(comm, stages, skeleton, shard, device, &mut source)?
         }
     })
-}
-
-/// Refuses a checkpoint whose tensors are not this model's (every rank checks the same
-/// manifest alike, so every rank refuses together).
-fn check_tensors(c: &TrainConfig, index: &checkpoint::Index) -> Result<()> {
-    let expected: Vec<(String, Vec<usize>)> = crate::stages::gpt_units(&c.model)
-        .into_iter()
-        .flat_map(|u| u.params)
-        .collect();
-    let found: Vec<(String, Vec<usize>)> = index
-        .manifest
-        .tensors
-        .iter()
-        .map(|t| (t.name.clone(), t.shape.clone()))
-        .collect();
-    if let Some(((n, s), (m, t))) = expected.iter().zip(&found).find(|(a, b)| a != b) {
-        return Err(anyhow!(
-            "{}: tensor {m} {t:?} does not match this model's {n} {s:?}: the checkpoint is of \
-             another model configuration",
-            index.dir.display()
-        ));
-    }
-    ensure!(
-        expected.len() == found.len(),
-        "{}: {} tensors, this model has {}: the checkpoint is of another model configuration",
-        index.dir.display(),
-        found.len(),
-        expected.len()
-    );
-    Ok(())
 }
 
 /// The plan of `c`'s run with its activation estimate (what `ember plan` prints).
@@ -369,41 +327,55 @@ pub fn run(
     let c = config;
     let batch_plan = batch_plan(c, world, rank)?;
     let plan_bytes = run_plan(c, comm.topology(), shard.clone())?.memory(c.grad_accum);
-    let index = match resume {
+    let checkpoint = match resume {
         Some(dir) => {
-            let index = open_verified(comm, dir)?;
+            let (checkpoint, run) = open_verified(comm, dir)?;
             ensure!(
-                index.manifest.tokenizer_sha256 == data.tokenizer.sha256(),
+                run.tokenizer_sha256 == data.tokenizer.sha256(),
                 "{} was trained with another tokenizer than this data's; resume with the same \
                  --data and --tokenizer",
                 dir.display()
             );
-            Some(index)
+            Some((checkpoint, run))
         }
         None => None,
     };
-    let mut sharded = build(comm, c, shard, device, index.as_ref(), init)?;
-    let (first_step, mut tokens_seen) = match &index {
-        Some(index) => {
+    let mut sharded = build(
+        comm,
+        c,
+        shard,
+        device,
+        checkpoint.as_ref().map(|(k, _)| k),
+        init,
+    )?;
+    let (first_step, mut tokens_seen) = match &checkpoint {
+        Some((checkpoint, run)) => {
+            let m = checkpoint.manifest();
             log0!(
                 rank,
-                "resumed {} (step {}, saved by a job of {} ranks{}) into {} over {}",
-                index.dir.display(),
-                index.manifest.step,
-                index.manifest.world_size,
-                index
-                    .manifest
-                    .shard
+                "resumed {} (step {}, saved by a job of {} ranks{}) into {} over {}{}",
+                checkpoint.dir().display(),
+                m.step,
+                m.world_size,
+                m.shard
                     .as_ref()
                     .map_or(String::new(), |s| format!(" with {}", s.preset)),
                 sharded.plan().config.preset,
-                comm.topology()
+                comm.topology(),
+                match (
+                    sharded.plan().config.error_feedback,
+                    sharded.restored_residuals()
+                ) {
+                    (true, true) => "; error-feedback residuals restored",
+                    (true, false) => "; error-feedback residuals start at zero (another layout)",
+                    (false, _) => "",
+                }
             );
-            (index.manifest.step, index.manifest.data.tokens_seen)
+            (m.step, run.data.tokens_seen)
         }
         None => (0, 0),
     };
-    drop(index);
+    drop(checkpoint);
     let memory = plan_bytes;
     log0!(
         rank,
@@ -508,23 +480,18 @@ pub fn run(
     Ok(logged)
 }
 
-/// Opens a checkpoint on every rank (headers, sizes and layouts, which every rank checks
-/// alike) and verifies its files' checksums, each rank a share of the files. Any rank's
-/// failure (a missing or unreadable file, a bad checksum) fails every rank, naming the rank
-/// and the file: nothing is loaded.
-pub fn open_verified(comm: &Comm, dir: &Path) -> Result<checkpoint::Index> {
-    let (rank, world) = (comm.rank(), comm.topology().world_size());
-    let index = all_ok(comm, checkpoint::Index::open(dir))?;
-    let verified = checkpoint::verify_some(dir, &index.manifest, |i| i % world == rank)
-        .with_context(|| format!("nothing was loaded from {}", dir.display()));
-    all_ok(comm, verified)?;
-    Ok(index)
+/// Opens a checkpoint on every rank and verifies it (each rank a share of the checksums), with
+/// ember's record in it. Any rank's failure fails every rank, naming the rank and the file:
+/// nothing is loaded.
+pub fn open_verified(comm: &Comm, dir: &Path) -> Result<(Checkpoint, RunRecord)> {
+    let checkpoint = Checkpoint::open(comm, dir)?;
+    let run = RunRecord::of(checkpoint.manifest(), checkpoint.dir())?;
+    Ok((checkpoint, run))
 }
 
 /// Writes a checkpoint of step `step`: every writing rank its own shard file (no rank
-/// gathers the model), rank 0 the tokenizer and the manifest with every file's checksum,
-/// then the directory is renamed into place. Every rank must call it; a failure on any rank
-/// fails every rank and leaves earlier checkpoints untouched.
+/// gathers the model), rank 0 the tokenizer and the manifest. Every rank must call it; a
+/// failure on any rank fails every rank and leaves earlier checkpoints untouched.
 pub fn save(
     sharded: &ShardedModel<'_, GptStages, 3>,
     c: &TrainConfig,
@@ -532,143 +499,42 @@ pub fn save(
     tokens_seen: u64,
     tokenizer: &(PathBuf, String),
 ) -> Result<PathBuf> {
-    let comm = sharded.comm();
-    let rank = comm.rank();
-    // Every rank names the temporary directory after rank 0's process id.
-    let mut token = std::process::id().to_le_bytes();
-    comm.world().broadcast(&mut token, 0)?;
-    let token = u32::from_le_bytes(token);
-    let tmp = checkpoint::tmp_dir(&c.out_dir, step, token);
-    let begun = if rank == 0 {
-        checkpoint::begin(&c.out_dir, step, token).map(|_| ())
-    } else {
-        Ok(())
-    };
-    all_ok(comm, begun)?;
-    // Each writer: its file, then (size, SHA-256) to rank 0 in a fixed-size record.
-    const RECORD: usize = 1 + 8 + 64;
-    let mut record = [0u8; RECORD];
-    let written = if sharded.is_writer() {
-        write_own_shard(sharded, &tmp).map(Some)
-    } else {
-        Ok(None)
-    };
-    if let Some(entry) = all_ok(comm, written)? {
-        record[0] = 1;
-        record[1..9].copy_from_slice(&entry.bytes.to_le_bytes());
-        record[9..].copy_from_slice(entry.sha256.as_bytes());
-    }
-    let records = comm.world().all_gather(&record)?;
-    let finished = if rank == 0 {
-        let files = records
-            .chunks_exact(RECORD)
-            .enumerate()
-            .filter(|(_, r)| r[0] == 1)
-            .map(|(r, rec)| checkpoint::FileEntry {
-                path: checkpoint::shard_file_name(r),
-                bytes: u64::from_le_bytes(rec[1..9].try_into().expect("8 bytes")),
-                sha256: String::from_utf8_lossy(&rec[9..]).into_owned(),
-            })
-            .collect();
-        let manifest = manifest(sharded, c, step, tokens_seen, &tokenizer.1);
-        checkpoint::finish(&c.out_dir, &tmp, manifest, files, &tokenizer.0).and_then(|dir| {
-            if c.keep_last > 0 {
-                checkpoint::prune(&c.out_dir, c.keep_last as usize)?;
-            }
-            Ok(dir)
-        })
-    } else {
-        Ok(c.out_dir.join(checkpoint::step_dir_name(step)))
-    };
-    all_ok(
-        comm,
-        finished.with_context(|| {
-            format!(
-                "the checkpoint of step {step} was not completed; earlier checkpoints are untouched"
-            )
-        }),
-    )
-}
-
-/// This rank's shard file in `tmp`: every parameter range it owns, with the moments.
-fn write_own_shard(
-    sharded: &ShardedModel<'_, GptStages, 3>,
-    tmp: &Path,
-) -> Result<checkpoint::FileEntry> {
-    let numel: HashMap<&str, usize> = sharded
-        .plan()
-        .units
-        .iter()
-        .flat_map(|u| u.params.iter().map(|p| (p.name.as_str(), p.numel)))
-        .collect();
-    let mut entries = Vec::new();
-    sharded.for_each_piece(&mut |name, offset, values| {
-        let range = checkpoint::Range {
-            offset,
-            global_numel: numel[name],
-        };
-        entries.push((name.to_string(), range, values));
-        Ok(())
-    })?;
-    let shard = checkpoint::ShardData {
-        rank: sharded.comm().rank(),
-        entries,
-        adam_step: sharded.adam_step(),
-    };
-    let path = checkpoint::write_shard(tmp, &shard)?;
-    checkpoint::file_entry(&path)
-}
-
-/// The manifest of a sharded checkpoint.
-fn manifest(
-    sharded: &ShardedModel<'_, GptStages, 3>,
-    c: &TrainConfig,
-    step: u64,
-    tokens_seen: u64,
-    tokenizer_sha256: &str,
-) -> checkpoint::Manifest {
-    let plan = sharded.plan();
-    let tensors = plan
-        .units
-        .iter()
-        .flat_map(|u| u.params.iter())
-        .map(|p| checkpoint::TensorMeta {
-            name: p.name.clone(),
-            shape: p.shape.clone(),
-        })
-        .collect();
-    checkpoint::Manifest {
-        shard: Some(plan.config.clone()),
-        topology: Some(plan.topology.to_string()),
-        ..checkpoint::Manifest::new(
+    let options = SaveOptions {
+        app: RunRecord::new(
             c,
             step,
             tokens_seen,
-            plan.topology.world_size(),
             SHARDED_RNG_SCHEME,
-            tokenizer_sha256.to_string(),
-            tensors,
+            tokenizer.1.clone(),
         )
-    }
+        .app(),
+        files: vec![tokenizer.0.clone()],
+        keep_last: c.keep_last as usize,
+    };
+    ember_sharding::checkpoint::save(sharded, &c.out_dir, step, &options).with_context(|| {
+        format!(
+            "the checkpoint of step {step} was not completed; earlier checkpoints are untouched"
+        )
+    })
 }
 
 /// `ember reshard`: loads a checkpoint into this job's partition and writes it again under
 /// `out`, unchanged in value: the same step, weights, moments and data position. Every rank
 /// must call it; each reads only its own ranges.
 pub fn reshard(comm: &Comm, dir: &Path, out: &Path, shard: ShardConfig) -> Result<PathBuf> {
-    let index = open_verified(comm, dir)?;
-    let mut c = index.manifest.train.clone();
+    let (checkpoint, run) = open_verified(comm, dir)?;
+    let mut c = run.train.clone();
     c.out_dir = out.to_path_buf();
     let tokenizer = (
-        dir.join("tokenizer.json"),
-        index.manifest.tokenizer_sha256.clone(),
+        checkpoint.dir().join("tokenizer.json"),
+        run.tokenizer_sha256.clone(),
     );
-    let sharded = build(comm, &c, shard, Device::flex(), Some(&index), None)?;
+    let sharded = build(comm, &c, shard, Device::flex(), Some(&checkpoint), None)?;
     save(
         &sharded,
         &c,
-        index.manifest.step,
-        index.manifest.data.tokens_seen,
+        checkpoint.manifest().step,
+        run.data.tokens_seen,
         &tokenizer,
     )
 }

@@ -14,7 +14,7 @@ use ember_data::{BatchPlan, PreparedData, STREAM_TRAIN, STREAM_VAL, Sampler, Tok
 use ember_model::init::splitmix64;
 use ember_model::{Gpt, named_grads, named_tensors, replace_named};
 
-use crate::checkpoint::{self, Manifest, Range, ShardData, TensorMeta};
+use crate::checkpoint::{self, RunRecord, TensorMeta};
 use crate::config::{Dtype, TrainConfig};
 use crate::device::peak_flops;
 use crate::log0;
@@ -129,7 +129,7 @@ impl Trainer {
     }
 
     fn restore(&mut self, loaded: checkpoint::Loaded) -> Result<()> {
-        let m = &loaded.manifest;
+        let m = &loaded.run;
         ensure!(
             m.tokenizer_sha256 == self.data.tokenizer.sha256(),
             "{} was trained with another tokenizer than this data's (SHA-256 {} vs {}); \
@@ -165,7 +165,7 @@ impl Trainer {
             p.exp_avg_sq = flat(m2);
         }
         self.opt.step = loaded.adam_step;
-        self.step = m.step;
+        self.step = loaded.manifest.step;
         self.tokens_seen = m.data.tokens_seen;
         Ok(())
     }
@@ -292,26 +292,9 @@ impl Trainer {
         )
     }
 
-    /// Writes a checkpoint of the current state under the out dir.
+    /// Writes a checkpoint of the current state under the out dir, one parameter at a time.
     pub fn save(&self) -> Result<PathBuf> {
-        let entries = self
-            .opt
-            .params
-            .iter()
-            .map(|p| {
-                let v = |t: &Tensor<1>| t.to_data().convert::<f32>().try_to_vec::<f32>().unwrap();
-                let n = p.shape.iter().product();
-                (
-                    p.name.clone(),
-                    Range {
-                        offset: 0,
-                        global_numel: n,
-                    },
-                    [v(&p.master), v(&p.exp_avg), v(&p.exp_avg_sq)],
-                )
-            })
-            .collect();
-        let tensors = self
+        let tensors: Vec<TensorMeta> = self
             .opt
             .params
             .iter()
@@ -320,24 +303,24 @@ impl Trainer {
                 shape: p.shape.clone(),
             })
             .collect();
-        let manifest = Manifest::new(
+        let run = RunRecord::new(
             &self.config,
             self.step,
             self.tokens_seen,
-            1,
             RNG_SCHEME,
             self.data.tokenizer.sha256(),
-            tensors,
         );
-        let shard = ShardData {
-            rank: 0,
-            entries,
-            adam_step: self.opt.step,
-        };
-        checkpoint::save(
+        let v = |t: &Tensor<1>| t.to_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+        checkpoint::save_whole(
             &self.config.out_dir,
-            manifest,
-            &[shard],
+            self.step,
+            &run,
+            self.opt.step,
+            &tensors,
+            &mut |i| {
+                let p = &self.opt.params[i];
+                [v(&p.master), v(&p.exp_avg), v(&p.exp_avg_sq)]
+            },
             &self.data.dir.join("tokenizer.json"),
         )
     }
