@@ -142,6 +142,8 @@ pub(crate) struct Core {
     counters: Mutex<Counters>,
     topology: Topology,
     rank: usize,
+    /// Ranks sharing this rank's memory.
+    node_ranks: usize,
     world: SimpleCommunicator,
     _universe: Universe,
 }
@@ -218,6 +220,9 @@ impl Comm {
         let world = universe.world();
         let rank = world.rank() as usize;
         let world_size = world.size() as usize;
+        // The ranks sharing this rank's memory, whatever the topology says (a pre-flight
+        // memory check needs the real count).
+        let node_ranks = world.split_shared(world.rank()).size() as usize;
         let topology = match config.topology {
             TopologySource::Explicit(t) => t,
             TopologySource::Detect { gcds_per_gpu } => detect(&world, gcds_per_gpu)?,
@@ -262,6 +267,7 @@ impl Comm {
             counters: Mutex::new(Counters::default()),
             topology,
             rank,
+            node_ranks,
             world,
             _universe: universe,
         });
@@ -286,6 +292,11 @@ impl Comm {
     /// This rank's number in the world.
     pub fn rank(&self) -> usize {
         self.core.rank
+    }
+
+    /// How many ranks of the job share this rank's machine (its shared-memory domain).
+    pub fn ranks_on_this_node(&self) -> usize {
+        self.core.node_ranks
     }
 
     /// The resolved topology.

@@ -3,8 +3,14 @@
 //!
 //! ```text
 //! cargo build --release -p ember-sharding --example mlp
-//! mpirun -np 4 --oversubscribe target/release/examples/mlp --shard zero3 --topology 2x2x1
+//! mpirun -np 4 --oversubscribe target/release/examples/mlp --shard zero3 --topology 2x2x1 \
+//!   --steps 150 --save /tmp/mlp
+//! mpirun -np 2 --oversubscribe target/release/examples/mlp --shard hier3 --topology 1x2x1 \
+//!   --steps 300 --resume /tmp/mlp
 //! ```
+//!
+//! The second job continues the first's checkpoint at another world size and preset (each
+//! rank reads only the ranges it owns there).
 //!
 //! The model's code knows nothing of sharding: the user writes only `MlpStages` (which
 //! layers form a unit and how a unit runs) and an initialiser that can draw any range of any
@@ -12,13 +18,17 @@
 //! `LinearConfig::init` makes lazy parameters, so the skeleton allocates nothing: each rank
 //! draws only the elements it owns.
 
+use std::path::PathBuf;
+
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor, TensorData};
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
+
 use ember_sharding::{
-    AdamConfig, Flow, FnSource, ShardConfig, ShardError, ShardedModel, Staged, StepHyper, UnitDecl,
+    AdamConfig, Checkpoint, Flow, FnSource, SaveOptions, ShardConfig, ShardError, ShardedModel,
+    Staged, StepHyper, UnitDecl,
 };
 
 /// An ordinary Burn model.
@@ -129,30 +139,63 @@ impl Staged<2> for MlpStages {
     }
 }
 
-/// Trains the MLP for `steps` with a global batch of `batch` points; returns the first and
-/// last step's loss (the same on every rank).
-pub fn train(
-    comm: &Comm,
-    preset: &str,
-    steps: u64,
-    batch: usize,
-) -> Result<(f64, f64), ShardError> {
+/// What one training run does: its steps, and where it resumes from and saves to.
+#[derive(Debug, Clone, Default)]
+pub struct Run {
+    /// The sharding preset.
+    pub preset: String,
+    /// Steps to train to (from 0, or from the resumed checkpoint's step).
+    pub steps: u64,
+    /// Points per step, over all ranks.
+    pub batch: usize,
+    /// A checkpoint (of any world size and preset) to continue.
+    pub resume: Option<PathBuf>,
+    /// A directory to save a checkpoint of the last step into.
+    pub save: Option<PathBuf>,
+}
+
+/// The record this example keeps in its checkpoints' manifests.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Record {
+    seed: u64,
+}
+
+/// Trains the MLP as `run` says; returns every step's loss from where it started (the same on
+/// every rank).
+pub fn train(comm: &Comm, run: &Run) -> Result<Vec<(u64, f64)>, ShardError> {
     let device = Device::flex();
     // A skeleton: Burn's Linear parameters are lazy, and nothing here reads them.
     let model = Mlp::new(64, &device);
-    let config = ShardConfig::preset(preset, comm.topology().depth())?;
+    let config = ShardConfig::preset(&run.preset, comm.topology().depth())?;
     let seed = 7;
-    let mut source = FnSource::new(seed, |name: &str, shape: &[usize], range| {
-        Ok(init(seed, name, shape, range))
-    });
-    let mut sharded = ShardedModel::new(comm, MlpStages, model, config, device, &mut source)?;
+    let mut sharded = match &run.resume {
+        Some(dir) => {
+            let checkpoint = Checkpoint::open(comm, dir)?;
+            let record: Record = checkpoint.manifest().app_record()?;
+            if record.seed != seed {
+                return Err(ShardError::Config(format!(
+                    "{} was trained with seed {}",
+                    dir.display(),
+                    record.seed
+                )));
+            }
+            ShardedModel::resume(comm, MlpStages, model, config, device, &checkpoint)?
+        }
+        None => {
+            let mut source = FnSource::new(seed, |name: &str, shape: &[usize], range| {
+                Ok(init(seed, name, shape, range))
+            });
+            ShardedModel::new(comm, MlpStages, model, config, device, &mut source)?
+        }
+    };
     let world = comm.topology().world_size();
-    if !batch.is_multiple_of(world) {
+    if !run.batch.is_multiple_of(world) {
         return Err(ShardError::Config(format!(
-            "batch {batch} does not split over {world} ranks"
+            "batch {} does not split over {world} ranks",
+            run.batch
         )));
     }
-    let share = batch / world;
+    let share = run.batch / world;
     let hyper = StepHyper {
         lr: 1e-2,
         grad_clip: 1.0,
@@ -164,15 +207,13 @@ pub fn train(
         },
         dropout_seed: None,
     };
-    let (mut first, mut last) = (f64::NAN, f64::NAN);
-    for step in 0..steps {
+    let mut losses = Vec::new();
+    // Adam's step count is the number of steps taken, so a resumed run continues its data.
+    for step in sharded.adam_step()..run.steps {
         let points = Points::draw(step, (comm.rank() * share) as u64, share);
         let report = sharded.train_step(&[points], &hyper)?;
-        if step == 0 {
-            first = report.loss;
-        }
-        last = report.loss;
-        if comm.rank() == 0 && (step % 50 == 0 || step + 1 == steps) {
+        losses.push((step, report.loss));
+        if comm.rank() == 0 && (step % 50 == 0 || step + 1 == run.steps) {
             println!(
                 "step {step:>4} loss {:.5}  ({} bytes sent this step)",
                 report.loss,
@@ -184,7 +225,20 @@ pub fn train(
             );
         }
     }
-    Ok((first, last))
+    if let Some(dir) = &run.save {
+        let options = SaveOptions {
+            app: match serde_json::to_value(Record { seed }) {
+                Ok(serde_json::Value::Object(map)) => map,
+                _ => unreachable!("a struct serialises to an object"),
+            },
+            ..SaveOptions::default()
+        };
+        let saved = ember_sharding::checkpoint::save(&sharded, dir, run.steps, &options)?;
+        if comm.rank() == 0 {
+            println!("saved {}", saved.display());
+        }
+    }
+    Ok(losses)
 }
 
 #[allow(dead_code)] // `main` is unused when the test includes this file as a module.
@@ -205,13 +259,19 @@ fn main() {
         },
         None => TopologySource::Detect { gcds_per_gpu: None },
     };
-    let preset = flag("--shard").unwrap_or_else(|| "zero3".into());
+    let run = Run {
+        preset: flag("--shard").unwrap_or_else(|| "zero3".into()),
+        steps: flag("--steps").and_then(|s| s.parse().ok()).unwrap_or(300),
+        batch: 64,
+        resume: flag("--resume").map(PathBuf::from),
+        save: flag("--save").map(PathBuf::from),
+    };
     let result = Comm::init(CommConfig {
         topology,
         ..CommConfig::default()
     })
     .map_err(ShardError::from)
-    .and_then(|comm| train(&comm, &preset, 300, 64));
+    .and_then(|comm| train(&comm, &run));
     if let Err(e) = result {
         eprintln!("error: {e}");
         std::process::exit(1);

@@ -265,12 +265,14 @@ impl Plan {
                     let needs = &self.units[v.stage].needs;
                     let a = &act[v.stage];
                     let graph = if v.backward {
-                        // Recompute with autodiff, the upstream gradient, and autodiff's
+                        // The recompute with autodiff, then backward's gradients of those
+                        // activations (a unit's own graph is all of it, so they add up: about
+                        // twice `saved`, measured), the upstream gradient, and autodiff's
                         // parameter gradients beside the flat ones being assembled.
                         for &u in needs {
                             work[u] = 4 * padded(u);
                         }
-                        a.saved + a.output + needs.iter().map(|&u| 4 * padded(u)).sum::<u64>()
+                        2 * a.saved + a.output + needs.iter().map(|&u| 4 * padded(u)).sum::<u64>()
                     } else {
                         a.saved + a.output
                     };
@@ -302,10 +304,21 @@ impl Plan {
                     }
                 }
                 Event::Whole { .. } => {
-                    let graph: u64 = act.iter().map(|a| a.saved + a.output).sum::<u64>()
-                        + sum(&|u| 8 * padded(u));
+                    // One graph: backward frees each unit's activations as it produces that
+                    // unit's gradients, so the peak is the larger of the activations and the
+                    // gradients at the end (whole unit buffers are assembled one unit at a
+                    // time; with unpartitioned gradients they are the step's `grads`).
+                    let acts: u64 = act.iter().map(|a| a.saved + a.output).sum();
+                    let largest = (0..k).map(padded).max().unwrap_or(0);
+                    let grads_built = 4 * largest
+                        + if cfg.shard_grads {
+                            sum(&|u| 4 * padded(u))
+                        } else {
+                            0
+                        };
+                    let graph = acts.max(grads_built);
                     let w = working(gathered, &work, &reducing, boundaries);
-                    note(graph, graph, gathered, w);
+                    note(graph, acts, gathered, w);
                     if cfg.shard_grads {
                         for (u, w) in work.iter_mut().enumerate() {
                             *w = 4 * padded(u);

@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 use ember_train::config::{TrainConfig, TrainOverrides};
 use ember_train::error::{CliError, CliResult, usage};
 use ember_train::sharded::{self, ShardArgs};
-use ember_train::{bench, checkpoint, data, device, eval, generate, log0, plot, trainer};
+use ember_train::{bench, checkpoint, data, device, eval, generate, log0, planning, plot, trainer};
 
 /// Train GPT models in Rust, single-process or sharded (see README.md).
 #[derive(Debug, Parser)]
@@ -95,6 +95,10 @@ struct TrainArgs {
     /// Continue from a checkpoint directory, or the latest checkpoint of an out dir
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Start even when the plan says the run needs more memory than this machine has
+    /// available
+    #[arg(long)]
+    no_memory_check: bool,
     /// Start from the weights of a Hugging Face GPT-2 directory (config.json,
     /// model.safetensors or its index, tokenizer.json), e.g. one `ember export` wrote
     #[arg(long, conflicts_with = "resume")]
@@ -287,14 +291,11 @@ fn train(args: TrainArgs) -> CliResult<()> {
             }
             let dir = checkpoint::locate(path)?;
             // A sharded job reads only its ranges later; one process reads it whole now.
-            let loaded = match &comm {
-                Some(_) => {
-                    let manifest = checkpoint::read_manifest(&dir)?;
-                    let run = checkpoint::RunRecord::of(&manifest, &dir)?;
-                    Resume::Sharded(dir.clone(), manifest.step, Box::new(run))
-                }
-                None => Resume::Whole(Box::new(checkpoint::load(&dir)?)),
-            };
+            // Only the manifest now: the state is read after the memory check (whole by one
+            // process, range by range by a sharded job).
+            let manifest = checkpoint::read_manifest(&dir)?;
+            let run = checkpoint::RunRecord::of(&manifest, &dir)?;
+            let loaded = Resume::At(dir.clone(), manifest.step, Box::new(run));
             let (step, run) = loaded.position();
             let mut config = run.train.clone();
             // A checkpoint continues where it lives (it may have been moved since), unless
@@ -420,22 +421,36 @@ fn train(args: TrainArgs) -> CliResult<()> {
     let out_dir = config.out_dir.clone();
     if let Some(comm) = &comm {
         let shard = args.shard.resolve(comm.topology(), config.dtype)?;
-        let from = match &loaded {
-            Some(Resume::Sharded(dir, ..)) => Some(dir.as_path()),
-            _ => None,
-        };
-
         // A global batch that does not split over the ranks is a usage error (exit 2).
         sharded::batch_plan(&config, comm.topology().world_size(), rank)
             .map_err(|e| usage(e.to_string()))?;
+        let plan = sharded::run_plan(&config, comm.topology(), shard.clone())?;
+        let checked = planning::check_memory(
+            &plan.memory(config.grad_accum),
+            comm.ranks_on_this_node(),
+            args.no_memory_check,
+            planning::fitting_presets(&config, comm.topology()),
+        );
+        sharded::all_ok(comm, checked).map_err(|e| usage(format!("{e:#}")))?;
+        let from = loaded.as_ref().map(Resume::dir);
         sharded::run(comm, &config, shard, dev, &prepared, from, init.as_mut())?;
         if rank != 0 {
             return Ok(());
         }
     } else {
-        let loaded = match loaded {
-            Some(Resume::Whole(l)) => Some(*l),
-            _ => None,
+        let one = ember_comm::Topology::parse("1").expect("a world of one");
+        let whole = ember_sharding::ShardConfig::preset("ddp", one.depth())?;
+        let plan = sharded::run_plan(&config, &one, whole)?;
+        planning::check_memory(
+            &plan.memory(config.grad_accum),
+            1,
+            args.no_memory_check,
+            |_| Vec::new(),
+        )
+        .map_err(|e| usage(format!("{e:#}")))?;
+        let loaded = match &loaded {
+            Some(r) => Some(checkpoint::load(r.dir())?),
+            None => None,
         };
         let mut t = trainer::Trainer::new(config, dev, prepared, loaded)?;
         if let Some(hf) = &init {
@@ -458,16 +473,21 @@ fn train(args: TrainArgs) -> CliResult<()> {
 /// The checkpoint a run continues: read whole (one process) or opened later range by range
 /// (a sharded job).
 enum Resume {
-    Whole(Box<checkpoint::Loaded>),
-    Sharded(PathBuf, u64, Box<checkpoint::RunRecord>),
+    At(PathBuf, u64, Box<checkpoint::RunRecord>),
 }
 
 impl Resume {
     /// The checkpoint's step and ember's record in it.
     fn position(&self) -> (u64, &checkpoint::RunRecord) {
         match self {
-            Resume::Whole(l) => (l.manifest.step, &l.run),
-            Resume::Sharded(_, step, run) => (*step, run),
+            Resume::At(_, step, run) => (*step, run),
+        }
+    }
+
+    /// The checkpoint directory.
+    fn dir(&self) -> &std::path::Path {
+        match self {
+            Resume::At(dir, ..) => dir,
         }
     }
 }

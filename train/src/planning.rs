@@ -251,3 +251,75 @@ pub fn render(r: &PlanReport, profile: &Profile) -> String {
     );
     out
 }
+
+/// Refuses a run whose plan does not fit this machine: the plan's per-rank total times the
+/// `ranks` on this machine, against the memory the OS says is available. The error gives both
+/// numbers and a way out (`fitting(budget per rank)` names sharding presets whose plan fits).
+/// With `skip` (`--no-memory-check`) it only checks nothing.
+pub fn check_memory(
+    memory: &Memory,
+    ranks: usize,
+    skip: bool,
+    fitting: impl FnOnce(u64) -> Vec<String>,
+) -> anyhow::Result<()> {
+    let Some(available) = ember_sharding::memory::available() else {
+        return Ok(());
+    };
+    let per_rank = memory.total();
+    let need = per_rank.saturating_mul(ranks as u64);
+    if skip || need <= available {
+        return Ok(());
+    }
+    let gb = |b: u64| b as f64 / 1e9;
+    let fits = fitting(available / ranks.max(1) as u64);
+    let way_out = if fits.is_empty() {
+        "run on more ranks (more machines), or shrink the model, the batch or --block-size, or \
+         use --dtype bf16"
+            .to_string()
+    } else {
+        format!("{} would fit", fits.join(", "))
+    };
+    Err(anyhow::anyhow!(
+        "the run needs about {:.2} GB per rank (ember plan) x {ranks} rank{} on this machine = \
+         {:.2} GB, but {:.2} GB are available: {way_out}; or pass --no-memory-check to start \
+         anyway",
+        gb(per_rank),
+        if ranks == 1 { "" } else { "s" },
+        gb(need),
+        gb(available)
+    ))
+}
+
+/// The sharding presets whose plan for `config` over `topology` fits in `budget` bytes per
+/// rank, as `--shard NAME (X GB per rank)`.
+pub fn fitting_presets(
+    config: &crate::config::TrainConfig,
+    topology: &Topology,
+) -> impl FnOnce(u64) -> Vec<String> {
+    let config = config.clone();
+    let topology = topology.clone();
+    move |budget| {
+        ember_sharding::PRESETS
+            .iter()
+            .filter_map(|name| {
+                let mut shard = ShardConfig::preset(name, topology.depth()).ok()?;
+                shard.compute = match config.dtype {
+                    crate::config::Dtype::F32 => ember_sharding::Compute::F32,
+                    crate::config::Dtype::Bf16 => ember_sharding::Compute::Bf16,
+                };
+                let plan = gpt_plan(
+                    &config.model,
+                    &topology,
+                    shard,
+                    config.batch_size,
+                    config.grad_accum,
+                    config.block_size,
+                )
+                .ok()?;
+                let total = plan.memory(config.grad_accum).total();
+                (total <= budget)
+                    .then(|| format!("--shard {name} ({:.2} GB per rank)", total as f64 / 1e9))
+            })
+            .collect()
+    }
+}

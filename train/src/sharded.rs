@@ -312,6 +312,20 @@ pub fn rss_peaks(comm: &Comm) -> Result<Vec<u64>> {
         .collect())
 }
 
+/// Makes freed buffers of 1 MiB and more go back to the OS at once (glibc: a fixed
+/// `M_MMAP_THRESHOLD`, which also stops glibc from raising the threshold as large blocks are
+/// freed). A sharded step allocates and frees whole units of many megabytes; with glibc's
+/// sliding threshold they land in the heap, and its holes kept each rank of gpt2-large at
+/// 8 ranks 0.3 GB (17%) above its plan (measured: 2.14 GB against 1.76 GB with the fixed
+/// threshold, plan 1.84 GB).
+pub fn return_large_frees_to_the_os() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `mallopt` only sets an allocator parameter; no allocation is in flight.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
+}
+
 /// Trains `config` sharded per `shard` over `comm` until `max_iters`.
 pub fn run(
     comm: &Comm,
@@ -326,6 +340,7 @@ pub fn run(
     let world = comm.topology().world_size();
     let c = config;
     let batch_plan = batch_plan(c, world, rank)?;
+    return_large_frees_to_the_os();
     let plan_bytes = run_plan(c, comm.topology(), shard.clone())?.memory(c.grad_accum);
     let checkpoint = match resume {
         Some(dir) => {
