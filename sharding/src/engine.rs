@@ -123,6 +123,9 @@ pub struct StepReport {
     /// This process's resident memory as the OS reports it at the end of the step (its peak
     /// covers the whole run so far).
     pub resident: Resident,
+    /// Bytes in use on the device's own memory at the end of the step, where the backend
+    /// reports them (CubeCL devices); `None` where the device's memory is host memory.
+    pub device_bytes: Option<u64>,
     /// Bytes of the secondary copies held during the step.
     pub secondary_bytes: u64,
 }
@@ -628,6 +631,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             step_s: start.elapsed().as_secs_f64(),
             traffic: self.comm.take_counters(),
             resident: memory::resident(),
+            device_bytes: memory::device_bytes_in_use(&self.device),
             secondary_bytes: finished.secondary_bytes,
         })
     }

@@ -12,6 +12,8 @@
 
 pub mod checkpoint;
 pub mod config;
+#[cfg(feature = "wgpu")]
+mod cube;
 pub mod engine;
 pub mod error;
 mod kernels;

@@ -48,6 +48,17 @@ pub fn available() -> Option<u64> {
         .and_then(kib)
 }
 
+/// Bytes in use on `device`'s own memory, where its backend reports them (CubeCL devices, with
+/// the `wgpu` feature); `None` on host backends, whose memory is the resident set above.
+pub fn device_bytes_in_use(device: &burn::tensor::Device) -> Option<u64> {
+    #[cfg(feature = "wgpu")]
+    if let Some(b) = crate::cube::device_bytes_in_use(device) {
+        return Some(b);
+    }
+    let _ = device;
+    None
+}
+
 /// Parses `"   12345 kB"` into bytes.
 fn kib(rest: &str) -> Option<u64> {
     let mut parts = rest.split_whitespace();

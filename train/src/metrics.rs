@@ -49,6 +49,10 @@ pub struct StepMetrics {
     /// (`VmHWM`), rank 0 first.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub rss_peak_bytes: Option<Vec<u64>>,
+    /// Bytes in use on each rank's device memory (rank 0 first), where the backend reports
+    /// them (wgpu); absent on CPU backends, whose memory is the resident set.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub device_bytes: Option<Vec<u64>>,
     /// Sharded runs: the plan's prediction of what one rank holds at its peak, in bytes.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub plan_bytes: Option<u64>,

@@ -304,7 +304,11 @@ pub fn run_plan(c: &TrainConfig, topology: &Topology, shard: ShardConfig) -> Res
 
 /// Peak resident memory of every rank (rank 0 first), gathered to all.
 pub fn rss_peaks(comm: &Comm) -> Result<Vec<u64>> {
-    let mine = ember_sharding::memory::resident().peak;
+    gather_u64(comm, ember_sharding::memory::resident().peak)
+}
+
+/// Every rank's `mine` (rank 0 first), gathered to all.
+fn gather_u64(comm: &Comm, mine: u64) -> Result<Vec<u64>> {
     let all = comm.world().all_gather(&mine.to_le_bytes())?;
     Ok(all
         .chunks_exact(8)
@@ -455,6 +459,10 @@ pub fn run(
                 comm_bytes: Some(traffic_by_name(comm, &report.traffic)),
                 comm_wait_frac: Some(report.comm_wait_s / report.step_s.max(1e-9)),
                 rss_peak_bytes: Some(rss_peaks(comm)?),
+                device_bytes: match report.device_bytes {
+                    Some(b) => Some(gather_u64(comm, b)?),
+                    None => None,
+                },
                 plan_bytes: Some(plan_bytes.total()),
             };
             if let Some(w) = writer.as_mut() {

@@ -367,6 +367,8 @@ impl Trainer {
                     comm_bytes: None,
                     comm_wait_frac: None,
                     rss_peak_bytes: Some(vec![ember_sharding::memory::resident().peak]),
+                    device_bytes: ember_sharding::memory::device_bytes_in_use(&self.device)
+                        .map(|b| vec![b]),
                     plan_bytes: None,
                 };
                 writer.write(&m)?;

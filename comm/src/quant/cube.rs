@@ -9,6 +9,7 @@
 //! them in constant expressions).
 
 use cubecl::prelude::*;
+pub use cubecl::server::Handle;
 
 use super::{BlockSize, QuantFormat, QuantKernels, Quantized};
 
@@ -170,13 +171,79 @@ impl CubeKernels {
         }
     }
 
-    fn dequantize_parts(&self, parts: &[Quantized]) -> Vec<f32> {
+    /// Quantizes the `len` f32 values of `input`, a buffer on this client, blockwise. Only the
+    /// packed values and the scales come back to the host: the bytes a collective sends.
+    pub fn quantize_device(
+        &self,
+        input: Handle,
+        len: usize,
+        format: QuantFormat,
+        block: BlockSize,
+    ) -> Quantized {
+        if len == 0 {
+            return Quantized {
+                format,
+                block,
+                len: 0,
+                data: Vec::new(),
+                scales: Vec::new(),
+            };
+        }
+        let n_scales = len.div_ceil(block.get());
+        let n_words = words(format, len);
+        let client = &self.client;
+        let scales_h = client.empty(n_scales * 4);
+        let out_h = client.empty(n_words * 4);
+        let qmax = format.qmax() as u32;
+        // SAFETY: every index the kernels read or write is bounds-checked against the buffer
+        // lengths passed alongside the handles, which are the handles' true lengths.
+        unsafe {
+            block_scales::launch_unchecked(
+                client,
+                cube_count(n_scales),
+                CubeDim::new_1d(CUBE_DIM),
+                BufferArg::from_raw_parts(input.clone(), len),
+                BufferArg::from_raw_parts(scales_h.clone(), n_scales),
+                block.get(),
+                qmax,
+            );
+            quantize_pack::launch_unchecked(
+                client,
+                cube_count(n_words),
+                CubeDim::new_1d(CUBE_DIM),
+                BufferArg::from_raw_parts(input, len),
+                BufferArg::from_raw_parts(scales_h.clone(), n_scales),
+                BufferArg::from_raw_parts(out_h.clone(), n_words),
+                block.get(),
+                qmax,
+                width(format),
+            );
+        }
+        let scales = u32::from_bytes(&client.read_one_unchecked(scales_h))
+            .iter()
+            .map(|&b| f32::from_bits(b))
+            .collect();
+        let mut data = client.read_one_unchecked(out_h).to_vec();
+        data.truncate(format.data_bytes(len));
+        Quantized {
+            format,
+            block,
+            len,
+            data,
+            scales,
+        }
+    }
+
+    /// Writes the element-wise sum of the dequantized `parts` (same format, block and length
+    /// `len`), added in part order from zero, into `out`, a buffer of `len` f32 on this client.
+    /// Only the received bytes go to the device.
+    pub fn dequantize_sum_device(&self, parts: &[Quantized], out: Handle) {
         let Some(first) = parts.first() else {
-            return Vec::new();
+            return;
         };
         let (format, block, len) = (first.format, first.block, first.len);
         if len == 0 {
-            return Vec::new();
+            return;
         }
         let mut data = Vec::new();
         let mut scales = Vec::new();
@@ -191,9 +258,7 @@ impl CubeKernels {
         let client = &self.client;
         let data_h = client.create_from_slice(u32::as_bytes(&data));
         let scales_h = client.create_from_slice(u32::as_bytes(&scales));
-        let out_h = client.empty(len * 4);
-        // SAFETY: every index the kernel reads or writes is bounds-checked against the buffer
-        // lengths passed alongside the handles, which are the handles' true lengths.
+        // SAFETY: as in `quantize_device`.
         unsafe {
             dequantize_sum_kernel::launch_unchecked(
                 client,
@@ -201,13 +266,22 @@ impl CubeKernels {
                 CubeDim::new_1d(CUBE_DIM),
                 BufferArg::from_raw_parts(data_h, data.len()),
                 BufferArg::from_raw_parts(scales_h, scales.len()),
-                BufferArg::from_raw_parts(out_h.clone(), len),
+                BufferArg::from_raw_parts(out, len),
                 parts.len(),
                 block.get(),
                 width(format),
             );
         }
-        f32::from_bytes(&client.read_one_unchecked(out_h)).to_vec()
+    }
+
+    fn dequantize_parts(&self, parts: &[Quantized]) -> Vec<f32> {
+        let len = parts.first().map_or(0, |p| p.len);
+        if len == 0 {
+            return Vec::new();
+        }
+        let out_h = self.client.empty(len * 4);
+        self.dequantize_sum_device(parts, out_h.clone());
+        f32::from_bytes(&self.client.read_one_unchecked(out_h)).to_vec()
     }
 }
 
@@ -217,59 +291,11 @@ impl QuantKernels for CubeKernels {
     }
 
     fn quantize(&self, x: &[f32], format: QuantFormat, block: BlockSize) -> Quantized {
-        let n_scales = x.len().div_ceil(block.get());
-        let n_words = words(format, x.len());
         if x.is_empty() {
-            return Quantized {
-                format,
-                block,
-                len: 0,
-                data: Vec::new(),
-                scales: Vec::new(),
-            };
+            return self.quantize_device(self.client.empty(4), 0, format, block);
         }
-        let client = &self.client;
-        let input = client.create_from_slice(f32::as_bytes(x));
-        let scales_h = client.empty(n_scales * 4);
-        let out_h = client.empty(n_words * 4);
-        let qmax = format.qmax() as u32;
-        // SAFETY: as in `dequantize_parts`.
-        unsafe {
-            block_scales::launch_unchecked(
-                client,
-                cube_count(n_scales),
-                CubeDim::new_1d(CUBE_DIM),
-                BufferArg::from_raw_parts(input.clone(), x.len()),
-                BufferArg::from_raw_parts(scales_h.clone(), n_scales),
-                block.get(),
-                qmax,
-            );
-            quantize_pack::launch_unchecked(
-                client,
-                cube_count(n_words),
-                CubeDim::new_1d(CUBE_DIM),
-                BufferArg::from_raw_parts(input, x.len()),
-                BufferArg::from_raw_parts(scales_h.clone(), n_scales),
-                BufferArg::from_raw_parts(out_h.clone(), n_words),
-                block.get(),
-                qmax,
-                width(format),
-            );
-        }
-        let scales = u32::from_bytes(&client.read_one_unchecked(scales_h))
-            .iter()
-            .map(|&b| f32::from_bits(b))
-            .collect();
-        let words = client.read_one_unchecked(out_h);
-        let mut data = words.to_vec();
-        data.truncate(format.data_bytes(x.len()));
-        Quantized {
-            format,
-            block,
-            len: x.len(),
-            data,
-            scales,
-        }
+        let input = self.client.create_from_slice(f32::as_bytes(x));
+        self.quantize_device(input, x.len(), format, block)
     }
 
     fn dequantize(&self, q: &Quantized) -> Vec<f32> {

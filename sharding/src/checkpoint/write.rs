@@ -294,7 +294,14 @@ pub fn save<S: Staged<D>, const D: usize>(
         let residuals = write_residuals(sharded, &tmp.join(residual_file_name(rank)))?;
         Ok([shard, residuals])
     })();
-    let written = agree(comm, written)?;
+    // Once every rank is past its writes, a failed save leaves no partial directory behind.
+    let discard = |e: ShardError| {
+        if rank == 0 {
+            let _ = fs::remove_dir_all(&tmp);
+        }
+        e
+    };
+    let written = agree(comm, written).map_err(discard)?;
     // Two fixed-size records per rank to rank 0: (present, size, SHA-256).
     const RECORD: usize = 1 + 8 + 64;
     let mut records = [0u8; 2 * RECORD];
@@ -349,7 +356,7 @@ pub fn save<S: Staged<D>, const D: usize>(
     } else {
         Ok(out_dir.join(step_dir_name(step)))
     };
-    agree(comm, finished)
+    agree(comm, finished).map_err(discard)
 }
 
 /// Writes the optimizer-shard file of one process that holds every parameter whole (a

@@ -1,0 +1,109 @@
+//! The CubeCL quantization kernels of `ember-comm` on the buffers of Burn tensors that live on
+//! a CubeCL device (wgpu; CUDA and ROCm the same way): quantizing reads the tensor where it
+//! is and brings back only the packed bytes and scales a collective sends; dequantizing takes
+//! received bytes to the device and writes a new tensor there. Every function answers `None`
+//! for a tensor or device of another backend, which the host kernels then serve.
+
+use burn::tensor::{DType, Device, Tensor};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::tensor::CubeTensor;
+use ember_comm::quant::cube::CubeKernels;
+use ember_comm::quant::{BlockSize, QuantFormat, Quantized};
+
+/// `t`'s CubeCL primitive, contiguous, and its element count; `None` off CubeCL.
+fn primitive(t: &Tensor<1>) -> Option<(CubeTensor, usize)> {
+    let n = t.dims()[0];
+    let p = t.clone().try_into_primitive::<CubeBackend>().ok()?;
+    Some((burn_cubecl::kernel::into_contiguous(p), n))
+}
+
+fn kernels(t: &CubeTensor) -> CubeKernels {
+    CubeKernels::on(t.client.clone(), "burn")
+}
+
+/// `x` (f32) quantized on its device.
+pub(crate) fn quantize(x: &Tensor<1>, format: QuantFormat, block: BlockSize) -> Option<Quantized> {
+    let (p, n) = primitive(x)?;
+    Some(kernels(&p).quantize_device(p.handle.clone(), n, format, block))
+}
+
+/// A new f32 tensor of `len` elements on `device` and its CubeCL primitive; `None` off CubeCL.
+fn output(len: usize, device: &Device) -> Option<CubeTensor> {
+    Tensor::<1>::empty([len], (device, DType::F32))
+        .try_into_primitive::<CubeBackend>()
+        .ok()
+}
+
+/// The sum of the dequantized `parts`, written on `device`.
+pub(crate) fn dequantize_sum(parts: &[Quantized], device: &Device) -> Option<Tensor<1>> {
+    let len = parts.first().map_or(0, |p| p.len);
+    let out = output(len, device)?;
+    if len > 0 {
+        kernels(&out).dequantize_sum_device(parts, out.handle.clone());
+    }
+    Some(Tensor::from_primitive::<CubeBackend>(out))
+}
+
+/// `parts` dequantized one after another into one tensor on `device` (each into its own
+/// buffer, then joined there: a storage offset into one buffer would have to meet the
+/// device's binding alignment, which a shard of a few blocks need not).
+pub(crate) fn dequantize_concat(parts: &[Quantized], device: &Device) -> Option<Tensor<1>> {
+    let pieces = parts
+        .iter()
+        .map(|p| dequantize_sum(std::slice::from_ref(p), device))
+        .collect::<Option<Vec<_>>>()?;
+    if pieces.is_empty() {
+        return Some(Tensor::from_primitive::<CubeBackend>(output(0, device)?));
+    }
+    Some(Tensor::cat(pieces, 0))
+}
+
+/// Bytes in use on `device`'s memory, as its CubeCL client reports them; `None` off CubeCL.
+pub(crate) fn device_bytes_in_use(device: &Device) -> Option<u64> {
+    let probe = output(1, device)?;
+    Some(
+        probe
+            .client
+            .memory_report(burn_cubecl::cubecl::MemoryScope::Device)
+            .usage()
+            .bytes_in_use,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ember_comm::quant::QuantKernels;
+    use ember_comm::quant::host::HostKernels;
+
+    /// The CubeCL path really runs on a wgpu tensor (it does not fall back to the host), and
+    /// agrees with the host kernels bit for bit.
+    #[test]
+    fn wgpu_tensors_quantize_on_the_device_exactly_as_the_host() {
+        let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        let n = 4096 + 24;
+        let values: Vec<f32> = (0..n)
+            .map(|i| ((i * 37 % 1001) as f32 - 500.0) / 97.0)
+            .collect();
+        let x = crate::staging::from_f32(values.clone(), &device);
+        let block = BlockSize::new(64).unwrap();
+        for format in [QuantFormat::Int8, QuantFormat::Int4] {
+            let q = quantize(&x, format, block).expect("a wgpu tensor takes the CubeCL path");
+            assert!(
+                q.bit_eq(&HostKernels.quantize(&values, format, block)),
+                "{format:?}"
+            );
+            let parts = [q.clone(), q.clone()];
+            let sum = dequantize_sum(&parts, &device).expect("on the device");
+            assert_eq!(
+                crate::staging::to_f32(sum),
+                HostKernels.dequantize_sum(&parts),
+                "{format:?}"
+            );
+        }
+        assert!(device_bytes_in_use(&device).is_some_and(|b| b > 0));
+        // A flex tensor is not CubeCL's: the host kernels serve it.
+        let flex = crate::staging::from_f32(values, &Device::flex());
+        assert!(quantize(&flex, QuantFormat::Int8, block).is_none());
+    }
+}
