@@ -91,9 +91,9 @@ type MomentReader<'a> =
 type SliceReader<'a> =
     dyn FnMut(&crate::plan::ParamSlot, std::ops::Range<usize>) -> Result<Vec<f32>, ShardError> + 'a;
 
-/// One parameter range of this rank's optimizer shard (see [`ShardedModel::owned_pieces`]).
+/// One parameter range of this rank's optimizer shard (what it writes to a checkpoint).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OwnedPiece {
+pub(crate) struct OwnedPiece {
     /// The parameter's path.
     pub name: String,
     /// First element of the range, in the flattened parameter.
@@ -133,11 +133,11 @@ pub struct StepReport {
 /// One rank's optimizer state for one unit: the element range of the unit's padded flat
 /// buffer it owns, and AdamW's state of those elements.
 #[derive(Debug, Clone)]
-pub struct UnitShard {
+struct UnitShard {
     /// Element range of the unit's padded flat buffer.
-    pub range: std::ops::Range<usize>,
+    range: std::ops::Range<usize>,
     /// Master weights and moments, on the run's device.
-    pub state: FlatState,
+    state: FlatState,
 }
 
 /// One rank's share of a model partitioned by a [`ShardConfig`].
@@ -308,15 +308,10 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         self.adam_step
     }
 
-    /// The optimizer state this rank owns, per unit.
-    pub fn optimizer_state(&self) -> &[UnitShard] {
-        &self.optimizer
-    }
-
     /// Whether this rank writes its optimizer shard to a checkpoint: the first of the ranks
     /// holding the same shard (all ranks when the optimizer state spans the world; rank 0
     /// alone when it is replicated).
-    pub fn is_writer(&self) -> bool {
+    pub(crate) fn is_writer(&self) -> bool {
         let o = self.plan.config.optimizer.0;
         self.plan.topology.coords(self.comm.rank())[o..]
             .iter()
@@ -326,7 +321,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
     /// The parameter ranges this rank's optimizer shard holds, unit by unit (padding is
     /// never part of one; a rank whose shard is all padding holds none): what it writes to a
     /// checkpoint.
-    pub fn owned_pieces(&self) -> Vec<OwnedPiece> {
+    pub(crate) fn owned_pieces(&self) -> Vec<OwnedPiece> {
         let mut out = Vec::new();
         for (u, (unit, shard)) in self.plan.units.iter().zip(&self.optimizer).enumerate() {
             for (p, local) in pieces(unit, &shard.range) {
@@ -344,7 +339,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
     }
 
     /// `[master, exp_avg, exp_avg_sq]` of one owned range, copied to the host.
-    pub fn read_piece(&self, piece: &OwnedPiece) -> [Vec<f32>; 3] {
+    pub(crate) fn read_piece(&self, piece: &OwnedPiece) -> [Vec<f32>; 3] {
         let s = &self.optimizer[piece.unit].state;
         let part = |t: &Tensor<1>| staging::to_f32(t.clone().slice(piece.local.clone()));
         [part(&s.master), part(&s.exp_avg), part(&s.exp_avg_sq)]
@@ -352,7 +347,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
 
     /// This rank's error-feedback residuals as `(unit, hop, values)`; empty without error
     /// feedback or before the first step.
-    pub fn residual_tensors(&self) -> Vec<(usize, usize, Tensor<1>)> {
+    pub(crate) fn residual_tensors(&self) -> Vec<(usize, usize, Tensor<1>)> {
         self.residuals
             .iter()
             .enumerate()
@@ -367,7 +362,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
 
     /// The layout this rank's residuals belong to (JSON): they are only meaningful to the
     /// same rank of the same topology, gradient path, format and unit sizes.
-    pub fn residual_layout(&self) -> String {
+    pub(crate) fn residual_layout(&self) -> String {
         let cfg = &self.plan.config;
         serde_json::json!({
             "rank": self.comm.rank(),

@@ -31,7 +31,7 @@ mod worker;
 
 pub use checkpoint::{Checkpoint, SaveOptions};
 pub use config::{Compute, GradQuant, PRESETS, ShardConfig, Span, WeightQuant};
-pub use engine::{OwnedPiece, ShardedModel, StepHyper, StepReport, UnitShard};
+pub use engine::{ShardedModel, StepHyper, StepReport};
 pub use error::ShardError;
 pub use optim::{AdamConfig, FlatState};
 pub use plan::{ActivationBytes, Levels, Memory, Plan, UnitSpec};

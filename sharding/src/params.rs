@@ -105,7 +105,7 @@ pub fn load<M: Module>(
 
 /// The gradients of the parameters named in `wanted` (path -> element count), flattened, by
 /// path.
-pub fn grads_of<M: Module>(
+pub(crate) fn grads_of<M: Module>(
     module: &M,
     grads: &Gradients,
     wanted: &HashMap<String, usize>,
