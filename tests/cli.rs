@@ -195,6 +195,25 @@ fn prepare_writes_tokens_a_run_can_train_on() {
     ]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["vocab_size"].as_u64().unwrap(), 300);
+
+    // The same data with one id past the vocabulary: refused when opened, with the file, the
+    // offset and the vocabulary size, instead of a panic inside the model at some later step.
+    let damaged = tmp.path().join("damaged");
+    std::fs::create_dir(&damaged).unwrap();
+    for f in ["tokenizer.json", "train.bin", "val.bin"] {
+        std::fs::copy(data.join(f), damaged.join(f)).unwrap();
+    }
+    let bin = damaged.join("train.bin");
+    let mut bytes = std::fs::read(&bin).unwrap();
+    let n = bytes.len();
+    bytes[n - 2..].copy_from_slice(&300u16.to_le_bytes());
+    std::fs::write(&bin, &bytes).unwrap();
+    let count = v["train_tokens"].as_u64().unwrap();
+    refused(
+        &["train", "--preset", "tiny", "--data", path(&damaged), "--max-iters", "3"],
+        1,
+        &format!("token 300 at offset {} is not below its vocabulary size 300", count - 1),
+    );
     ok(&[
         "train",
         "--preset",
@@ -239,6 +258,11 @@ fn bad_input_gets_a_clear_message_and_exit_code() {
         &["train", "--n-embd", "100", "--n-head", "3"],
         2,
         "--n-embd 100 is not divisible by --n-head 3",
+    );
+    refused(
+        &["train", "--n-embd", "1000000", "--n-head", "1", "--max-iters", "1"],
+        2,
+        "GB are available",
     );
     refused(
         &["train", "--preset", "gpt5"],

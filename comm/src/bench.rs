@@ -71,7 +71,7 @@ pub enum KernelBench {
 }
 
 impl BenchConfig {
-    /// The sweep: 4 KiB to 256 MiB by factors of 4, every op, the world and each
+    /// The full sweep: 4 KiB to 256 MiB by factors of 4, every op, the world and each
     /// level's `Across` group, with the kernels.
     pub fn full(comm: &Comm) -> Self {
         let mut scopes = vec![Scope::World];

@@ -17,7 +17,7 @@ pub const CHILD_ENV: &str = "EMBER_MPI_CHILD";
 /// The topology the ranks should use.
 pub const TOPOLOGY_ENV: &str = "EMBER_TEST_TOPOLOGY";
 
-/// The topologies the issue asks every collective to be checked at.
+/// The topologies every collective is checked at: one rank, each level alone, and mixes.
 pub const TOPOLOGIES: [&str; 6] = ["1", "2x1x1", "1x2x2", "2x2x2", "2x4x1", "4x1x2"];
 
 /// True inside an `mpirun`-launched rank.

@@ -1,4 +1,4 @@
-//! Flat collectives under real `mpirun` at every topology the issue lists: every op, every
+//! Flat collectives under real `mpirun` at every test topology: every op, every
 //! element type, blocking and non-blocking, against a sequential reference each rank computes
 //! from the inputs it can regenerate; and the byte counters against the formulas. Path
 //! (hierarchical) collectives over every path of every prefix group against the flat

@@ -189,8 +189,9 @@ impl fmt::Debug for TokenFile {
 impl TokenFile {
     /// Opens and validates `path`: magic, header JSON, format/version, dtype consistent with
     /// the vocabulary, payload alignment, and that the file length is exactly payload offset +
-    /// count * width (so a truncated file is refused with the sizes). Token values are not
-    /// scanned; [`write_tokens`] already refused out-of-range ones.
+    /// count * width (so a truncated file is refused with the sizes), and that every token is
+    /// below the vocabulary size (a damaged or foreign file is refused with the offset of the
+    /// first one that is not).
     pub fn open(path: impl AsRef<Path>) -> Result<TokenFile, DataError> {
         let path = path.as_ref().to_path_buf();
         let bad = |problem: String| DataError::TokenFile {
@@ -278,13 +279,47 @@ impl TokenFile {
                 header.count
             ))
         })?;
-        Ok(TokenFile {
+        let file = TokenFile {
             path,
             header,
             mmap,
             offset,
             len,
-        })
+        };
+        // Every id must index the embedding: one that does not would fail inside the model
+        // (a panic in Burn's gather) at whatever step first draws it.
+        if let Some((index, token)) = file.first_out_of_range() {
+            return Err(DataError::TokenFile {
+                path: file.path.clone(),
+                problem: format!(
+                "token {token} at offset {index} is not below its vocabulary size {}; the file \
+                 is corrupt or was written for another tokenizer: prepare the data again",
+                    file.header.vocab_size
+                ),
+            });
+        }
+        Ok(file)
+    }
+
+    /// The first token `>= vocab_size`, with its offset (one pass over the payload).
+    fn first_out_of_range(&self) -> Option<(usize, u32)> {
+        let vocab = self.header.vocab_size as u64;
+        let p = self.payload();
+        let at = match self.header.dtype {
+            Dtype::U16 => {
+                let (chunks, _) = p.as_chunks::<2>();
+                chunks
+                    .iter()
+                    .position(|c| u16::from_le_bytes(*c) as u64 >= vocab)
+            }
+            Dtype::U32 => {
+                let (chunks, _) = p.as_chunks::<4>();
+                chunks
+                    .iter()
+                    .position(|c| u32::from_le_bytes(*c) as u64 >= vocab)
+            }
+        }?;
+        Some((at, self.get(at)))
     }
 
     /// Number of tokens.
@@ -452,6 +487,25 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("512") && err.contains("position 1"), "{err}");
+    }
+
+    #[test]
+    fn reading_refuses_an_id_past_the_vocabulary_naming_file_offset_and_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("train.bin");
+        write_tokens(&path, &[3, 1, 4, 1, 5], info(512, Split::Train)).unwrap();
+        // Damage the payload in place: token 3 becomes 600 (0x0258, little-endian).
+        let mut bytes = std::fs::read(&path).unwrap();
+        let payload = bytes.len() - 2 * 5;
+        bytes[payload + 6..payload + 8].copy_from_slice(&600u16.to_le_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        let msg = TokenFile::open(&path).unwrap_err().to_string();
+        assert!(
+            msg.contains("train.bin")
+                && msg.contains("token 600 at offset 3")
+                && msg.contains("vocabulary size 512"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -141,7 +141,7 @@ pub struct ShardConfig {
     pub prefetch: usize,
 }
 
-/// Preset names, in the order of the brief's table.
+/// Preset names, from plain data parallelism to the three-level hierarchy.
 pub const PRESETS: [&str; 6] = ["ddp", "zero1", "zero2", "zero3", "zeropp", "hier3"];
 
 /// Default quantization block. Smaller blocks track the gradient's local scale better at the
@@ -377,7 +377,7 @@ mod tests {
     }
 
     #[test]
-    fn presets_put_states_where_the_brief_says() {
+    fn presets_put_each_state_on_its_level() {
         let hier3 = ShardConfig::preset("hier3", 3).unwrap();
         assert_eq!(hier3.grad_hops, vec![Span(1), Span(2), Span(3)]);
         assert_eq!(hier3.secondary, Some(Span(1)));

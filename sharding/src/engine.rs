@@ -823,33 +823,41 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             grads = grads.into_iter().map(|g| g * factor).collect();
         }
         self.adam_step += 1;
-        for (shard, g) in self.optimizer.iter_mut().zip(grads) {
-            shard.state.update(&hyper.adam, self.adam_step, hyper.lr, g);
+        for (u, g) in grads.into_iter().enumerate() {
+            self.optimizer[u]
+                .state
+                .update(&hyper.adam, self.adam_step, hyper.lr, g);
+            // At once, unit by unit: a primary that shares the old master would otherwise
+            // keep every old master alive until the last unit is updated.
+            self.primary[u] = self.primary_of(u)?;
         }
-        self.refresh_primary()?;
         Ok((loss, norm))
     }
 
-    /// Rebuilds the primary parameter partition from the f32 masters: the master itself, its
-    /// cast to the compute dtype, or (replicated parameters) the all-gather of that cast.
+    /// Builds the primary parameter partition from the f32 masters.
     fn refresh_primary(&mut self) -> Result<(), ShardError> {
+        self.primary = (0..self.optimizer.len())
+            .map(|u| self.primary_of(u))
+            .collect::<Result<_, _>>()?;
+        Ok(())
+    }
+
+    /// Unit `u`'s primary partition from its f32 master: the master itself, its cast to the
+    /// compute dtype, or (replicated parameters) the all-gather of that cast.
+    fn primary_of(&self, u: usize) -> Result<Tensor<1>, ShardError> {
         let dtype = self.dtype();
         let cfg = &self.plan.config;
-        self.primary.clear();
-        for shard in &self.optimizer {
-            let master = shard.state.master.clone();
-            let own = if dtype == DType::F32 {
-                master
-            } else {
-                master.cast(dtype)
-            };
-            self.primary.push(if cfg.params == cfg.optimizer {
-                own
-            } else {
-                route::all_gather_params(self.comm, &self.plan, own, &self.device)?
-            });
+        let master = self.optimizer[u].state.master.clone();
+        let own = if dtype == DType::F32 {
+            master
+        } else {
+            master.cast(dtype)
+        };
+        if cfg.params == cfg.optimizer {
+            Ok(own)
+        } else {
+            route::all_gather_params(self.comm, &self.plan, own, &self.device)
         }
-        Ok(())
     }
 }
 

@@ -1,6 +1,6 @@
 //! A machine profile for estimating step time from a plan: the bandwidth one rank gets on each
-//! level's links and a sustained compute rate. Frontier's (BRIEF section 2) is built in; others
-//! are read from a file by the CLI.
+//! level's links and a sustained compute rate. Frontier's (the link speeds of the OLCF user
+//! guide) is built in; others are read from a file by the CLI.
 
 use serde::{Deserialize, Serialize};
 

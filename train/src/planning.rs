@@ -252,8 +252,9 @@ pub fn render(r: &PlanReport, profile: &Profile) -> String {
     out
 }
 
-/// Refuses a run whose plan does not fit this machine: the plan's per-rank total times the
-/// `ranks` on this machine, against the memory the OS says is available. The error gives both
+/// Refuses a run whose plan does not fit this machine: the plan's per-rank total plus what
+/// this process holds already, times the `ranks` on this machine, against the memory the OS
+/// says is available. The error gives both
 /// numbers and a way out (`fitting(budget per rank)` names sharding presets whose plan fits).
 /// With `skip` (`--no-memory-check`) it only checks nothing.
 pub fn check_memory(
@@ -265,13 +266,16 @@ pub fn check_memory(
     let Some(available) = ember_sharding::memory::available() else {
         return Ok(());
     };
-    let per_rank = memory.total();
+    // What this process already holds (libraries, MPI, the prepared data) comes on top of
+    // the plan, on every rank.
+    let held = ember_sharding::memory::resident().current;
+    let per_rank = memory.total() + held;
     let need = per_rank.saturating_mul(ranks as u64);
     if skip || need <= available {
         return Ok(());
     }
     let gb = |b: u64| b as f64 / 1e9;
-    let fits = fitting(available / ranks.max(1) as u64);
+    let fits = fitting((available / ranks.max(1) as u64).saturating_sub(held));
     let way_out = if fits.is_empty() {
         "run on more ranks (more machines), or shrink the model, the batch or --block-size, or \
          use --dtype bf16"
@@ -280,7 +284,8 @@ pub fn check_memory(
         format!("{} would fit", fits.join(", "))
     };
     Err(anyhow::anyhow!(
-        "the run needs about {:.2} GB per rank (ember plan) x {ranks} rank{} on this machine = \
+        "the run needs about {:.2} GB per rank (ember plan, plus what the process holds) x \
+         {ranks} rank{} on this machine = \
          {:.2} GB, but {:.2} GB are available: {way_out}; or pass --no-memory-check to start \
          anyway",
         gb(per_rank),
