@@ -210,9 +210,20 @@ fn prepare_writes_tokens_a_run_can_train_on() {
     std::fs::write(&bin, &bytes).unwrap();
     let count = v["train_tokens"].as_u64().unwrap();
     refused(
-        &["train", "--preset", "tiny", "--data", path(&damaged), "--max-iters", "3"],
+        &[
+            "train",
+            "--preset",
+            "tiny",
+            "--data",
+            path(&damaged),
+            "--max-iters",
+            "3",
+        ],
         1,
-        &format!("token 300 at offset {} is not below its vocabulary size 300", count - 1),
+        &format!(
+            "token 300 at offset {} is not below its vocabulary size 300",
+            count - 1
+        ),
     );
     ok(&[
         "train",
@@ -260,7 +271,15 @@ fn bad_input_gets_a_clear_message_and_exit_code() {
         "--n-embd 100 is not divisible by --n-head 3",
     );
     refused(
-        &["train", "--n-embd", "1000000", "--n-head", "1", "--max-iters", "1"],
+        &[
+            "train",
+            "--n-embd",
+            "1000000",
+            "--n-head",
+            "1",
+            "--max-iters",
+            "1",
+        ],
         2,
         "GB are available",
     );

@@ -292,7 +292,7 @@ impl TokenFile {
             return Err(DataError::TokenFile {
                 path: file.path.clone(),
                 problem: format!(
-                "token {token} at offset {index} is not below its vocabulary size {}; the file \
+                    "token {token} at offset {index} is not below its vocabulary size {}; the file \
                  is corrupt or was written for another tokenizer: prepare the data again",
                     file.header.vocab_size
                 ),

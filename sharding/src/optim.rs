@@ -90,7 +90,10 @@ impl FlatState {
 
 /// The decay sub-ranges of `range` given each parameter's `(offset, numel, decay)`, relative
 /// to `range.start`.
-pub(crate) fn decay_ranges(range: &Range<usize>, params: &[(usize, usize, bool)]) -> Vec<Range<usize>> {
+pub(crate) fn decay_ranges(
+    range: &Range<usize>,
+    params: &[(usize, usize, bool)],
+) -> Vec<Range<usize>> {
     params
         .iter()
         .filter(|p| p.2)
