@@ -152,6 +152,11 @@ pub struct Batch {
     pub batch: usize,
     /// Tokens per row (the context length T).
     pub block: usize,
+    /// The optimiser step the batch belongs to.
+    pub step: u64,
+    /// The global sample index of row 0; row i is sample `first_sample + i` of the step's
+    /// global batch (what per-sample randomness such as dropout masks is keyed by).
+    pub first_sample: u64,
 }
 
 /// Draws batches of `block_size`-token windows from one split.
@@ -207,6 +212,7 @@ impl<'a> Sampler<'a> {
     pub fn batch(&self, step: u64, samples: Range<u64>) -> Batch {
         let t = self.block_size;
         let rows = (samples.end.saturating_sub(samples.start)) as usize;
+        let first_sample = samples.start;
         let mut inputs = Vec::with_capacity(rows * t);
         let mut targets = Vec::with_capacity(rows * t);
         for sample in samples {
@@ -220,6 +226,8 @@ impl<'a> Sampler<'a> {
             targets,
             batch: rows,
             block: t,
+            step,
+            first_sample,
         }
     }
 }

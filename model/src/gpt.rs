@@ -2,12 +2,13 @@
 //! It knows nothing about distribution, optimisers or data: those are applied from outside.
 
 use burn::module::Module;
-use burn::nn::{Dropout, DropoutConfig, Embedding};
+use burn::nn::Embedding;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::module::linear;
 use burn::tensor::{DType, Device, Int, Tensor};
 
 use crate::config::GptConfig;
+use crate::dropout::{DropoutKey, dropout};
 use crate::init::{Init, param};
 use crate::layers::{Block, LayerNorm, residual_std};
 
@@ -22,7 +23,8 @@ pub struct Gpt {
     pub h: Vec<Block>,
     /// Final LayerNorm.
     pub ln_f: LayerNorm,
-    drop: Dropout,
+    /// Dropout probability on the embeddings and the residual branches.
+    dropout: f64,
 }
 
 impl GptConfig {
@@ -54,7 +56,7 @@ impl GptConfig {
                 weight: param(Init::Ones, seed, "ln_f.weight", [d], device),
                 bias: param(Init::Zeros, seed, "ln_f.bias", [d], device),
             },
-            drop: DropoutConfig::new(self.dropout).init(),
+            dropout: self.dropout,
         }
     }
 }
@@ -97,15 +99,16 @@ impl Gpt {
         self.wte.weight.lazy_shape().dims::<2>()[0]
     }
 
-    /// Next-token logits for every position.
+    /// Next-token logits for every position; with a dropout `key` (training) the embeddings
+    /// and residual branches draw their masks from it.
     ///
     /// # Shapes
     /// - idx: `[B, T]` token ids, `T <= block_size`
     /// - output: `[B, T, V]`
-    pub fn forward(&self, idx: Tensor<2, Int>) -> Tensor<3> {
-        let mut x = self.embed(idx);
-        for block in &self.h {
-            x = block.forward(x);
+    pub fn forward(&self, idx: Tensor<2, Int>, key: Option<&DropoutKey>) -> Tensor<3> {
+        let mut x = self.embed(idx, key);
+        for (layer, block) in self.h.iter().enumerate() {
+            x = block.forward(x, key, layer);
         }
         self.head(x)
     }
@@ -117,7 +120,7 @@ impl Gpt {
     /// # Shapes
     /// - idx: `[B, T]`, `T <= block_size`
     /// - output: `[B, T, d]`
-    pub fn embed(&self, idx: Tensor<2, Int>) -> Tensor<3> {
+    pub fn embed(&self, idx: Tensor<2, Int>, key: Option<&DropoutKey>) -> Tensor<3> {
         let [_, t] = idx.dims();
         assert!(
             t <= self.block_size(),
@@ -127,7 +130,7 @@ impl Gpt {
         let device = idx.device();
         let pos = Tensor::<1, Int>::arange(0..t as i64, &device).unsqueeze::<2>(); // [1, T]
         let x = self.wte.forward(idx) + self.wpe.forward(pos); // [B, T, d]
-        self.drop.forward(x)
+        dropout(x, self.dropout, key, 0)
     }
 
     /// The transformer blocks, in order.
@@ -146,7 +149,8 @@ impl Gpt {
         linear(x, self.wte.weight.val().transpose(), None) // [B, T, V]
     }
 
-    /// Logits and mean cross-entropy of predicting `targets`.
+    /// Logits and mean cross-entropy of predicting `targets` (dropout as in
+    /// [`Gpt::forward`]).
     ///
     /// # Shapes
     /// - idx, targets: `[B, T]`
@@ -155,8 +159,9 @@ impl Gpt {
         &self,
         idx: Tensor<2, Int>,
         targets: Tensor<2, Int>,
+        key: Option<&DropoutKey>,
     ) -> (Tensor<3>, Tensor<1>) {
-        let logits = self.forward(idx);
+        let logits = self.forward(idx, key);
         let loss = cross_entropy(logits.clone(), targets);
         (logits, loss)
     }
@@ -184,22 +189,21 @@ pub fn cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
 mod tests {
     use super::*;
     use crate::init::init_values;
-    use crate::named::named_tensors;
+    use ember_sharding::params::named_values;
 
     #[test]
     fn init_of_draws_every_parameter_the_model_builds() {
         let config = GptConfig::new(3, 2, 16, 8, 40);
         let model = config.init_with_seed(5, &Device::flex());
-        for t in named_tensors(&model) {
+        for (name, shape, value) in named_values(&model) {
             let init = config
-                .init_of(&t.name)
-                .unwrap_or_else(|| panic!("no init for {}", t.name));
-            let want = init_values(init, 5, &t.name, t.value.dims()[0]);
+                .init_of(&name)
+                .unwrap_or_else(|| panic!("no init for {name}"));
+            let want = init_values(init, 5, &name, shape.iter().product());
             assert_eq!(
-                t.value.into_data().try_to_vec::<f32>().unwrap(),
+                value.into_data().try_to_vec::<f32>().unwrap(),
                 want,
-                "{}",
-                t.name
+                "{name}"
             );
         }
         assert_eq!(config.init_of("h.3.ln_1.weight"), None);

@@ -3,13 +3,14 @@
 //! path plus the `transformer.` prefix is the checkpoint name, with no remapping table.
 
 use burn::module::{Module, Param};
-use burn::nn::{Dropout, DropoutConfig, Linear};
+use burn::nn::Linear;
 use burn::tensor::activation::sigmoid;
 use burn::tensor::module::{attention, layer_norm};
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Device, Tensor};
 
 use crate::config::GptConfig;
+use crate::dropout::{DropoutKey, dropout};
 use crate::init::{Init, param};
 
 /// GPT-2's LayerNorm epsilon (`layer_norm_epsilon = 1e-5`).
@@ -74,7 +75,8 @@ pub struct CausalSelfAttention {
     pub c_attn: Linear,
     /// Output projection, `[d, d]`.
     pub c_proj: Linear,
-    resid_dropout: Dropout,
+    /// Dropout probability on the output (the residual branch).
+    dropout: f64,
     n_head: usize,
 }
 
@@ -98,15 +100,17 @@ impl CausalSelfAttention {
                 &format!("{path}.c_proj"),
                 device,
             ),
-            resid_dropout: DropoutConfig::new(config.dropout).init(),
+            dropout: config.dropout,
             n_head: config.n_head,
         }
     }
 
+    /// Dropout (keyed by `key` and `site`) applies to the output only in training.
+    ///
     /// # Shapes
     /// - x: `[B, T, d]`
     /// - output: `[B, T, d]`
-    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+    pub fn forward(&self, x: Tensor<3>, key: Option<&DropoutKey>, site: u64) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let (h, hd) = (self.n_head, d / self.n_head);
         let qkv = self.c_attn.forward(x); // [B, T, 3d]
@@ -124,7 +128,7 @@ impl CausalSelfAttention {
         // Dropout on attention probabilities is not applied: the fused attention op has none.
         let y = attention(q, k, v, None, None, options); // [B, H, T, hd]
         let y = y.swap_dims(1, 2).reshape([b, t, d]); // [B, T, d]
-        self.resid_dropout.forward(self.c_proj.forward(y))
+        dropout(self.c_proj.forward(y), self.dropout, key, site)
     }
 }
 
@@ -150,7 +154,8 @@ pub struct Mlp {
     pub c_fc: Linear,
     /// Projection back, `[4d, d]`.
     pub c_proj: Linear,
-    dropout: Dropout,
+    /// Dropout probability on the output (the residual branch).
+    dropout: f64,
 }
 
 impl Mlp {
@@ -173,16 +178,18 @@ impl Mlp {
                 &format!("{path}.c_proj"),
                 device,
             ),
-            dropout: DropoutConfig::new(config.dropout).init(),
+            dropout: config.dropout,
         }
     }
 
+    /// Dropout (keyed by `key` and `site`) applies to the output only in training.
+    ///
     /// # Shapes
     /// - x: `[B, T, d]`
     /// - output: `[B, T, d]`
-    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+    pub fn forward(&self, x: Tensor<3>, key: Option<&DropoutKey>, site: u64) -> Tensor<3> {
         let x = gelu_tanh(self.c_fc.forward(x)); // [B, T, 4d]
-        self.dropout.forward(self.c_proj.forward(x))
+        dropout(self.c_proj.forward(x), self.dropout, key, site)
     }
 }
 
@@ -211,12 +218,16 @@ impl Block {
         }
     }
 
+    /// Block `layer` of its model; with a dropout `key` (training), its two residual branches
+    /// draw the masks of sites `1 + 2 layer` and `2 + 2 layer` (site 0 is the embeddings').
+    ///
     /// # Shapes
     /// - x: `[B, T, d]`
     /// - output: `[B, T, d]`
-    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = x.clone() + self.attn.forward(self.ln_1.forward(x));
-        x.clone() + self.mlp.forward(self.ln_2.forward(x))
+    pub fn forward(&self, x: Tensor<3>, key: Option<&DropoutKey>, layer: usize) -> Tensor<3> {
+        let site = 1 + 2 * layer as u64;
+        let x = x.clone() + self.attn.forward(self.ln_1.forward(x), key, site);
+        x.clone() + self.mlp.forward(self.ln_2.forward(x), key, site + 1)
     }
 }
 

@@ -6,7 +6,8 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::Gradients;
 use burn::tensor::{DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
-use ember_model::{GptConfig, named_grads, named_tensors, replace_named};
+use ember_model::GptConfig;
+use ember_sharding::params::{grads_of, load, named_values, param_shapes};
 
 fn tokens(values: Vec<i64>, b: usize, t: usize, device: &Device) -> Tensor<2, Int> {
     Tensor::from_data(TensorData::new(values, [b, t]), device)
@@ -22,7 +23,7 @@ fn logits_have_batch_time_vocab_shape() {
     let config = GptConfig::tiny();
     let model = config.init(&device);
     let idx = tokens((0..2 * 10).map(|i| i % 50).collect(), 2, 10, &device);
-    assert_eq!(model.forward(idx).dims(), [2, 10, config.vocab_size]);
+    assert_eq!(model.forward(idx, None).dims(), [2, 10, config.vocab_size]);
 }
 
 #[test]
@@ -32,12 +33,12 @@ fn changing_a_later_token_never_changes_earlier_logits() {
     let model = config.init_with_seed(3, &device);
     let t = 16;
     let base: Vec<i64> = (0..t as i64).map(|i| (i * 7) % 500).collect();
-    let reference = to_vec(model.forward(tokens(base.clone(), 1, t, &device)));
+    let reference = to_vec(model.forward(tokens(base.clone(), 1, t, &device), None));
     let v = config.vocab_size;
     for changed in [1, 8, t - 1] {
         let mut other = base.clone();
         other[changed] = (other[changed] + 123) % 500;
-        let logits = to_vec(model.forward(tokens(other, 1, t, &device)));
+        let logits = to_vec(model.forward(tokens(other, 1, t, &device), None));
         // Positions before `changed` see only unchanged tokens: identical logits.
         assert_eq!(
             &logits[..changed * v],
@@ -78,19 +79,16 @@ fn hf_names(n_layer: usize) -> Vec<String> {
 fn parameters_are_named_and_shaped_as_hugging_face_gpt2() {
     let device = Device::flex();
     let config = GptConfig::new(3, 4, 32, 16, 100);
-    let named = named_tensors(&config.init(&device));
-    let names: Vec<_> = named.iter().map(|n| n.name.clone()).collect();
+    let named = param_shapes(&config.init(&device));
+    let names: Vec<_> = named.iter().map(|n| n.0.clone()).collect();
     assert_eq!(names, hf_names(3));
-    let shape = |n: &str| named.iter().find(|t| t.name == n).unwrap().shape.clone();
+    let shape = |n: &str| named.iter().find(|t| t.0 == n).unwrap().1.clone();
     assert_eq!(shape("wte.weight"), [100, 32]);
     assert_eq!(shape("wpe.weight"), [16, 32]);
     assert_eq!(shape("h.2.attn.c_attn.weight"), [32, 96]); // Conv1D layout [in, out]
     assert_eq!(shape("h.0.mlp.c_fc.weight"), [32, 128]);
     assert_eq!(shape("h.0.mlp.c_proj.weight"), [128, 32]);
-    let count: usize = named
-        .iter()
-        .map(|n| n.shape.iter().product::<usize>())
-        .sum();
+    let count: usize = named.iter().map(|n| n.1.iter().product::<usize>()).sum();
     assert_eq!(count as u64, config.num_params());
 }
 
@@ -99,9 +97,9 @@ fn init_is_a_function_of_the_seed() {
     let device = Device::flex();
     let config = GptConfig::tiny();
     let flat = |seed| -> Vec<f32> {
-        named_tensors(&config.init_with_seed(seed, &device))
+        named_values(&config.init_with_seed(seed, &device))
             .into_iter()
-            .flat_map(|n| n.value.into_data().try_to_vec::<f32>().unwrap())
+            .flat_map(|(_, _, v)| v.into_data().try_to_vec::<f32>().unwrap())
             .collect()
     };
     assert_eq!(flat(5), flat(5));
@@ -133,6 +131,7 @@ fn gradients_match_central_finite_differences_in_f64() {
             .forward_loss(
                 tokens(idx.clone(), b, t, &device),
                 tokens(tgt.clone(), b, t, &device),
+                None,
             )
             .1;
         loss.into_data().try_to_vec::<f64>().unwrap()[0]
@@ -142,10 +141,12 @@ fn gradients_match_central_finite_differences_in_f64() {
         .forward_loss(
             tokens(idx.clone(), b, t, &device),
             tokens(tgt.clone(), b, t, &device),
+            None,
         )
         .1;
     let grads = loss.backward();
-    let named = named_tensors(&model);
+    let named = named_values(&model);
+    let shapes: HashMap<String, Vec<usize>> = param_shapes(&model).into_iter().collect();
     let checked = [
         // Rows 5 and 42 are input tokens: their gradient flows through the embedding and
         // the tied head, not through the head alone.
@@ -160,16 +161,16 @@ fn gradients_match_central_finite_differences_in_f64() {
     ];
     let h = 1e-6;
     for (name, elements) in checked {
-        let entry = named.iter().find(|n| n.name == name).unwrap();
-        let grad = model_grad(&model, name, &grads);
+        let entry = named.iter().find(|n| n.0 == name).unwrap();
+        let grad = model_grad(&model, name, &entry.1, &grads);
         for e in elements {
-            let mut values: Vec<f64> = entry.value.to_data().try_to_vec::<f64>().unwrap();
+            let mut values: Vec<f64> = entry.2.to_data().try_to_vec::<f64>().unwrap();
             let original = values[e];
             let mut at = |x: f64| {
                 values[e] = x;
                 let mut map: HashMap<String, Tensor<1>> = named
                     .iter()
-                    .map(|n| (n.name.clone(), n.value.clone().detach()))
+                    .map(|n| (n.0.clone(), n.2.clone().detach()))
                     .collect();
                 map.insert(
                     name.to_string(),
@@ -178,7 +179,7 @@ fn gradients_match_central_finite_differences_in_f64() {
                         TensorCreationOptions::new(device.clone()).with_dtype(DType::F64),
                     ),
                 );
-                loss_of(&replace_named(model.clone(), map).unwrap())
+                loss_of(&load(model.clone(), &mut map, &shapes, &device, false))
             };
             let numeric = (at(original + h) - at(original - h)) / (2.0 * h);
             let analytic = grad[e];
@@ -191,12 +192,16 @@ fn gradients_match_central_finite_differences_in_f64() {
     }
 }
 
-fn model_grad(model: &ember_model::Gpt, name: &str, grads: &Gradients) -> Vec<f64> {
-    let (_, grad) = named_grads(model, grads)
-        .into_iter()
-        .find(|(n, _)| n == name)
-        .unwrap();
-    grad.unwrap_or_else(|| panic!("no gradient reached {name}"))
+fn model_grad(
+    model: &ember_model::Gpt,
+    name: &str,
+    shape: &[usize],
+    grads: &Gradients,
+) -> Vec<f64> {
+    let wanted = HashMap::from([(name.to_string(), shape.iter().product())]);
+    grads_of(model, grads, &wanted)
+        .remove(name)
+        .unwrap_or_else(|| panic!("no gradient reached {name}"))
         .into_data()
         .try_to_vec::<f64>()
         .unwrap()

@@ -205,7 +205,6 @@ pub fn train(comm: &Comm, run: &Run) -> Result<Vec<(u64, f64)>, ShardError> {
             eps: 1e-8,
             weight_decay: 0.0,
         },
-        dropout_seed: None,
     };
     let mut losses = Vec::new();
     // Adam's step count is the number of steps taken, so a resumed run continues its data.

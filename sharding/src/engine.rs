@@ -19,8 +19,9 @@
 //! unit's parameter gradients and the gradient of its input for the visit before. Once a
 //! unit's gradient is complete (after the lowest stage that reads it) it goes to the reducer.
 //!
-//! Dropout masks are replayed: with `StepHyper::dropout_seed` the device RNG is re-seeded from
-//! (seed, micro-batch, unit) before a unit's forward and before its recompute.
+//! A unit's computation must be a pure function of its parameters, its input and the batch:
+//! a backward visit recomputes the forward, so randomness such as dropout must be keyed by the
+//! batch (the GPT keys its masks by step and sample), never drawn from a device RNG.
 //!
 //! With replicated parameters (`ddp`, `zero1`, `zero2`) nothing is released, so each
 //! micro-batch instead runs every unit in one autodiff graph and one backward, without
@@ -67,20 +68,6 @@ pub struct StepHyper {
     pub grad_clip: f64,
     /// AdamW settings.
     pub adam: AdamConfig,
-    /// Seed of this rank's dropout masks for this step, for models with dropout; `None` runs
-    /// the inference-only forward visits without autodiff (dropout off there, and nothing
-    /// to replay). With a seed, the device RNG is seeded from (seed, micro-batch, unit)
-    /// before a unit's forward and again before its recompute, so backward sees the masks
-    /// the forward drew.
-    pub dropout_seed: Option<u64>,
-}
-
-/// The RNG seed of unit `stage` of micro-batch `micro` in a step seeded `base`.
-fn unit_seed(base: u64, micro: usize, stage: usize) -> u64 {
-    let mut z = base ^ ((micro as u64) << 32) ^ stage as u64;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// Reads elements of a moment (`exp_avg`, `exp_avg_sq`) of a parameter from a checkpoint.
@@ -598,7 +585,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                 &self.device,
             );
             let result = self
-                .run_schedule(&schedule, micro_batches, hyper, &mut state, &mut worker)
+                .run_schedule(&schedule, micro_batches, &mut state, &mut worker)
                 .and_then(|()| drain(&mut worker, &mut state.grads));
             let waited = worker.waited_s;
             let finished = worker.join();
@@ -637,7 +624,6 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         &self,
         schedule: &[Event],
         micro_batches: &[S::Batch],
-        hyper: &StepHyper,
         state: &mut StepState<D>,
         worker: &mut Worker<'_>,
     ) -> Result<(), ShardError> {
@@ -651,13 +637,13 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                         full.push(next_gathered(worker, &mut state.grads)?);
                     }
                     if v.backward {
-                        self.backward_visit(v, full, &micro_batches[v.micro], hyper, state)?;
+                        self.backward_visit(v, full, &micro_batches[v.micro], state)?;
                     } else {
-                        self.forward_visit(v, full, &micro_batches[v.micro], hyper, state)?;
+                        self.forward_visit(v, full, &micro_batches[v.micro], state)?;
                     }
                 }
                 Event::Whole { micro } => {
-                    self.whole_micro_batch(micro, &micro_batches[micro], hyper, state)?
+                    self.whole_micro_batch(micro, &micro_batches[micro], state)?
                 }
                 Event::Reduce { unit } => {
                     let grad = state.work[unit]
@@ -674,31 +660,25 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         Ok(())
     }
 
-    /// A forward visit: the stage without autodiff (on the autodiff device with nothing
-    /// requiring a gradient when dropout must be replayed), keeping its output as the next
-    /// stage's input.
+    /// A forward visit: the stage without autodiff, keeping its output as the next stage's
+    /// input.
     fn forward_visit(
         &self,
         v: Visit,
         full: Vec<Tensor<1>>,
         batch: &S::Batch,
-        hyper: &StepHyper,
         state: &mut StepState<D>,
     ) -> Result<(), ShardError> {
         let k = self.plan.units.len();
-        let replay = hyper.dropout_seed.is_some();
-        if let Some(base) = hyper.dropout_seed {
-            self.autodiff.seed(unit_seed(base, v.micro, v.stage));
-        }
         let needs = &self.plan.units[v.stage].needs;
-        let module = self.module_with(needs, full, replay, false);
-        let device = if replay { &self.autodiff } else { &self.device };
-        let input = state.inputs[v.stage]
-            .clone()
-            .map(|x| if replay { x.autodiff() } else { x });
-        match self.stages.forward(&module, v.stage, input, batch, device) {
+        let module = self.module_with(needs, full, false, false);
+        let input = state.inputs[v.stage].clone();
+        match self
+            .stages
+            .forward(&module, v.stage, input, batch, &self.device)
+        {
             Flow::Hidden(h) => {
-                state.inputs[v.stage + 1] = Some(if replay { h.without_autodiff() } else { h });
+                state.inputs[v.stage + 1] = Some(h);
                 Ok(())
             }
             Flow::Loss(_) => Err(flow_error(v.stage, k)),
@@ -712,13 +692,9 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         v: Visit,
         full: Vec<Tensor<1>>,
         batch: &S::Batch,
-        hyper: &StepHyper,
         state: &mut StepState<D>,
     ) -> Result<(), ShardError> {
         let k = self.plan.units.len();
-        if let Some(base) = hyper.dropout_seed {
-            self.autodiff.seed(unit_seed(base, v.micro, v.stage));
-        }
         let needs = &self.plan.units[v.stage].needs;
         let module = self.module_with(needs, full, true, true);
         let input = state.inputs[v.stage]
@@ -754,7 +730,6 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         &self,
         micro: usize,
         batch: &S::Batch,
-        hyper: &StepHyper,
         state: &mut StepState<D>,
     ) -> Result<(), ShardError> {
         let k = self.plan.units.len();
@@ -763,9 +738,6 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         let mut x: Option<Tensor<D>> = None;
         let mut loss = None;
         for stage in 0..k {
-            if let Some(base) = hyper.dropout_seed {
-                self.autodiff.seed(unit_seed(base, micro, stage));
-            }
             match self
                 .stages
                 .forward(&module, stage, x.take(), batch, &self.autodiff)

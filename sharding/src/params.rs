@@ -1,8 +1,9 @@
-//! Walking any Burn module's float parameters by dotted path: their shapes, loading a subset
-//! of values into a skeleton, and reading gradients. Paths are the only key (`ParamId` is
-//! random per process and per run). Nothing here knows which model it walks, and nothing here
-//! ever reads a parameter's value: a module whose parameters are lazy (Burn's
-//! `Param::uninitialized`, which `LinearConfig::init` and friends produce) stays unmaterialised.
+//! Walking any Burn module's float parameters by dotted path (`h.0.attn.c_attn.weight`): their
+//! shapes, their values, loading values into a module, and reading gradients. Paths are the
+//! only key (`ParamId` is random per process and per run). This is the one walker of the
+//! project; nothing here knows which model it walks. Only [`named_values`] reads a value:
+//! shapes, loading and gradients leave a lazy parameter (Burn's `Param::uninitialized`, which
+//! `LinearConfig::init` and friends produce) unmaterialised.
 
 use std::collections::HashMap;
 
@@ -41,6 +42,34 @@ pub fn param_shapes<M: Module>(module: &M) -> Vec<(String, Vec<usize>)> {
         }
     }
     let mut v = Shapes::default();
+    module.visit(&mut v);
+    v.out
+}
+
+/// Every float parameter's path, shape and values (flattened to `[numel]`), in visit order.
+/// Reads every value: a lazy parameter is initialised by it.
+pub fn named_values<M: Module>(module: &M) -> Vec<(String, Vec<usize>, Tensor<1>)> {
+    #[derive(Debug, Default)]
+    struct Values {
+        path: Path,
+        out: Vec<(String, Vec<usize>, Tensor<1>)>,
+    }
+    impl ModuleVisitor for Values {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.0.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let value = param.val();
+            let shape = value.dims().to_vec();
+            let numel: usize = shape.iter().product();
+            self.out
+                .push((self.path.join(), shape, value.reshape([numel])));
+        }
+    }
+    let mut v = Values::default();
     module.visit(&mut v);
     v.out
 }
@@ -104,8 +133,8 @@ pub fn load<M: Module>(
 }
 
 /// The gradients of the parameters named in `wanted` (path -> element count), flattened, by
-/// path.
-pub(crate) fn grads_of<M: Module>(
+/// path (absent where the backward pass did not reach a parameter).
+pub fn grads_of<M: Module>(
     module: &M,
     grads: &Gradients,
     wanted: &HashMap<String, usize>,

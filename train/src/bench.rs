@@ -4,22 +4,19 @@
 //! predictions. Not tests: numbers go to BENCHMARKS.md with the commands that produced them.
 
 use std::collections::BTreeMap;
-use std::time::Instant;
 
 use anyhow::Result;
 use ember_comm::Comm;
-use ember_data::{STREAM_TRAIN, Sampler};
 use ember_sharding::Memory;
 use serde::Serialize;
 
 use crate::config::{TrainConfig, TrainOverrides};
-use crate::device::{device, peak_flops};
+use crate::device::peak_flops;
 use crate::error::CliResult;
-use crate::sharded::{
-    ShardArgs, batch_plan, build, load_data, micro_batches, rss_peaks, run_plan, step_hyper,
-    traffic_by_name,
-};
-use crate::trainer::Trainer;
+use crate::gpt_run::{GptRun, rss_peaks, run_plan, traffic_by_name};
+use crate::run_loop::{self, Output, Stepped};
+use crate::setup::{RunArgs, RunSetup};
+use crate::shard_args::ShardArgs;
 
 /// One benchmark result.
 #[derive(Debug, Clone, Serialize)]
@@ -50,43 +47,61 @@ pub struct TrainBench {
     pub mfu: Option<f64>,
 }
 
-/// Times `steps` training steps of each preset after `warmup` untimed ones.
+/// Times `steps` training steps of each preset after `warmup` untimed ones, through the same
+/// setup, model and loop as `ember train` in one process.
 pub fn bench_train(
     presets: &[String],
     base: &TrainOverrides,
     steps: u64,
     warmup: u64,
 ) -> CliResult<Vec<TrainBench>> {
+    let comm = ShardArgs::default().start()?;
     let mut out = Vec::new();
     for preset in presets {
-        let o = TrainOverrides {
+        let settings = TrainOverrides {
             preset: Some(preset.clone()),
-            max_iters: Some(steps + warmup),
-            eval_interval: Some(0),
-            save_interval: Some(0),
             ..Default::default()
         }
         .overridden_by(base);
-        let mut config = TrainConfig::resolve(&o)?;
-        let dev = device(config.device)?;
-        let data = crate::data::load(&config)?;
-        config.model.vocab_size = data.tokenizer.vocab_size();
-        let mut trainer = Trainer::new(config.clone(), dev, data, None)?;
-        let mut times = Vec::new();
-        for i in 0..steps + warmup {
-            let t0 = Instant::now();
-            trainer.train_step()?;
-            if i >= warmup {
-                times.push(t0.elapsed().as_secs_f64());
-            }
-        }
-        out.push(summarise(&config, times)?);
+        let mut setup = bench_setup(&comm, settings, steps + warmup)?;
+        let shard = ShardArgs::default().resolve(comm.topology(), setup.config.dtype)?;
+        let config = setup.config.clone();
+        let mut run = GptRun::start(&comm, &mut setup, shard)?;
+        let (stepped, _) = run_loop::run(&mut run, &config, 0, 0, Output::Quiet)?;
+        out.push(summarise(&config, step_times(&stepped, warmup))?);
     }
     Ok(out)
 }
 
-fn summarise(config: &TrainConfig, mut times: Vec<f64>) -> Result<TrainBench> {
+/// The run `settings` describe, for `max_iters` steps with nothing evaluated or saved.
+fn bench_setup(comm: &Comm, settings: TrainOverrides, max_iters: u64) -> CliResult<RunSetup> {
+    let settings = settings.overridden_by(&TrainOverrides {
+        max_iters: Some(max_iters),
+        eval_interval: Some(0),
+        save_interval: Some(0),
+        ..Default::default()
+    });
+    RunSetup::resolve(
+        comm,
+        &RunArgs {
+            settings,
+            benchmark: true,
+            ..Default::default()
+        },
+    )
+}
+
+/// The step times after the first `warmup`, sorted.
+fn step_times(stepped: &[Stepped], warmup: u64) -> Vec<f64> {
+    let mut times: Vec<f64> = stepped[warmup as usize..]
+        .iter()
+        .map(|s| s.step_s)
+        .collect();
     times.sort_by(f64::total_cmp);
+    times
+}
+
+fn summarise(config: &TrainConfig, times: Vec<f64>) -> Result<TrainBench> {
     let median = times[times.len() / 2];
     let tokens = config.tokens_per_step() as f64;
     let tokens_per_s = tokens / median;
@@ -158,20 +173,9 @@ pub fn bench_shard(
     warmup: u64,
 ) -> CliResult<Vec<ShardBench>> {
     let topology = comm.topology().clone();
-    let (rank, world) = (comm.rank(), topology.world_size());
-    let o = TrainOverrides {
-        max_iters: Some(steps + warmup),
-        eval_interval: Some(0),
-        save_interval: Some(0),
-        ..Default::default()
-    }
-    .overridden_by(base);
-    let mut config = TrainConfig::resolve(&o)?;
-    let data = load_data(comm, &config)?;
-    config.model.vocab_size = data.tokenizer.vocab_size();
-    let plan = batch_plan(&config, world, rank)?;
-    let sampler = Sampler::new(&data.train, config.block_size, config.seed, STREAM_TRAIN)
-        .map_err(anyhow::Error::new)?;
+    let world = topology.world_size();
+    let mut setup = bench_setup(comm, base.clone(), steps + warmup)?;
+    let config = setup.config.clone();
     let mut out: Vec<ShardBench> = Vec::new();
     for shard in shards {
         let flags = ShardArgs {
@@ -179,32 +183,22 @@ pub fn bench_shard(
             ..shard_flags.clone()
         };
         let shard_config = flags.resolve(&topology, config.dtype)?;
-        let dev = device(config.device)?;
         let plan_memory =
             run_plan(&config, &topology, shard_config.clone())?.memory(config.grad_accum);
         // Each preset's peak is its own: the previous preset's memory is freed by now.
         ember_sharding::memory::reset_peak();
-        let mut sharded = build(comm, &config, shard_config, dev, None, None)?;
-        let mut times = Vec::new();
-        let mut waits = Vec::new();
-        let mut last = None;
-        for step in 0..steps + warmup {
-            let batches = micro_batches(&sampler, &plan, step);
-            let report = sharded
-                .train_step(&batches, &step_hyper(&config, step, rank))
-                .map_err(anyhow::Error::new)?;
-            if step >= warmup {
-                times.push(report.step_s);
-                waits.push(report.comm_wait_s / report.step_s.max(1e-9));
-            }
-            last = Some(report);
-        }
-        let last = last.expect("at least one step");
-        times.sort_by(f64::total_cmp);
+        let mut run = GptRun::start(comm, &mut setup, shard_config)?;
+        let (stepped, _) = run_loop::run(&mut run, &config, 0, 0, Output::Quiet)?;
+        let times = step_times(&stepped, warmup);
+        let mut waits: Vec<f64> = stepped[warmup as usize..]
+            .iter()
+            .map(|s| s.comm_wait_s / s.step_s.max(1e-9))
+            .collect();
         waits.sort_by(f64::total_cmp);
+        let last = run.last_report().expect("at least one step");
         let median = times[times.len() / 2];
         let step_ms = median * 1e3;
-        let predicted = sharded.plan().traffic(config.grad_accum);
+        let predicted = run.sharded().plan().traffic(config.grad_accum);
         let depth = topology.depth();
         let bytes_predicted = predicted
             .iter()
@@ -221,6 +215,8 @@ pub fn bench_shard(
             .iter()
             .find(|r| r.shard == "ddp")
             .map(|d| step_ms / d.step_ms_median);
+        let bytes_sent = traffic_by_name(comm, &last.traffic);
+        drop(run);
         out.push(ShardBench {
             shard: shard.clone(),
             model: config.preset.clone(),
@@ -233,7 +229,7 @@ pub fn bench_shard(
             vs_ddp,
             tokens_per_s: config.tokens_per_step() as f64 / median,
             comm_wait_frac: waits[waits.len() / 2],
-            bytes_sent: traffic_by_name(comm, &last.traffic),
+            bytes_sent,
             bytes_predicted,
             outermost_bytes,
             rss_peak_bytes: rss_peaks(comm)?,

@@ -5,7 +5,7 @@
 use burn::tensor::Device;
 use ember_model::Gpt;
 
-use crate::trainer::{scalar, tokens};
+use crate::stages::tokens;
 
 /// Sum of the per-token losses and the number of predicted tokens over `ids`, scored in
 /// windows of at most `block` predictions, `batch` windows at a time.
@@ -30,8 +30,10 @@ pub fn score(model: &Gpt, ids: &[u32], block: usize, batch: usize, device: &Devi
             let (_, loss) = model.forward_loss(
                 tokens(x, chunk.len(), t, device),
                 tokens(y, chunk.len(), t, device),
+                None,
             );
-            total += scalar(loss) * n as f64;
+            let loss: f32 = loss.into_scalar();
+            total += loss as f64 * n as f64;
             count += n;
         }
     }

@@ -26,29 +26,6 @@ use crate::config::Dtype;
 /// Prefix of every GPT-2 parameter name in Hugging Face files.
 pub const HF_PREFIX: &str = "transformer.";
 
-/// Parses `--max-shard-size` (`5GB`, `500MB`, `2GiB`, or bytes).
-pub fn parse_size(s: &str) -> Option<u64> {
-    let t = s.trim();
-    let digits = t.trim_end_matches(|c: char| c.is_ascii_alphabetic());
-    let unit = &t[digits.len()..];
-    let mult: u64 = match unit.to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
-        "KB" => 1_000,
-        "MB" => 1_000_000,
-        "GB" => 1_000_000_000,
-        "KIB" => 1 << 10,
-        "MIB" => 1 << 20,
-        "GIB" => 1 << 30,
-        _ => return None,
-    };
-    digits
-        .trim()
-        .parse::<u64>()
-        .ok()
-        .filter(|&n| n > 0)
-        .map(|n| n * mult)
-}
-
 /// The `config.json` of a GPT-2 of `model`.
 pub fn hf_config(model: &GptConfig, dtype: Dtype) -> serde_json::Value {
     json!({
@@ -384,16 +361,6 @@ fn f16_to_f32(h: u16) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_with_decimal_and_binary_units() {
-        assert_eq!(parse_size("5GB"), Some(5_000_000_000));
-        assert_eq!(parse_size("500MB"), Some(500_000_000));
-        assert_eq!(parse_size("2GiB"), Some(2 << 30));
-        assert_eq!(parse_size("1234"), Some(1234));
-        assert_eq!(parse_size("0GB"), None);
-        assert_eq!(parse_size("5XB"), None);
-    }
 
     #[test]
     fn half_precision_decodes_exactly() {

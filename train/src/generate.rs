@@ -7,11 +7,12 @@ use std::path::Path;
 use anyhow::{Result, anyhow};
 use burn::tensor::{Device, Tensor, TensorData};
 use ember_data::Tokenizer;
+use ember_model::Gpt;
 use ember_model::init::splitmix64;
-use ember_model::{Gpt, replace_named};
+use ember_sharding::params::{load, param_shapes};
 
 use crate::checkpoint::{self, Loaded};
-use crate::trainer::tokens;
+use crate::stages::tokens;
 
 /// A model and its tokenizer, restored from a checkpoint.
 #[derive(Debug)]
@@ -43,8 +44,23 @@ pub fn restore(path: &Path, device: &Device) -> Result<Restored> {
             )
         })
         .collect();
-    let model =
-        replace_named(model, values).map_err(|e| anyhow!("{}: {}", dir.display(), e.join("; ")))?;
+    let shapes: HashMap<String, Vec<usize>> = param_shapes(&model).into_iter().collect();
+    let mut values = values;
+    for (name, shape) in &shapes {
+        let n: usize = shape.iter().product();
+        match values.get(name) {
+            Some(v) if v.dims()[0] == n => {}
+            Some(v) => {
+                return Err(anyhow!(
+                    "{}: {name} holds {} values, the model's shape {shape:?} has {n}",
+                    dir.display(),
+                    v.dims()[0]
+                ));
+            }
+            None => return Err(anyhow!("{} has no tensor {name}", dir.display())),
+        }
+    }
+    let model = load(model, &mut values, &shapes, device, false);
     Ok(Restored {
         model,
         tokenizer,
@@ -68,12 +84,8 @@ pub fn generate(
     for i in 0..max_new {
         let ctx = &ids[ids.len().saturating_sub(block)..];
         let t = ctx.len();
-        let logits = model.forward(tokens(
-            ctx.iter().map(|&x| x as i64).collect(),
-            1,
-            t,
-            device,
-        ));
+        let idx = tokens(ctx.iter().map(|&x| x as i64).collect(), 1, t, device);
+        let logits = model.forward(idx, None);
         let last: Vec<f32> = logits
             .slice([0..1, t - 1..t])
             .into_data()

@@ -4,19 +4,25 @@
 
 use std::ops::Range;
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use ember_data::Batch;
 use ember_model::init::init_range;
-use ember_model::{Gpt, GptConfig, cross_entropy};
+use ember_model::init::splitmix64;
+use ember_model::{DropoutKey, Gpt, GptConfig, cross_entropy};
 use ember_sharding::{ActivationBytes, Flow, ParamSource, ShardError, Staged, UnitDecl, UnitSpec};
 
-use crate::trainer::tokens;
+/// A `[b, t]` token tensor on `device`.
+pub fn tokens(values: Vec<i64>, b: usize, t: usize, device: &Device) -> Tensor<2, Int> {
+    Tensor::from_data(TensorData::new(values, [b, t]), device)
+}
 
 /// The unit structure of a GPT with `n_layer` blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GptStages {
     /// Number of transformer blocks.
     pub n_layer: usize,
+    /// The run's seed, which (with the step) keys dropout masks.
+    pub seed: u64,
 }
 
 impl GptStages {
@@ -49,18 +55,21 @@ impl Staged<3> for GptStages {
         device: &Device,
     ) -> Flow<3> {
         let last = self.n_layer + 1;
+        // Training forwards draw dropout masks keyed by (seed, step, global sample, site), so
+        // a recompute draws the forward's masks and any split of the batch draws one
+        // process's (evaluation has no dropout: its model is built with none).
+        let key = dropout_key(self.seed, batch);
+        let key = Some(&key);
         match (unit, input) {
-            (0, _) => Flow::Hidden(model.embed(tokens(
-                batch.inputs.clone(),
-                batch.batch,
-                batch.block,
-                device,
-            ))),
+            (0, _) => Flow::Hidden(model.embed(
+                tokens(batch.inputs.clone(), batch.batch, batch.block, device),
+                key,
+            )),
             (u, Some(x)) if u == last => Flow::Loss(cross_entropy(
                 model.head(x),
                 tokens(batch.targets.clone(), batch.batch, batch.block, device),
             )),
-            (u, Some(x)) => Flow::Hidden(model.blocks()[u - 1].forward(x)),
+            (u, Some(x)) => Flow::Hidden(model.blocks()[u - 1].forward(x, key, u - 1)),
             (u, None) => panic!("unit {u} of a GPT needs the previous unit's activation"),
         }
     }
@@ -109,6 +118,15 @@ pub fn gpt_units(config: &GptConfig) -> Vec<UnitSpec> {
         uses: vec![0],
     });
     units
+}
+
+/// The dropout key of `batch` in a run seeded `seed`: the step's seed and each row's global
+/// sample index.
+pub fn dropout_key(seed: u64, batch: &Batch) -> DropoutKey {
+    DropoutKey {
+        seed: splitmix64(seed ^ splitmix64(batch.step)),
+        samples: (batch.first_sample..batch.first_sample + batch.batch as u64).collect(),
+    }
 }
 
 /// A GPT's initial weights, drawn from (seed, path) by the model's own initialiser: any
@@ -188,7 +206,10 @@ mod tests {
     fn analytic_units_equal_those_derived_from_a_built_model() {
         let config = GptConfig::new(3, 4, 32, 16, 100);
         let model = config.init(&Device::flex());
-        let stages = GptStages { n_layer: 3 };
+        let stages = GptStages {
+            n_layer: 3,
+            seed: 0,
+        };
         let derived = assign(&param_shapes(&model), &stages.decls()).unwrap();
         assert_eq!(derived, gpt_units(&config));
         let total: usize = derived
@@ -201,17 +222,24 @@ mod tests {
 
     #[test]
     fn running_the_stages_in_order_equals_the_whole_forward() {
-        let config = GptConfig::tiny();
+        // With dropout on, so the keyed masks are checked too.
+        let config = GptConfig {
+            dropout: 0.2,
+            ..GptConfig::tiny()
+        };
         let device = Device::flex();
         let model = config.init_with_seed(3, &device);
         let stages = GptStages {
             n_layer: config.n_layer,
+            seed: 11,
         };
         let batch = Batch {
             inputs: (0..16).map(|i| (i * 7 % 50) as i64).collect(),
             targets: (0..16).map(|i| (i * 3 % 50) as i64).collect(),
             batch: 2,
             block: 8,
+            step: 4,
+            first_sample: 6,
         };
         let mut x = None;
         let mut loss = None;
@@ -221,12 +249,20 @@ mod tests {
                 Flow::Loss(l) => loss = Some(l),
             }
         }
+        let key = dropout_key(11, &batch);
         let (_, whole) = model.forward_loss(
             tokens(batch.inputs.clone(), 2, 8, &device),
             tokens(batch.targets.clone(), 2, 8, &device),
+            Some(&key),
         );
         let a: f32 = loss.unwrap().into_scalar();
         let b: f32 = whole.into_scalar();
         assert_eq!(a, b);
+        let (_, plain) = model.forward_loss(
+            tokens(batch.inputs.clone(), 2, 8, &device),
+            tokens(batch.targets.clone(), 2, 8, &device),
+            None,
+        );
+        assert_ne!(a, plain.into_scalar::<f32>(), "dropout is on");
     }
 }

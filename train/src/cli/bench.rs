@@ -1,0 +1,228 @@
+//! `ember bench train`, `ember bench comm` and `ember bench shard`: throughput, collectives
+//! and sharding presets measured, printed as tables or JSON lines.
+
+use clap::{Args, Subcommand};
+
+use ember_train::bench;
+use ember_train::config::TrainOverrides;
+use ember_train::error::{CliResult, usage};
+use ember_train::shard_args::ShardArgs;
+use ember_train::units::parse_size;
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Training tokens/s and MFU per preset on one process
+    Train(BenchTrainArgs),
+    /// Collectives through ember against the raw MPI call, per op, level and size, and the
+    /// quantization kernels against memcpy (run under mpirun; rank 0 prints)
+    Comm(BenchCommArgs),
+    /// Sharded training step time per preset against ddp, bytes per level and memory beside
+    /// `ember plan`'s predictions (run under mpirun; rank 0 prints)
+    Shard(BenchShardArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchShardArgs {
+    /// Sharding presets to measure, comma-separated (put ddp first for the ratio)
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "ddp,zero1,zero2,zero3,zeropp,hier3"
+    )]
+    pub shards: Vec<String>,
+    /// Timed steps per preset
+    #[arg(long, default_value_t = 8)]
+    pub steps: u64,
+    /// Untimed warm-up steps per preset
+    #[arg(long, default_value_t = 2)]
+    pub warmup: u64,
+    /// One JSON object per line instead of a table
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub settings: TrainOverrides,
+    #[command(flatten)]
+    pub shard: ShardArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchCommArgs {
+    /// Rank layout NODESxGPUSxGCDS [default: detected]
+    #[arg(long)]
+    pub topology: Option<String>,
+    /// Payload sizes, comma-separated, with K, M or G suffixes [default: 4K to 256M by x4]
+    #[arg(long, value_delimiter = ',')]
+    pub sizes: Option<Vec<String>>,
+    /// Bytes moved per size and side, bounding the iterations [default: the library's]
+    #[arg(long)]
+    pub bytes_per_size: Option<String>,
+    /// Skip the quantize / dequantize kernel timings
+    #[arg(long)]
+    pub no_kernels: bool,
+    /// Skip the collectives (kernels only)
+    #[arg(long)]
+    pub no_collectives: bool,
+    /// One JSON object per line (op, level, bytes, ember_gbps, mpi_gbps, ratio, ...)
+    #[arg(long)]
+    pub json: bool,
+    /// Abort when a collective waits longer than this many seconds
+    #[arg(long, default_value_t = 300.0)]
+    pub comm_timeout: f64,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchTrainArgs {
+    /// Presets to measure, comma-separated
+    #[arg(long, value_delimiter = ',', default_value = "tiny,small-cpu")]
+    pub presets: Vec<String>,
+    /// Timed steps per preset
+    #[arg(long, default_value_t = 20)]
+    pub steps: u64,
+    /// Untimed warm-up steps per preset
+    #[arg(long, default_value_t = 3)]
+    pub warmup: u64,
+    /// One JSON object per line instead of a table
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub settings: TrainOverrides,
+}
+
+pub fn bench_comm(args: BenchCommArgs) -> CliResult<()> {
+    use ember_comm::bench::{BenchConfig, KernelBench, run_comm_bench};
+    let shard = ShardArgs {
+        topology: args.topology.clone(),
+        comm_timeout: args.comm_timeout,
+        ..ShardArgs::default()
+    };
+    let size = |flag: &str, s: &str| {
+        parse_size(s).ok_or_else(|| {
+            usage(format!(
+                "{flag} {s}: write a positive size such as 4K, 1M or 256M"
+            ))
+        })
+    };
+    let mut sizes = Vec::new();
+    for s in args.sizes.iter().flatten() {
+        sizes.push(size("--sizes", s)?);
+    }
+    let bytes_per_size = args
+        .bytes_per_size
+        .as_deref()
+        .map(|b| size("--bytes-per-size", b))
+        .transpose()?;
+    let comm = shard.init_comm()?;
+    let mut config = BenchConfig::full(&comm);
+    if !sizes.is_empty() {
+        config.sizes = sizes;
+    }
+    if let Some(b) = bytes_per_size {
+        config.bytes_per_size = b;
+    }
+    if args.no_kernels {
+        config.kernels = KernelBench::Skip;
+    }
+    if args.no_collectives {
+        config.scopes.clear();
+    }
+    let records = run_comm_bench(&comm, &config);
+    if comm.rank() != 0 {
+        return Ok(());
+    }
+    if !args.json {
+        println!(
+            "{:<20} {:<16} {:>12} {:>6} {:>10} {:>10} {:>7} {:>8}",
+            "op", "level", "bytes", "ranks", "ember GB/s", "base GB/s", "ratio", "baseline"
+        );
+    }
+    for r in &records {
+        if args.json {
+            println!("{}", serde_json::to_string(r).map_err(anyhow::Error::new)?);
+        } else {
+            println!(
+                "{:<20} {:<16} {:>12} {:>6} {:>10.3} {:>10.3} {:>7.3} {:>8}",
+                r.op, r.level, r.bytes, r.ranks, r.ember_gbps, r.mpi_gbps, r.ratio, r.baseline
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn bench_shard(args: BenchShardArgs) -> CliResult<()> {
+    if args.steps == 0 {
+        return Err(usage("--steps must be at least 1"));
+    }
+    if args.shard.shard.is_some() {
+        return Err(usage("ember bench shard takes --shards LIST, not --shard"));
+    }
+    let comm = args.shard.init_comm()?;
+    let results = bench::bench_shard(
+        &comm,
+        &args.shard,
+        &args.shards,
+        &args.settings,
+        args.steps,
+        args.warmup,
+    )?;
+    if comm.rank() != 0 {
+        return Ok(());
+    }
+    for r in &results {
+        if args.json {
+            println!("{}", serde_json::to_string(r).map_err(anyhow::Error::new)?);
+            continue;
+        }
+        println!(
+            "{:<7} {} on {} ({} ranks), batch {} x {}: {:>9.1} ms/step{} {:>7.0} tok/s, comm \
+             wait {:>3.0}%, outermost level {} B/step, peak resident memory {:.1} MB on the \
+             largest rank (plan {:.1} MB)",
+            r.shard,
+            r.model,
+            r.topology,
+            r.ranks,
+            r.batch_size,
+            r.block_size,
+            r.step_ms_median,
+            r.vs_ddp
+                .map_or(String::new(), |x| format!(" ({x:.2}x ddp)")),
+            r.tokens_per_s,
+            100.0 * r.comm_wait_frac,
+            r.outermost_bytes,
+            r.rss_peak_bytes.iter().copied().max().unwrap_or(0) as f64 / 1e6,
+            r.plan_bytes as f64 / 1e6
+        );
+        for (k, v) in &r.bytes_sent {
+            let p = r.bytes_predicted.get(k).copied().unwrap_or(0);
+            println!("          {k:<28} {v:>12} B sent (plan {p})");
+        }
+    }
+    Ok(())
+}
+
+pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
+    if args.steps == 0 {
+        return Err(usage("--steps must be at least 1"));
+    }
+    let results = bench::bench_train(&args.presets, &args.settings, args.steps, args.warmup)?;
+    for r in &results {
+        if args.json {
+            println!("{}", serde_json::to_string(r).map_err(anyhow::Error::new)?);
+        } else {
+            println!(
+                "{:<10} {:>6} {:>8.2}M params  batch {} x {}  {} threads  {:>8.1} ms/step  \
+                 {:>8.0} tok/s  {:>6.1} GFLOP/s  MFU {}",
+                r.preset,
+                r.device,
+                r.params as f64 / 1e6,
+                r.batch_size,
+                r.block_size,
+                r.threads,
+                r.step_ms_median,
+                r.tokens_per_s,
+                r.gflops,
+                r.mfu.map_or("n/a".into(), |m| format!("{:.1}%", m * 100.0)),
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,107 @@
+//! `ember plan` and `ember reshard`: a partition's memory and traffic without running it, and
+//! a checkpoint written again for another layout.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use ember_train::config::{TrainConfig, TrainOverrides};
+use ember_train::error::{CliResult, usage};
+use ember_train::setup::locate_resume;
+use ember_train::shard_args::ShardArgs;
+use ember_train::{gpt_run, log0};
+
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// One JSON object instead of tables
+    #[arg(long)]
+    pub json: bool,
+    /// Link bandwidths and compute rate: `frontier`, or a TOML/JSON file with name,
+    /// level_gbps (innermost first), peak_tflops and mfu
+    #[arg(long, default_value = "frontier")]
+    pub profile: String,
+    #[command(flatten)]
+    pub settings: TrainOverrides,
+    #[command(flatten)]
+    pub shard: ShardArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct ReshardArgs {
+    /// Checkpoint directory, or an out dir (its latest checkpoint)
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Out dir to write `step-NNNNNN/` into
+    #[arg(long)]
+    pub out: PathBuf,
+    #[command(flatten)]
+    pub shard: ShardArgs,
+}
+
+pub fn plan_cmd(args: PlanArgs) -> CliResult<()> {
+    let Some(spec) = &args.shard.topology else {
+        return Err(usage(
+            "ember plan needs --topology NODESxGPUSxGCDS (e.g. 2x4x2)",
+        ));
+    };
+    if args.shard.shard.is_none() {
+        return Err(usage(
+            "ember plan needs --shard PRESET (e.g. --shard hier3)",
+        ));
+    }
+    let topology =
+        ember_comm::Topology::parse(spec).map_err(|e| usage(format!("--topology {spec}: {e}")))?;
+    let config = TrainConfig::resolve(&args.settings)?;
+    let mut model = config.model.clone();
+    if let Some(v) = args.settings.vocab_size {
+        model.vocab_size = v;
+    }
+    let shard = args.shard.resolve(&topology, config.dtype)?;
+    let profile = ember_train::planning::load_profile(&args.profile)?;
+    let report = ember_train::planning::report(
+        &config.preset,
+        &model,
+        &topology,
+        shard,
+        config.batch_size,
+        config.grad_accum,
+        &profile,
+    )?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(anyhow::Error::new)?
+        );
+    } else {
+        print!("{}", ember_train::planning::render(&report, &profile));
+    }
+    Ok(())
+}
+
+pub fn reshard_cmd(args: ReshardArgs) -> CliResult<()> {
+    if args.shard.shard.is_none() {
+        return Err(usage(
+            "ember reshard needs --shard PRESET (and --topology) for the new layout",
+        ));
+    }
+    if !args.checkpoint.exists() {
+        return Err(usage(format!(
+            "--checkpoint {}: no such directory",
+            args.checkpoint.display()
+        )));
+    }
+    let resumed = locate_resume("--checkpoint", &args.checkpoint)?;
+    let comm = args.shard.init_comm()?;
+    let shard = args
+        .shard
+        .resolve(comm.topology(), resumed.record.train.dtype)?;
+    let out = gpt_run::reshard(&comm, &resumed.dir, &args.out, shard)?;
+    log0!(
+        comm.rank(),
+        "wrote {} for {} ranks ({})",
+        out.display(),
+        comm.topology().world_size(),
+        comm.topology()
+    );
+    Ok(())
+}

@@ -1,0 +1,7 @@
+//! The commands, one file per group: `train`; `bench`; `plan` and `reshard` (`layout`);
+//! `generate`, `eval`, `prepare` and `export` (`inspect`).
+
+pub mod bench;
+pub mod inspect;
+pub mod layout;
+pub mod train;

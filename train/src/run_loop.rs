@@ -1,0 +1,158 @@
+//! The one training loop. Every way ember trains (one process, many ranks, `ember bench`)
+//! runs [`run`]: it drives a [`Trainee`] step by step and owns the schedule of evaluation,
+//! logging, metrics, the progress bar and checkpoints. How the model is partitioned lives in
+//! the trainee and never here, as torchtitan's single `train.py` serves every parallelism.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Result;
+
+use crate::config::TrainConfig;
+use crate::device::peak_flops;
+use crate::log0;
+use crate::metrics::{MetricsWriter, StepMetrics, progress_bar};
+
+/// What one optimizer step reports to the loop.
+#[derive(Debug, Clone)]
+pub struct Stepped {
+    /// Mean training loss over the global batch.
+    pub loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Learning rate of the step.
+    pub lr: f64,
+    /// Seconds the step took.
+    pub step_s: f64,
+    /// Seconds of it spent waiting on communication.
+    pub comm_wait_s: f64,
+}
+
+/// A model the loop trains: one step at a time, a validation loss, a checkpoint, and what a
+/// logged step adds to its metrics line. Under MPI every rank runs the loop, so every method
+/// is called on every rank in the same order (they may communicate).
+pub trait Trainee {
+    /// Trains optimizer step `step` (0-based).
+    fn step(&mut self, step: u64) -> Result<Stepped>;
+    /// The validation loss with the run's evaluation settings.
+    fn val_loss(&mut self) -> Result<f64>;
+    /// Writes a checkpoint after `steps` steps and `tokens_seen` tokens; returns its path.
+    fn save(&mut self, steps: u64, tokens_seen: u64) -> Result<PathBuf>;
+    /// Fills the fields of a logged step's metrics that the trainee measures (bytes sent,
+    /// resident memory) into `m`.
+    fn observe(&mut self, m: &mut StepMetrics) -> Result<()>;
+    /// This process's rank (0 logs and writes).
+    fn rank(&self) -> usize;
+    /// Ranks training together.
+    fn ranks(&self) -> usize;
+}
+
+/// What the loop writes besides stepping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    /// Everything the configuration asks for: evaluation, `metrics.jsonl`, log lines, the
+    /// progress bar, checkpoints at the save interval and at the end.
+    Run,
+    /// Steps only, nothing written or evaluated (benchmarks).
+    Quiet,
+}
+
+/// Trains `trainee` from step `first_step` (with `tokens_seen` tokens behind it) to
+/// `c.max_iters`. Returns every step's report and the metrics lines it logged.
+pub fn run(
+    trainee: &mut impl Trainee,
+    c: &TrainConfig,
+    first_step: u64,
+    mut tokens_seen: u64,
+    output: Output,
+) -> Result<(Vec<Stepped>, Vec<StepMetrics>)> {
+    let rank = trainee.rank();
+    let writing = output == Output::Run;
+    let mut writer = if writing && rank == 0 {
+        Some(MetricsWriter::open(
+            &c.out_dir,
+            (first_step > 0).then_some(first_step),
+        )?)
+    } else {
+        None
+    };
+    let peak = peak_flops(c.device, c.peak_tflops);
+    let flops_per_token = c.model.train_flops_per_token(c.block_size);
+    let bar = progress_bar(c.max_iters, first_step, if writing { rank } else { 1 });
+    let start = Instant::now();
+    // (seconds spent in training steps, tokens) since the last logged step: evaluation and
+    // checkpointing are kept out of the throughput figure.
+    let mut window = (0.0f64, 0u64);
+    let mut stepped = Vec::new();
+    let mut logged = Vec::new();
+    for step in first_step..c.max_iters {
+        let s = trainee.step(step)?;
+        window.0 += s.step_s;
+        window.1 += c.tokens_per_step() as u64;
+        tokens_seen += c.tokens_per_step() as u64;
+        stepped.push(s.clone());
+        if !writing {
+            continue;
+        }
+        let done = step + 1;
+        let last = done == c.max_iters;
+        let eval_now = c.eval_interval > 0 && (done.is_multiple_of(c.eval_interval) || last);
+        let val_loss = if eval_now {
+            Some(trainee.val_loss()?)
+        } else {
+            None
+        };
+        bar.set_position(done);
+        bar.set_message(format!("loss {:.4}", s.loss));
+        if done.is_multiple_of(c.log_interval) || eval_now || last {
+            let tokens_per_s = window.1 as f64 / window.0.max(1e-9);
+            let ranks = trainee.ranks() as f64;
+            let mut m = StepMetrics {
+                step: done,
+                loss: s.loss,
+                lr: s.lr,
+                grad_norm: s.grad_norm,
+                tokens_per_s,
+                // Per-rank MFU: the job's throughput over the sum of the ranks' peaks.
+                mfu: peak.map(|p| tokens_per_s * flops_per_token / (p * ranks)),
+                elapsed_s: start.elapsed().as_secs_f64(),
+                val_loss,
+                comm_bytes: None,
+                comm_wait_frac: None,
+                rss_peak_bytes: None,
+                device_bytes: None,
+                plan_bytes: None,
+            };
+            trainee.observe(&mut m)?;
+            if let Some(w) = writer.as_mut() {
+                w.write(&m)?;
+            }
+            let val = val_loss.map_or(String::new(), |v| format!(" val {v:.4}"));
+            let mfu = m
+                .mfu
+                .map_or(String::new(), |u| format!(" mfu {:.1}%", 100.0 * u));
+            let wait = m
+                .comm_wait_frac
+                .filter(|_| ranks > 1.0)
+                .map_or(String::new(), |w| format!(" comm wait {:.0}%", 100.0 * w));
+            bar.suspend(|| {
+                log0!(
+                    rank,
+                    "step {done:>6} loss {:.4}{val} lr {:.2e} norm {:.3} {tokens_per_s:.0} tok/s\
+                     {mfu}{wait}",
+                    s.loss,
+                    s.lr,
+                    s.grad_norm
+                )
+            });
+            logged.push(m);
+            window = (0.0, 0);
+        }
+        if (c.save_interval > 0 && done.is_multiple_of(c.save_interval)) || last {
+            let dir = trainee.save(done, tokens_seen)?;
+            bar.suspend(|| log0!(rank, "saved {}", dir.display()));
+        }
+    }
+    bar.finish_and_clear();
+    Ok((stepped, logged))
+}

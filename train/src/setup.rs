@@ -1,0 +1,264 @@
+//! Everything a training run resolves before its first step, the same way for `ember train`,
+//! `ember bench` and `ember reshard`: layered settings (preset, `--config` file, flags), a
+//! checkpoint to resume (its configuration is the base), a Hugging Face directory to start
+//! from, the out-dir policy, the device, the data and the vocabulary, and the pre-flight
+//! memory check. Every rank resolves the same inputs alike; what can differ between ranks
+//! (reading files) is agreed, so a failure on one ends all of them together.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::anyhow;
+use burn::tensor::Device;
+use ember_comm::Comm;
+use ember_data::PreparedData;
+use ember_sharding::ShardConfig;
+
+use crate::checkpoint::{self, RunRecord};
+use crate::config::{Dtype, TrainConfig, TrainOverrides};
+use crate::error::{CliError, CliResult, usage};
+use crate::export::HfDir;
+use crate::gpt_run::{all_ok, run_plan};
+use crate::{data, device, log0, planning};
+
+/// A checkpoint a run continues.
+#[derive(Debug, Clone)]
+pub struct Resumed {
+    /// Its directory.
+    pub dir: PathBuf,
+    /// Steps it had trained.
+    pub step: u64,
+    /// ember's record in it.
+    pub record: RunRecord,
+}
+
+/// Where a run's settings come from: its flags, an optional `--config` file, and optionally a
+/// checkpoint to resume or a Hugging Face directory to start from.
+#[derive(Debug, Clone, Default)]
+pub struct RunArgs {
+    /// `--config FILE.toml`.
+    pub config: Option<PathBuf>,
+    /// `--resume PATH`.
+    pub resume: Option<PathBuf>,
+    /// `--init-from DIR`.
+    pub init_from: Option<PathBuf>,
+    /// The flags.
+    pub settings: TrainOverrides,
+    /// A benchmark: it writes nothing, so its out dir may hold another run's checkpoints.
+    pub benchmark: bool,
+}
+
+/// A run resolved and ready to build.
+#[derive(Debug)]
+pub struct RunSetup {
+    /// The resolved configuration (the vocabulary is the tokenizer's).
+    pub config: TrainConfig,
+    /// The checkpoint it continues.
+    pub resume: Option<Resumed>,
+    /// The Hugging Face directory it starts from.
+    pub init: Option<HfDir>,
+    /// The prepared tokens and tokenizer.
+    pub data: PreparedData,
+    /// The compute device.
+    pub device: Device,
+}
+
+/// The checkpoint at `path` (a checkpoint directory or a directory of them), with its step
+/// and ember's record; `flag` names the flag for messages.
+pub fn locate_resume(flag: &str, path: &Path) -> CliResult<Resumed> {
+    if !path.exists() {
+        return Err(usage(format!(
+            "{flag} {}: no such file or directory",
+            path.display()
+        )));
+    }
+    let dir = checkpoint::locate(path)?;
+    let manifest = checkpoint::read_manifest(&dir)?;
+    let record = RunRecord::of(&manifest, &dir)?;
+    Ok(Resumed {
+        dir,
+        step: manifest.step,
+        record,
+    })
+}
+
+impl RunSetup {
+    /// Resolves `args` on every rank of `comm`.
+    pub fn resolve(comm: &Comm, args: &RunArgs) -> CliResult<Self> {
+        let rank = comm.rank();
+        let file = match &args.config {
+            Some(path) => TrainOverrides::from_toml_file(path)?,
+            None => TrainOverrides::default(),
+        };
+        let settings = file.overridden_by(&args.settings);
+        let mut init = None;
+        let (mut config, resume) = match &args.resume {
+            Some(path) => {
+                let resumed = locate_resume("--resume", path)?;
+                let mut config = resumed.record.train.clone();
+                // A checkpoint continues where it lives (it may have been moved since), unless
+                // --out-dir says otherwise.
+                if let Some(parent) = resumed.dir.parent() {
+                    config.out_dir = parent.to_path_buf();
+                }
+                config.apply(&settings, false)?;
+                if config.max_iters <= resumed.step {
+                    return Err(usage(format!(
+                        "--max-iters {} is not past the checkpoint's step {}: nothing to train; \
+                         raise --max-iters",
+                        config.max_iters, resumed.step
+                    )));
+                }
+                log0!(
+                    rank,
+                    "resuming from {} (step {})",
+                    resumed.dir.display(),
+                    resumed.step
+                );
+                (config, Some(resumed))
+            }
+            None => {
+                let mut settings = settings.clone();
+                if let Some(dir) = &args.init_from {
+                    let hf = open_init(dir, &mut settings)?;
+                    init = Some(hf);
+                }
+                let mut config = TrainConfig::resolve(&settings)?;
+                if let Some(hf) = &init {
+                    let dropout = config.model.dropout;
+                    config.model = hf.config.clone();
+                    config.model.dropout = dropout;
+                    config.block_size = settings.block_size.unwrap_or(hf.config.block_size);
+                    config.preset = format!("init-from {}", hf.dir.display());
+                    config
+                        .validate()
+                        .map_err(|e| usage(format!("--init-from: {e}")))?;
+                }
+                if !args.benchmark && checkpoint::locate(&config.out_dir).is_ok() {
+                    return Err(usage(format!(
+                        "--out-dir {} already holds checkpoints of a run; continue it with \
+                         --resume {0}, or pick another --out-dir",
+                        config.out_dir.display()
+                    )));
+                }
+                (config, None)
+            }
+        };
+        let device = device::device(config.device)?;
+        if config.dtype == Dtype::Bf16 && !device.supports_dtype(burn::tensor::DType::BF16) {
+            return Err(usage(format!(
+                "--dtype bf16 is not supported by --device {:?}; use --dtype f32",
+                config.device
+            )));
+        }
+        let data = load_data(comm, &config)?;
+        let vocab = data.tokenizer.vocab_size();
+        if resume.is_some() && vocab != config.model.vocab_size {
+            return Err(CliError::Runtime(anyhow!(
+                "the data's tokenizer has {vocab} tokens but the checkpoint's model has {}; \
+                 resume with the same --data and --tokenizer",
+                config.model.vocab_size
+            )));
+        }
+        if let Some(r) = &resume
+            && r.record.tokenizer_sha256 != data.tokenizer.sha256()
+        {
+            return Err(CliError::Runtime(anyhow!(
+                "{} was trained with another tokenizer than this data's; resume with the same \
+                 --data and --tokenizer",
+                r.dir.display()
+            )));
+        }
+        config.model.vocab_size = vocab;
+        ember_data::Sampler::new(&data.train, config.block_size, config.seed, 0)
+            .map_err(|e| usage(format!("--block-size {}: {e}", config.block_size)))?;
+        if config.eval_interval > 0 {
+            ember_data::Sampler::new(&data.val, config.block_size, config.seed, 1).map_err(
+                |e| {
+                    usage(format!(
+                        "--block-size {} on the validation split: {e}; or pass --eval-interval 0",
+                        config.block_size
+                    ))
+                },
+            )?;
+        }
+        // A global batch that does not split over the ranks is a usage error (exit 2).
+        crate::gpt_run::batch_plan(&config, comm.topology().world_size(), rank)
+            .map_err(|e| usage(e.to_string()))?;
+        Ok(Self {
+            config,
+            resume,
+            init,
+            data,
+            device,
+        })
+    }
+
+    /// Refuses, on every rank, a run whose plan times the ranks on this machine exceeds the
+    /// memory available (unless `skip`), naming both and the presets that would fit.
+    pub fn check_memory(&self, comm: &Comm, shard: &ShardConfig, skip: bool) -> CliResult<()> {
+        let plan = run_plan(&self.config, comm.topology(), shard.clone())?;
+        let checked = planning::check_memory(
+            &plan.memory(self.config.grad_accum),
+            comm.ranks_on_this_node(),
+            skip,
+            planning::fitting_presets(&self.config, comm.topology()),
+        );
+        all_ok(comm, checked).map_err(|e| usage(format!("{e:#}")))
+    }
+}
+
+/// Opens `--init-from DIR`, checks the shape flags against it and takes its tokenizer unless
+/// one is given.
+fn open_init(dir: &Path, settings: &mut TrainOverrides) -> CliResult<HfDir> {
+    if !dir.exists() {
+        return Err(usage(format!(
+            "--init-from {}: no such directory",
+            dir.display()
+        )));
+    }
+    let hf = HfDir::open(dir).map_err(|e| usage(format!("--init-from: {e:#}")))?;
+    let shape = [
+        ("--n-layer", settings.n_layer, hf.config.n_layer),
+        ("--n-head", settings.n_head, hf.config.n_head),
+        ("--n-embd", settings.n_embd, hf.config.n_embd),
+    ];
+    if let Some((flag, Some(v), actual)) = shape.iter().find(|(_, g, a)| g.is_some_and(|g| g != *a))
+    {
+        return Err(usage(format!(
+            "{flag} {v} contradicts --init-from {} ({actual}); drop the flag",
+            dir.display()
+        )));
+    }
+    if settings.tokenizer.is_none() {
+        settings.tokenizer = Some(hf.tokenizer.clone().ok_or_else(|| {
+            usage(format!(
+                "--init-from {} has no tokenizer.json; pass --tokenizer",
+                dir.display()
+            ))
+        })?);
+    }
+    Ok(hf)
+}
+
+/// The prepared data of `c` on every rank: rank 0 prepares (and caches) the tokens while the
+/// others wait, then they read the cache. A failure on any rank fails every rank.
+pub fn load_data(comm: &Comm, c: &TrainConfig) -> CliResult<PreparedData> {
+    let prepared = if comm.rank() == 0 {
+        let prepared = data::load(c);
+        comm.barrier();
+        prepared
+    } else {
+        comm.barrier();
+        data::load(c)
+    };
+    let mine = prepared.as_ref().err().map(|e| e.to_string());
+    match comm.agree(mine.as_deref()) {
+        Ok(()) => prepared,
+        Err(f) if f.rank == comm.rank() => prepared,
+        Err(f) => Err(CliError::Runtime(anyhow!(
+            "rank {} failed: {}",
+            f.rank,
+            f.message
+        ))),
+    }
+}
