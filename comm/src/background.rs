@@ -19,7 +19,7 @@
 //!   the worker reading freed memory. Dropping the `Comm` finishes every queued job, then joins
 //!   the worker, before MPI is finalised.
 //! - **Timeouts.** Every MPI call a job makes is armed on the same watchdog as the caller's
-//!   collectives, so a background collective stuck past `--comm-timeout` aborts the job naming
+//!   collectives, so a background collective stuck past the timeout aborts the job naming
 //!   its op and scope. Waiting on a handle is not armed itself: it waits for a job that is
 //!   either running (and armed) or queued behind one that is.
 //! - **Panics.** A panic inside a job aborts the MPI job under `PanicPolicy::AbortJob` (the

@@ -35,10 +35,11 @@ use crate::error::CommError;
 use crate::fault::{Armed, Watchdog, install_panic_hook};
 use crate::topology::{Scope, Topology};
 
-/// Environment variable read for GCDs per GPU when neither `--topology` nor a flag gives it.
+/// Environment variable read for GCDs per GPU when neither an explicit topology nor the
+/// caller gives it.
 pub const GCDS_PER_GPU_ENV: &str = "EMBER_GCDS_PER_GPU";
 
-/// Default `--comm-timeout`: long enough for a first step's JIT and autotune on a slow device.
+/// Default collective timeout: long enough for a first step's JIT and autotune on a slow device.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Bytes of a failing rank's message that [`Comm::agree`] hands to every rank.
@@ -56,7 +57,7 @@ pub struct Disagreement {
 /// Where the topology comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TopologySource {
-    /// Given explicitly (`--topology NODESxGPUSxGCDS`).
+    /// Given explicitly (e.g. parsed from `NODESxGPUSxGCDS`).
     Explicit(Topology),
     /// Nodes from `MPI_Comm_split_type(SHARED)`; GCDs per GPU from this value, else from the
     /// environment variable [`GCDS_PER_GPU_ENV`], else 1.
@@ -80,7 +81,7 @@ pub enum PanicPolicy {
 pub struct CommConfig {
     /// Where the topology comes from.
     pub topology: TopologySource,
-    /// A collective waiting longer than this aborts the job (`--comm-timeout`).
+    /// A collective waiting longer than this aborts the job.
     pub timeout: Duration,
     /// What a panic in this rank does.
     pub panic_policy: PanicPolicy,
@@ -465,14 +466,14 @@ fn detect(world: &SimpleCommunicator, gcds_per_gpu: Option<usize>) -> Result<Top
     if sizes[0] != sizes[1] {
         return Err(CommError::Topology(format!(
             "nodes run between {} and {} ranks: start the same number on every node \
-             or pass --topology",
+             or give the topology explicitly",
             sizes[0], sizes[1]
         )));
     }
     if hi - lo + 1 != local || lo % local != 0 {
         return Err(CommError::Topology(
             "ranks of one node are not numbered consecutively: launch with \
-             `mpirun --map-by slot` (or pass --topology to simulate levels)"
+             `mpirun --map-by slot` (or give the topology explicitly to simulate levels)"
                 .into(),
         ));
     }

@@ -29,7 +29,7 @@ impl fmt::Display for CommError {
             CommError::WorldSize { topology, world } => write!(
                 f,
                 "the topology describes {topology} ranks but MPI started {world}: \
-                 launch with `mpirun -np {topology}` or pass a --topology whose product is {world}"
+                 launch with `mpirun -np {topology}` or use a topology whose product is {world}"
             ),
             CommError::Shape(msg) => write!(f, "buffer shape: {msg}"),
             CommError::Unsupported(msg) => write!(f, "unsupported: {msg}"),

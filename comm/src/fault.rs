@@ -104,7 +104,7 @@ impl Watchdog {
                     if let Some(w) = overdue {
                         eprintln!(
                             "ember-comm: rank {rank}: {} on level {} waited longer than the \
-                             --comm-timeout of {} s; aborting the MPI job",
+                             collective timeout of {} s; aborting the MPI job",
                             w.op.name(),
                             topology.scope_name(w.scope),
                             timeout.as_secs_f64()

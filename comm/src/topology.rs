@@ -147,13 +147,13 @@ impl Topology {
         if ranks_per_node == 0 || !world.is_multiple_of(ranks_per_node) {
             return Err(CommError::Topology(format!(
                 "{world} ranks do not split into nodes of {ranks_per_node}: \
-                 start the same number of ranks on every node or pass --topology"
+                 start the same number of ranks on every node or give the topology explicitly"
             )));
         }
         if gcds_per_gpu == 0 || !ranks_per_node.is_multiple_of(gcds_per_gpu) {
             return Err(CommError::Topology(format!(
                 "{ranks_per_node} ranks per node do not split into GPUs of {gcds_per_gpu} GCDs: \
-                 fix the GCDs-per-GPU setting or pass --topology"
+                 fix the GCDs-per-GPU setting or give the topology explicitly"
             )));
         }
         let sizes = [

@@ -22,6 +22,17 @@ pub enum DataError {
         source: std::io::Error,
     },
 
+    /// A setting that cannot work with the data: the field, its value, and why.
+    #[error("{field} = {value}: {reason}")]
+    Setting {
+        /// The field (`block_size`, `global_batch`, `grad_accum`).
+        field: &'static str,
+        /// Its value.
+        value: usize,
+        /// What is wrong with it and what would work.
+        reason: String,
+    },
+
     /// A tokenizer file could not be read or parsed.
     #[error(
         "could not load tokenizer {}: {source}. Expected a Hugging Face tokenizer.json \

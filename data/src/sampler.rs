@@ -81,13 +81,16 @@ impl BatchPlan {
         let parts = grad_accum * world_size;
         if !global_batch.is_multiple_of(parts) {
             let lower = (global_batch / parts).max(1) * parts;
-            return Err(DataError::Invalid(format!(
-                "global batch {global_batch} does not divide evenly over {world_size} ranks x \
-                 {grad_accum} accumulation steps ({parts} micro-batches); use a global batch \
-                 that is a multiple of {parts} (e.g. {lower} or {}), or change \
-                 --grad-accum / the number of ranks",
-                lower + parts
-            )));
+            return Err(DataError::Setting {
+                field: "global_batch",
+                value: global_batch,
+                reason: format!(
+                    "does not divide evenly over {world_size} ranks x {grad_accum} \
+                     accumulation steps ({parts} micro-batches); use a multiple of {parts} \
+                     (e.g. {lower} or {}), or change grad_accum or the number of ranks",
+                    lower + parts
+                ),
+            });
         }
         Ok(BatchPlan {
             global_batch,
@@ -179,19 +182,25 @@ impl<'a> Sampler<'a> {
         stream: u64,
     ) -> Result<Self, DataError> {
         if block_size == 0 {
-            return Err(DataError::Invalid(
-                "block size 0 is invalid: use --block-size of at least 1".to_owned(),
-            ));
+            return Err(DataError::Setting {
+                field: "block_size",
+                value: 0,
+                reason: "windows need at least 1 token".to_owned(),
+            });
         }
         if data.len() <= block_size + 1 {
-            return Err(DataError::Invalid(format!(
-                "{} has {} tokens, too few for windows of block size {block_size} (it needs more \
-                 than {}); use a smaller --block-size (at most {}) or more data",
-                data.path().display(),
-                data.len(),
-                block_size + 1,
-                data.len().saturating_sub(2)
-            )));
+            return Err(DataError::Setting {
+                field: "block_size",
+                value: block_size,
+                reason: format!(
+                    "{} has {} tokens, too few for windows of this size (it needs more than \
+                     {}); use a block size of at most {} or more data",
+                    data.path().display(),
+                    data.len(),
+                    block_size + 1,
+                    data.len().saturating_sub(2)
+                ),
+            });
         }
         Ok(Sampler {
             data,
@@ -339,7 +348,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            msg.contains("65") && msg.contains("64") && msg.contains("--block-size"),
+            msg.contains("65") && msg.contains("64") && msg.contains("block_size"),
             "{msg}"
         );
         assert!(Sampler::new(&data, 63, 0, STREAM_VAL).is_ok());

@@ -173,11 +173,11 @@ pub fn train(comm: &Comm, run: &Run) -> Result<Vec<(u64, f64)>, ShardError> {
             let checkpoint = Checkpoint::open(comm, dir)?;
             let record: Record = checkpoint.manifest().app_record()?;
             if record.seed != seed {
-                return Err(ShardError::Config(format!(
-                    "{} was trained with seed {}",
-                    dir.display(),
-                    record.seed
-                )));
+                return Err(ShardError::setting(
+                    "seed",
+                    seed,
+                    format!("{} was trained with seed {}", dir.display(), record.seed),
+                ));
             }
             ShardedModel::resume(comm, MlpStages, model, config, device, &checkpoint)?
         }
@@ -190,10 +190,11 @@ pub fn train(comm: &Comm, run: &Run) -> Result<Vec<(u64, f64)>, ShardError> {
     };
     let world = comm.topology().world_size();
     if !run.batch.is_multiple_of(world) {
-        return Err(ShardError::Config(format!(
-            "batch {} does not split over {world} ranks",
-            run.batch
-        )));
+        return Err(ShardError::setting(
+            "batch",
+            run.batch,
+            format!("does not split over {world} ranks"),
+        ));
     }
     let share = run.batch / world;
     let hyper = StepHyper {

@@ -58,10 +58,11 @@ impl Span {
                 let mut names: Vec<String> =
                     topology.levels().iter().map(|l| l.name.clone()).collect();
                 names.push("world".into());
-                ShardError::Config(format!(
-                    "unknown level `{name}`: use one of {}",
-                    names.join(", ")
-                ))
+                ShardError::setting(
+                    "span",
+                    name,
+                    format!("not a level; use one of {}", names.join(", ")),
+                )
             })
     }
 }
@@ -209,10 +210,11 @@ impl ShardConfig {
                 ..base
             },
             other => {
-                return Err(ShardError::Config(format!(
-                    "unknown --shard preset `{other}`: use one of {}",
-                    PRESETS.join(", ")
-                )));
+                return Err(ShardError::setting(
+                    "preset",
+                    other,
+                    format!("not a preset; use one of {}", PRESETS.join(", ")),
+                ));
             }
         };
         Ok(config)
@@ -221,52 +223,63 @@ impl ShardConfig {
     /// Checks the combination against `topology`; the error says what is wrong and why.
     pub fn validate(&self, topology: &Topology) -> Result<(), ShardError> {
         let depth = topology.depth();
-        let bad = |msg: String| Err(ShardError::Config(msg));
+        let bad = |field: &'static str, value: String, reason: String| {
+            Err(ShardError::setting(field, value, reason))
+        };
         let name = |s: Span| s.name(topology);
-        for (what, span) in [
-            ("parameters", self.params),
-            ("optimizer state", self.optimizer),
-        ]
-        .into_iter()
-        .chain(self.secondary.map(|s| ("secondary copy", s)))
-        .chain(self.grad_hops.iter().map(|&s| ("gradient hop", s)))
+        for (field, span) in [("params", self.params), ("optimizer", self.optimizer)]
+            .into_iter()
+            .chain(self.secondary.map(|s| ("secondary", s)))
+            .chain(self.grad_hops.iter().map(|&s| ("grad_hops", s)))
         {
             if span.0 > depth {
-                return bad(format!(
-                    "{what} span {} exceeds the topology's {depth} levels",
-                    span.0
-                ));
+                return bad(
+                    field,
+                    format!("span {}", span.0),
+                    format!("exceeds the topology's {depth} levels"),
+                );
             }
         }
         if self.params != Span(0) && self.params != self.optimizer {
-            return bad(format!(
-                "parameters partitioned over the {} but optimizer state over the {}: the \
-                 updated master shard becomes the parameter shard, so parameters are either \
-                 replicated (gcd) or split exactly like the optimizer state",
+            return bad(
+                "params",
                 name(self.params),
-                name(self.optimizer)
-            ));
+                format!(
+                    "parameters partitioned over the {} but optimizer state over the {}: the \
+                     updated master shard becomes the parameter shard, so parameters are \
+                     either replicated (gcd) or split exactly like the optimizer state",
+                    name(self.params),
+                    name(self.optimizer)
+                ),
+            );
         }
         if let Some(s) = self.secondary {
             if self.params == Span(0) {
                 return bad(
+                    "secondary",
+                    name(s),
                     "a secondary copy needs partitioned parameters: replicated parameters are \
-                     never re-gathered (use --secondary none)"
+                     never re-gathered (set secondary to none)"
                         .into(),
                 );
             }
             if s >= self.params {
-                return bad(format!(
-                    "the secondary copy must be split over a smaller group than the primary \
-                     ({}), not the {}: otherwise it saves no traffic",
-                    name(self.params),
-                    name(s)
-                ));
+                return bad(
+                    "secondary",
+                    name(s),
+                    format!(
+                        "the secondary copy must be split over a smaller group than the \
+                         primary ({}): otherwise it saves no traffic",
+                        name(self.params)
+                    ),
+                );
             }
         }
         if self.optimizer == Span(0) {
             if !self.grad_hops.is_empty() {
                 return bad(
+                    "grad_hops",
+                    format!("{:?}", self.grad_hops),
                     "replicated optimizer state all-reduces gradients: a reduce-scatter path \
                      does not apply"
                         .into(),
@@ -274,54 +287,69 @@ impl ShardConfig {
             }
             if self.shard_grads {
                 return bad(
-                    "gradients cannot be partitioned finer than the optimizer state \
-                            they feed (replicated here)"
+                    "shard_grads",
+                    "true".into(),
+                    "gradients cannot be partitioned finer than the optimizer state they feed \
+                     (replicated here)"
                         .into(),
                 );
             }
             if self.quantize_grads != GradQuant::Off {
                 return bad(
+                    "quantize_grads",
+                    format!("{:?}", self.quantize_grads).to_lowercase(),
                     "gradient quantization rides the all-to-all reduce-scatter; with replicated \
-                     optimizer state gradients are all-reduced: use --quantize-grads off"
+                     optimizer state gradients are all-reduced: set quantize_grads to off"
                         .into(),
                 );
             }
         } else {
             let hops = &self.grad_hops;
             if hops.last() != Some(&self.optimizer) {
-                return bad(format!(
-                    "the gradient path must end at the optimizer state's level ({}) so each \
-                     rank receives the shard it updates",
-                    name(self.optimizer)
-                ));
+                return bad(
+                    "grad_hops",
+                    format!("{:?}", self.grad_hops),
+                    format!(
+                        "the gradient path must end at the optimizer state's level ({}) so \
+                         each rank receives the shard it updates",
+                        name(self.optimizer)
+                    ),
+                );
             }
             if hops.windows(2).any(|w| w[0] >= w[1]) || hops[0] == Span(0) {
                 return bad(
-                    "gradient hops must widen strictly, innermost first, starting \
-                            above the gcd level"
+                    "grad_hops",
+                    format!("{:?}", self.grad_hops),
+                    "gradient hops must widen strictly, innermost first, starting above the \
+                     gcd level"
                         .into(),
                 );
             }
         }
         if self.params == Span(0) && self.quantize_weights != WeightQuant::Off {
             return bad(
+                "quantize_weights",
+                "int8".into(),
                 "weight quantization applies to parameter gathers; replicated parameters are \
-                 never gathered: use --quantize-weights off"
+                 never gathered: set quantize_weights to off"
                     .into(),
             );
         }
         if self.error_feedback && self.quantize_grads == GradQuant::Off {
             return bad(
-                "error feedback compensates gradient quantization: it needs \
-                        --quantize-grads int4 or int8"
+                "error_feedback",
+                "true".into(),
+                "error feedback compensates gradient quantization: it needs quantize_grads \
+                 int4 or int8"
                     .into(),
             );
         }
         if self.quant_block == 0 || !self.quant_block.is_multiple_of(8) {
-            return bad(format!(
-                "quantization block {} must be a positive multiple of 8",
-                self.quant_block
-            ));
+            return bad(
+                "quant_block",
+                self.quant_block.to_string(),
+                "must be a positive multiple of 8".into(),
+            );
         }
         Ok(())
     }

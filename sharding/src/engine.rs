@@ -796,6 +796,9 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         }
         self.adam_step += 1;
         for (u, g) in grads.into_iter().enumerate() {
+            // The primary may be the master itself: let go of it first, so the update owns
+            // the buffer (on host memory it then updates in place).
+            self.primary[u] = Tensor::empty([0], &self.device);
             self.optimizer[u]
                 .state
                 .update(&hyper.adam, self.adam_step, hyper.lr, g);

@@ -4,12 +4,35 @@
 
 use ember_comm::CommError;
 
+impl ShardError {
+    /// A [`ShardError::Setting`].
+    pub fn setting(
+        field: &'static str,
+        value: impl std::fmt::Display,
+        reason: impl Into<String>,
+    ) -> Self {
+        Self::Setting {
+            field,
+            value: value.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
+
 /// What can go wrong building or running a sharded model.
 #[derive(Debug, thiserror::Error)]
 pub enum ShardError {
-    /// An invalid `ShardConfig`.
-    #[error("{0}")]
-    Config(String),
+    /// A setting that cannot work: the field of the configuration (of
+    /// [`crate::ShardConfig`], or of the caller's run), its value, and why.
+    #[error("{field} = {value}: {reason}")]
+    Setting {
+        /// The field, as the configuration's struct names it.
+        field: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong with it and what would work.
+        reason: String,
+    },
     /// Units that do not cover the module's parameters exactly once, or ranks that disagree.
     #[error("{0}")]
     Units(String),

@@ -5,7 +5,9 @@
 
 use std::ops::Range;
 
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor};
+
+use crate::staging;
 use serde::{Deserialize, Serialize};
 
 /// AdamW hyper-parameters.
@@ -65,8 +67,24 @@ impl FlatState {
         // PyTorch: denom = sqrt(v) / sqrt(bias2) + eps; p -= lr / bias1 * m / denom.
         let step_size = lr / bias1;
         let sqrt_bias2 = bias2.sqrt();
+        let factor = 1.0 - lr * c.weight_decay;
+        if self.master.device() == Device::flex() {
+            self.update_on_host(c, factor, step_size, sqrt_bias2, grad);
+        } else {
+            self.update_with_tensor_ops(c, factor, step_size, sqrt_bias2, grad);
+        }
+    }
+
+    /// [`update`](Self::update) as tensor operations on the buffers' device.
+    fn update_with_tensor_ops(
+        &mut self,
+        c: &AdamConfig,
+        factor: f64,
+        step_size: f64,
+        sqrt_bias2: f64,
+        grad: Tensor<1>,
+    ) {
         if c.weight_decay > 0.0 {
-            let factor = 1.0 - lr * c.weight_decay;
             let n = self.len();
             match self.decay.as_slice() {
                 [] => {}
@@ -85,6 +103,44 @@ impl FlatState {
         self.master = self.master.clone() - (m.clone() / denom) * step_size;
         self.exp_avg = m;
         self.exp_avg_sq = v;
+    }
+
+    /// [`update`](Self::update) in one pass over buffers in host memory, in place: the same
+    /// f32 operations in the same order as the tensor ops (so the same bits), without their
+    /// eight or more temporaries of the buffer's size per step.
+    fn update_on_host(
+        &mut self,
+        c: &AdamConfig,
+        factor: f64,
+        step_size: f64,
+        sqrt_bias2: f64,
+        grad: Tensor<1>,
+    ) {
+        let device = self.master.device();
+        let take =
+            |t: &mut Tensor<1>| staging::to_f32(std::mem::replace(t, Tensor::empty([0], &device)));
+        let mut p = take(&mut self.master);
+        let mut m = take(&mut self.exp_avg);
+        let mut v = take(&mut self.exp_avg_sq);
+        let g = staging::to_f32(grad);
+        if c.weight_decay > 0.0 {
+            let factor = factor as f32;
+            for r in &self.decay {
+                p[r.clone()].iter_mut().for_each(|x| *x *= factor);
+            }
+        }
+        let (b1, b1c) = (c.beta1 as f32, (1.0 - c.beta1) as f32);
+        let (b2, b2c) = (c.beta2 as f32, (1.0 - c.beta2) as f32);
+        let (sb2, eps, lr) = (sqrt_bias2 as f32, c.eps as f32, step_size as f32);
+        for (((p, m), v), &g) in p.iter_mut().zip(&mut m).zip(&mut v).zip(&g) {
+            *m = *m * b1 + g * b1c;
+            *v = *v * b2 + (g * g) * b2c;
+            let denom = v.sqrt() / sb2 + eps;
+            *p -= (*m / denom) * lr;
+        }
+        self.master = staging::from_f32(p, &device);
+        self.exp_avg = staging::from_f32(m, &device);
+        self.exp_avg_sq = staging::from_f32(v, &device);
     }
 }
 
@@ -124,6 +180,36 @@ mod tests {
         assert_eq!(decay_ranges(&(5..15), &params), vec![0..5, 8..10]);
         assert!(decay_ranges(&(10..13), &params).is_empty());
         assert_eq!(decay_ranges(&(18..24), &params), vec![0..2]);
+    }
+
+    #[test]
+    fn the_host_pass_gives_the_tensor_ops_bits() {
+        let c = AdamConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let n = 1000;
+        let wave = |k: f32| (0..n).map(|i| ((i as f32) * k).sin()).collect::<Vec<_>>();
+        let decay = vec![0..300, 450..1000];
+        let mut host = FlatState::new(t(&wave(0.37)), decay.clone());
+        let mut ops = host.clone();
+        for step in 1..=5 {
+            let g = t(&wave(0.11 * step as f32));
+            let (lr, bias1, bias2) = (3e-3, 1.0 - 0.9f64.powi(step), 1.0 - 0.95f64.powi(step));
+            let factor = 1.0 - lr * c.weight_decay;
+            host.update_on_host(&c, factor, lr / bias1, bias2.sqrt(), g.clone());
+            ops.update_with_tensor_ops(&c, factor, lr / bias1, bias2.sqrt(), g);
+        }
+        for (a, b) in [
+            (&host.master, &ops.master),
+            (&host.exp_avg, &ops.exp_avg),
+            (&host.exp_avg_sq, &ops.exp_avg_sq),
+        ] {
+            let bits = |t: &Tensor<1>| v(t).iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(a), bits(b));
+        }
     }
 
     #[test]

@@ -58,7 +58,11 @@ impl<'c, 'd> GptRun<'c, 'd> {
     pub fn start(comm: &'c Comm, setup: &'d mut RunSetup, shard: ShardConfig) -> Result<Self> {
         let rank = comm.rank();
         let world = comm.topology().world_size();
-        return_large_frees_to_the_os();
+        if world > 1 {
+            return_large_frees_to_the_os();
+        } else {
+            keep_freed_buffers_for_reuse();
+        }
         let c = setup.config.clone();
         let memory = run_plan(&c, comm.topology(), shard.clone())?.memory(c.grad_accum);
         let checkpoint = match &setup.resume {
@@ -354,6 +358,20 @@ pub fn return_large_frees_to_the_os() {
     // SAFETY: `mallopt` only sets an allocator parameter; no allocation is in flight.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
+}
+
+/// Makes freed buffers up to 32 MiB stay in the heap for the next step to reuse (glibc: fixed
+/// `M_MMAP_THRESHOLD` and a high `M_TRIM_THRESHOLD`), for one process, where memory is not
+/// what limits the run: every step allocates and frees the same activations, and as fresh
+/// mappings their page faults cost `small-cpu` a fifth of its step (measured: 490k faults in
+/// 12 steps, against 70k with the buffers kept).
+pub fn keep_freed_buffers_for_reuse() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `mallopt` only sets allocator parameters; no allocation is in flight.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
     }
 }
 

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::anyhow;
 use burn::tensor::Device;
 use ember_comm::Comm;
-use ember_data::PreparedData;
+use ember_data::{DataError, PreparedData, STREAM_TRAIN, STREAM_VAL};
 use ember_sharding::ShardConfig;
 
 use crate::checkpoint::{self, RunRecord};
@@ -46,6 +46,10 @@ pub struct RunArgs {
     /// A benchmark: it writes nothing, so its out dir may hold another run's checkpoints.
     pub benchmark: bool,
 }
+
+/// What a rank reads before the run is agreed: configuration, checkpoint, Hugging Face
+/// directory.
+type Settled = (TrainConfig, Option<Resumed>, Option<HfDir>);
 
 /// A run resolved and ready to build.
 #[derive(Debug)]
@@ -85,13 +89,68 @@ impl RunSetup {
     /// Resolves `args` on every rank of `comm`.
     pub fn resolve(comm: &Comm, args: &RunArgs) -> CliResult<Self> {
         let rank = comm.rank();
+        // Reading the config file, the checkpoint's manifest and the Hugging Face directory
+        // can fail on one rank alone (a node's view of a shared file system): agree first.
+        let (mut config, resume, init) = agreed(comm, Self::settle(rank, args))?;
+        let device = device::device(config.device)?;
+        if config.dtype == Dtype::Bf16 && !device.supports_dtype(burn::tensor::DType::BF16) {
+            return Err(usage(format!(
+                "--dtype bf16 is not supported by --device {:?}; use --dtype f32",
+                config.device
+            )));
+        }
+        let data = load_data(comm, &config)?;
+        let vocab = data.tokenizer.vocab_size();
+        if resume.is_some() && vocab != config.model.vocab_size {
+            return Err(CliError::Runtime(anyhow!(
+                "the data's tokenizer has {vocab} tokens but the checkpoint's model has {}; \
+                 resume with the same --data and --tokenizer",
+                config.model.vocab_size
+            )));
+        }
+        if let Some(r) = &resume
+            && r.record.tokenizer_sha256 != data.tokenizer.sha256()
+        {
+            return Err(CliError::Runtime(anyhow!(
+                "{} was trained with another tokenizer than this data's; resume with the same \
+                 --data and --tokenizer",
+                r.dir.display()
+            )));
+        }
+        config.model.vocab_size = vocab;
+        ember_data::Sampler::new(&data.train, config.block_size, config.seed, STREAM_TRAIN)?;
+        if config.eval_interval > 0 {
+            ember_data::Sampler::new(&data.val, config.block_size, config.seed, STREAM_VAL)
+                .map_err(|e| match e {
+                    DataError::Setting { value, reason, .. } => usage(format!(
+                        "--block-size {value} on the validation split: {reason}; or pass \
+                         --eval-interval 0"
+                    )),
+                    e => e.into(),
+                })?;
+        }
+        // A global batch that does not split over the ranks is a usage error (exit 2).
+        crate::gpt_run::batch_plan(&config, comm.topology().world_size(), rank)
+            .map_err(|e| usage(e.to_string()))?;
+        Ok(Self {
+            config,
+            resume,
+            init,
+            data,
+            device,
+        })
+    }
+
+    /// The configuration, checkpoint and Hugging Face directory `args` name, as this rank
+    /// reads them.
+    fn settle(rank: usize, args: &RunArgs) -> CliResult<Settled> {
         let file = match &args.config {
             Some(path) => TrainOverrides::from_toml_file(path)?,
             None => TrainOverrides::default(),
         };
         let settings = file.overridden_by(&args.settings);
         let mut init = None;
-        let (mut config, resume) = match &args.resume {
+        let (config, resume) = match &args.resume {
             Some(path) => {
                 let resumed = locate_resume("--resume", path)?;
                 let mut config = resumed.record.train.clone();
@@ -143,54 +202,7 @@ impl RunSetup {
                 (config, None)
             }
         };
-        let device = device::device(config.device)?;
-        if config.dtype == Dtype::Bf16 && !device.supports_dtype(burn::tensor::DType::BF16) {
-            return Err(usage(format!(
-                "--dtype bf16 is not supported by --device {:?}; use --dtype f32",
-                config.device
-            )));
-        }
-        let data = load_data(comm, &config)?;
-        let vocab = data.tokenizer.vocab_size();
-        if resume.is_some() && vocab != config.model.vocab_size {
-            return Err(CliError::Runtime(anyhow!(
-                "the data's tokenizer has {vocab} tokens but the checkpoint's model has {}; \
-                 resume with the same --data and --tokenizer",
-                config.model.vocab_size
-            )));
-        }
-        if let Some(r) = &resume
-            && r.record.tokenizer_sha256 != data.tokenizer.sha256()
-        {
-            return Err(CliError::Runtime(anyhow!(
-                "{} was trained with another tokenizer than this data's; resume with the same \
-                 --data and --tokenizer",
-                r.dir.display()
-            )));
-        }
-        config.model.vocab_size = vocab;
-        ember_data::Sampler::new(&data.train, config.block_size, config.seed, 0)
-            .map_err(|e| usage(format!("--block-size {}: {e}", config.block_size)))?;
-        if config.eval_interval > 0 {
-            ember_data::Sampler::new(&data.val, config.block_size, config.seed, 1).map_err(
-                |e| {
-                    usage(format!(
-                        "--block-size {} on the validation split: {e}; or pass --eval-interval 0",
-                        config.block_size
-                    ))
-                },
-            )?;
-        }
-        // A global batch that does not split over the ranks is a usage error (exit 2).
-        crate::gpt_run::batch_plan(&config, comm.topology().world_size(), rank)
-            .map_err(|e| usage(e.to_string()))?;
-        Ok(Self {
-            config,
-            resume,
-            init,
-            data,
-            device,
-        })
+        Ok((config, resume, init))
     }
 
     /// Refuses, on every rank, a run whose plan times the ranks on this machine exceeds the
@@ -251,10 +263,16 @@ pub fn load_data(comm: &Comm, c: &TrainConfig) -> CliResult<PreparedData> {
         comm.barrier();
         data::load(c)
     };
-    let mine = prepared.as_ref().err().map(|e| e.to_string());
+    agreed(comm, prepared)
+}
+
+/// `result` on every rank of `comm` once all have one: a failure on any rank fails every
+/// rank, the others naming the failing rank and its error.
+pub fn agreed<T>(comm: &Comm, result: CliResult<T>) -> CliResult<T> {
+    let mine = result.as_ref().err().map(|e| e.to_string());
     match comm.agree(mine.as_deref()) {
-        Ok(()) => prepared,
-        Err(f) if f.rank == comm.rank() => prepared,
+        Ok(()) => result,
+        Err(f) if f.rank == comm.rank() => result,
         Err(f) => Err(CliError::Runtime(anyhow!(
             "rank {} failed: {}",
             f.rank,

@@ -6,14 +6,14 @@ use std::time::Duration;
 
 use clap::Args;
 use ember_comm::{Comm, CommConfig, PanicPolicy, Topology, TopologySource};
-use ember_sharding::{Compute, GradQuant, ShardConfig, Span, WeightQuant};
+use ember_sharding::{Compute, GradQuant, ShardConfig, ShardError, Span, WeightQuant};
 
 use crate::config::Dtype;
 use crate::error::{CliResult, usage};
 
 /// Flags of sharded training. `train` refuses them without `--shard`; `bench shard` takes
 /// them with `--shards`, and `--comm-timeout` also applies to `bench comm`.
-#[derive(Debug, Clone, Default, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct ShardArgs {
     /// Shard over the MPI ranks with this preset: ddp, zero1, zero2, zero3, zeropp, hier3
     /// (run under mpirun; one process without it is a world of one)
@@ -43,8 +43,28 @@ pub struct ShardArgs {
     #[arg(long)]
     pub quant_block: Option<usize>,
     /// Abort the job when a collective waits longer than this many seconds
-    #[arg(long, default_value_t = 300.0)]
+    #[arg(long, default_value_t = COMM_TIMEOUT_S)]
     pub comm_timeout: f64,
+}
+
+/// The default collective timeout, seconds.
+pub const COMM_TIMEOUT_S: f64 = 300.0;
+
+impl Default for ShardArgs {
+    /// One process, no sharding flags, the default timeout (what no flags parse to).
+    fn default() -> Self {
+        Self {
+            shard: None,
+            topology: None,
+            secondary: None,
+            quantize_weights: None,
+            quantize_grads: None,
+            prefetch: None,
+            error_feedback: false,
+            quant_block: None,
+            comm_timeout: COMM_TIMEOUT_S,
+        }
+    }
 }
 
 impl ShardArgs {
@@ -99,22 +119,23 @@ impl ShardArgs {
         })
         .map_err(|e| match &self.topology {
             Some(spec) => usage(format!("--topology {spec}: {e}")),
-            None => usage(e.to_string()),
+            None => usage(format!("{e} (--topology NODESxGPUSxGCDS)")),
         })
     }
 
     /// The preset with the per-state flags applied, validated against `topology`.
     pub fn resolve(&self, topology: &Topology, dtype: Dtype) -> CliResult<ShardConfig> {
         let preset = self.shard.as_deref().unwrap_or("ddp");
-        let mut c = ShardConfig::preset(preset, topology.depth())
-            .map_err(|e| usage(format!("--shard: {e}")))?;
+        let mut c = ShardConfig::preset(preset, topology.depth())?;
         if let Some(s) = &self.secondary {
             c.secondary = match s.as_str() {
                 "none" => None,
-                name => Some(
-                    Span::parse(name, topology)
-                        .map_err(|e| usage(format!("--secondary {name}: {e} (or none)")))?,
-                ),
+                name => Some(Span::parse(name, topology).map_err(|e| match e {
+                    ShardError::Setting { reason, .. } => {
+                        usage(format!("--secondary {name}: {reason} (or none)"))
+                    }
+                    e => e.into(),
+                })?),
             };
         }
         if let Some(q) = &self.quantize_weights {
@@ -151,8 +172,7 @@ impl ShardArgs {
             Dtype::F32 => Compute::F32,
             Dtype::Bf16 => Compute::Bf16,
         };
-        c.validate(topology)
-            .map_err(|e| usage(format!("--shard {preset}: {e}")))?;
+        c.validate(topology)?;
         Ok(c)
     }
 }
