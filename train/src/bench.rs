@@ -13,7 +13,8 @@ use serde::Serialize;
 use crate::config::{TrainConfig, TrainOverrides};
 use crate::device::peak_flops;
 use crate::error::CliResult;
-use crate::gpt_run::{GptRun, rss_peaks, run_plan, traffic_by_name};
+use crate::gpt_run::{GptRun, run_plan, traffic_by_name};
+use crate::host_memory::rss_peaks;
 use crate::run_loop::{self, Output, Stepped};
 use crate::setup::{RunArgs, RunSetup};
 use crate::shard_args::ShardArgs;
@@ -45,17 +46,20 @@ pub struct TrainBench {
     pub peak_gflops: Option<f64>,
     /// Model FLOPs utilisation.
     pub mfu: Option<f64>,
+    /// The model's shape.
+    #[serde(skip)]
+    pub model: ember_model::GptConfig,
 }
 
 /// Times `steps` training steps of each preset after `warmup` untimed ones, through the same
 /// setup, model and loop as `ember train` in one process.
 pub fn bench_train(
+    comm: &Comm,
     presets: &[String],
     base: &TrainOverrides,
     steps: u64,
     warmup: u64,
 ) -> CliResult<Vec<TrainBench>> {
-    let comm = ShardArgs::default().start()?;
     let mut out = Vec::new();
     for preset in presets {
         let settings = TrainOverrides {
@@ -63,10 +67,10 @@ pub fn bench_train(
             ..Default::default()
         }
         .overridden_by(base);
-        let mut setup = bench_setup(&comm, settings, steps + warmup)?;
+        let mut setup = bench_setup(comm, settings, steps + warmup)?;
         let shard = ShardArgs::default().resolve(comm.topology(), setup.config.dtype)?;
         let config = setup.config.clone();
-        let mut run = GptRun::start(&comm, &mut setup, shard)?;
+        let mut run = GptRun::start(comm, &mut setup, shard)?;
         let (stepped, _) = run_loop::run(&mut run, &config, 0, 0, Output::Quiet)?;
         out.push(summarise(&config, step_times(&stepped, warmup))?);
     }
@@ -120,6 +124,7 @@ fn summarise(config: &TrainConfig, times: Vec<f64>) -> Result<TrainBench> {
         gflops: flops / 1e9,
         peak_gflops: peak.map(|p| p / 1e9),
         mfu: peak.map(|p| flops / p),
+        model: config.model.clone(),
     })
 }
 
@@ -238,4 +243,144 @@ pub fn bench_shard(
         });
     }
     Ok(out)
+}
+
+/// The PyTorch eager reference of the training step (`torch_gpt.py`), shipped inside the
+/// binary so `--against-torch` works from any directory.
+const TORCH_SCRIPT: &str = include_str!("torch_gpt.py");
+
+/// One preset of `ember bench train --against-torch`: ember and PyTorch alternated in one
+/// sitting.
+#[derive(Debug, Clone, Serialize)]
+pub struct PairedBench {
+    /// Preset measured.
+    pub preset: String,
+    /// Parameters of ember's model and of PyTorch's.
+    pub params: (u64, u64),
+    /// Threads each used.
+    pub threads: usize,
+    /// Each round's median step time, ms, ember's.
+    pub ember_ms: Vec<f64>,
+    /// The same, PyTorch's.
+    pub torch_ms: Vec<f64>,
+    /// Median over rounds, ms.
+    pub ember_median_ms: f64,
+    /// Median over rounds, ms.
+    pub torch_median_ms: f64,
+    /// ember's tokens/s over PyTorch's (PyTorch's median step time over ember's).
+    pub ratio: f64,
+    /// PyTorch's version.
+    pub torch: String,
+}
+
+/// Alternates `ember bench train` and the PyTorch reference under `python`, `rounds` times
+/// per preset, each timing `steps` steps after `warmup`.
+pub fn against_torch(
+    comm: &Comm,
+    python: &str,
+    presets: &[String],
+    base: &TrainOverrides,
+    steps: u64,
+    warmup: u64,
+    rounds: usize,
+) -> CliResult<Vec<PairedBench>> {
+    check_torch(python)?;
+    let script = std::env::temp_dir().join(format!("ember-torch-gpt-{}.py", std::process::id()));
+    std::fs::write(&script, TORCH_SCRIPT)
+        .map_err(|e| anyhow::anyhow!("writing {}: {e}", script.display()))?;
+    let result = presets
+        .iter()
+        .map(|preset| pair(comm, python, &script, preset, base, steps, warmup, rounds))
+        .collect();
+    let _ = std::fs::remove_file(&script);
+    result
+}
+
+/// Refuses an interpreter that cannot import torch, saying how to install it.
+fn check_torch(python: &str) -> CliResult<()> {
+    let out = std::process::Command::new(python)
+        .args(["-c", "import torch"])
+        .output()
+        .map_err(|e| {
+            crate::error::usage(format!("--against-torch {python}: cannot run it ({e})"))
+        })?;
+    if !out.status.success() {
+        return Err(crate::error::usage(format!(
+            "--against-torch {python}: it cannot import torch; install it with `{python} -m pip \
+             install torch`"
+        )));
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn pair(
+    comm: &Comm,
+    python: &str,
+    script: &std::path::Path,
+    preset: &str,
+    base: &TrainOverrides,
+    steps: u64,
+    warmup: u64,
+    rounds: usize,
+) -> CliResult<PairedBench> {
+    let mut ember_ms = Vec::new();
+    let mut torch_ms = Vec::new();
+    let mut paired = None;
+    for _ in 0..rounds {
+        let e = bench_train(comm, &[preset.to_string()], base, steps, warmup)?.remove(0);
+        let m = &e.model;
+        let out = std::process::Command::new(python)
+            .arg(script)
+            .args(["--n-layer", &m.n_layer.to_string()])
+            .args(["--n-head", &m.n_head.to_string()])
+            .args(["--n-embd", &m.n_embd.to_string()])
+            .args(["--block-size", &e.block_size.to_string()])
+            .args(["--batch-size", &e.batch_size.to_string()])
+            .args(["--vocab-size", &m.vocab_size.to_string()])
+            .args([
+                "--steps",
+                &steps.to_string(),
+                "--warmup",
+                &warmup.to_string(),
+            ])
+            .args(["--threads", &e.threads.to_string()])
+            .output()
+            .map_err(|e| anyhow::anyhow!("running {python}: {e}"))?;
+        if !out.status.success() {
+            return Err(anyhow::anyhow!(
+                "the PyTorch reference failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            )
+            .into());
+        }
+        let t: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .map_err(|err| anyhow::anyhow!("the PyTorch reference printed no result: {err}"))?;
+        let field = |k: &str| t[k].as_f64().unwrap_or(f64::NAN);
+        ember_ms.push(e.step_ms_median);
+        torch_ms.push(field("step_ms_median"));
+        paired = Some((
+            e,
+            field("params") as u64,
+            t["torch"].as_str().unwrap_or("").to_owned(),
+        ));
+    }
+    let (e, torch_params, torch) = paired.expect("at least one round");
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (em, tm) = (median(&ember_ms), median(&torch_ms));
+    Ok(PairedBench {
+        preset: preset.to_string(),
+        params: (e.params, torch_params),
+        threads: e.threads,
+        ember_ms,
+        torch_ms,
+        ember_median_ms: em,
+        torch_median_ms: tm,
+        ratio: tm / em,
+        torch,
+    })
 }

@@ -1,12 +1,12 @@
 //! ember's checkpoints: the library's sharded format (`ember_sharding::checkpoint`, which
 //! every sharded run writes and reads range by range) plus ember's own record in each
-//! manifest (run configuration, data position, RNG scheme, tokenizer checksum), and the
-//! single-process trainer's whole read and streamed write of the same format.
+//! manifest (run configuration, data position, RNG scheme, tokenizer checksum), and a whole
+//! read of a checkpoint by one process (generation, tests).
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, anyhow};
-use ember_sharding::checkpoint::{self as ck, Checkpoint, FileEntry};
+use anyhow::{Result, anyhow};
+use ember_sharding::checkpoint::Checkpoint;
 use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
@@ -152,36 +152,4 @@ pub fn load(dir: &Path) -> Result<Loaded> {
         run,
         tensors,
     })
-}
-
-/// Writes a checkpoint of one process holding every parameter whole, atomically, under
-/// `out_dir`, streaming one parameter at a time: `tensors` in model order, `read(i)` their
-/// `[master, exp_avg, exp_avg_sq]`. Copies `tokenizer_json` in. Returns its final path.
-pub fn save_whole(
-    out_dir: &Path,
-    step: u64,
-    run: &RunRecord,
-    adam_step: u64,
-    tensors: &[TensorMeta],
-    read: &mut dyn FnMut(usize) -> [Vec<f32>; 3],
-    tokenizer_json: &Path,
-) -> Result<PathBuf> {
-    let tmp = ck::begin(out_dir, step, std::process::id())?;
-    let sizes: Vec<(String, usize)> = tensors
-        .iter()
-        .map(|t| (t.name.clone(), t.shape.iter().product()))
-        .collect();
-    let file: FileEntry = ck::write_whole(&tmp, adam_step, &sizes, read)
-        .with_context(|| format!("writing a checkpoint into {}", out_dir.display()))?;
-    let manifest = Manifest {
-        app: run.app(),
-        ..Manifest::new(step, 1, tensors.to_vec())
-    };
-    Ok(ck::complete(
-        out_dir,
-        &tmp,
-        manifest,
-        vec![file],
-        &[tokenizer_json.to_path_buf()],
-    )?)
 }

@@ -13,6 +13,7 @@ pub mod eval;
 pub mod export;
 pub mod generate;
 pub mod gpt_run;
+pub mod host_memory;
 pub mod metrics;
 pub mod planning;
 pub mod plot;

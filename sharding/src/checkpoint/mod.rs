@@ -39,7 +39,7 @@ use crate::config::ShardConfig;
 use crate::error::ShardError;
 
 pub use read::{Checkpoint, Index};
-pub use write::{FileDtype, SaveOptions, ShardWriter, begin, complete, save, tmp_dir, write_whole};
+pub use write::{FileDtype, SaveOptions, ShardWriter, save};
 
 /// Name of the manifest inside a checkpoint directory.
 pub const MANIFEST: &str = "manifest.json";

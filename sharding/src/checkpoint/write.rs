@@ -173,12 +173,12 @@ impl ShardWriter {
 
 /// The temporary directory a checkpoint of `step` is written into, named with `token` (the
 /// process id of rank 0) so every rank of a job can compute it.
-pub fn tmp_dir(out_dir: &Path, step: u64, token: u32) -> PathBuf {
+pub(crate) fn tmp_dir(out_dir: &Path, step: u64, token: u32) -> PathBuf {
     out_dir.join(format!(".tmp-{}-{token}", step_dir_name(step)))
 }
 
 /// Creates the temporary directory of [`tmp_dir`] (removing a stale one a killed run left).
-pub fn begin(out_dir: &Path, step: u64, token: u32) -> Result<PathBuf, ShardError> {
+pub(crate) fn begin(out_dir: &Path, step: u64, token: u32) -> Result<PathBuf, ShardError> {
     fs::create_dir_all(out_dir).map_err(|e| io(out_dir, "creating", e))?;
     let tmp = tmp_dir(out_dir, step, token);
     if tmp.exists() {
@@ -197,7 +197,7 @@ fn fsync_dir(dir: &Path) -> Result<(), ShardError> {
 /// Copies `copies` into `tmp`, writes the manifest (listing them and `files`), syncs it and
 /// renames it into place as `out_dir/step-NNNNNN`. A checkpoint of the same step that exists
 /// is moved aside first, so at every instant one complete copy exists.
-pub fn complete(
+pub(crate) fn complete(
     out_dir: &Path,
     tmp: &Path,
     mut manifest: Manifest,
@@ -357,51 +357,6 @@ pub fn save<S: Staged<D>, const D: usize>(
         Ok(out_dir.join(step_dir_name(step)))
     };
     agree(comm, finished).map_err(discard)
-}
-
-/// Writes the optimizer-shard file of one process that holds every parameter whole (a
-/// single-process trainer) into `dir`: `tensors` are `(path, elements)` in model order and
-/// `read(i)` gives `[master, exp_avg, exp_avg_sq]` of tensor `i`, called once each in order.
-pub fn write_whole(
-    dir: &Path,
-    adam_step: u64,
-    tensors: &[(String, usize)],
-    read: &mut dyn FnMut(usize) -> [Vec<f32>; 3],
-) -> Result<FileEntry, ShardError> {
-    let mut layout = BTreeMap::new();
-    let mut keys = Vec::with_capacity(3 * tensors.len());
-    for (name, n) in tensors {
-        for kind in KINDS {
-            let key = format!("{kind}/{name}");
-            layout.insert(
-                key.clone(),
-                Range {
-                    offset: 0,
-                    global_numel: *n,
-                },
-            );
-            keys.push((key, vec![*n]));
-        }
-    }
-    let metadata = BTreeMap::from([
-        (
-            LAYOUT_KEY.to_string(),
-            serde_json::to_string(&layout).expect("ranges serialise"),
-        ),
-        (ADAM_STEP_KEY.to_string(), adam_step.to_string()),
-    ]);
-    let mut w = ShardWriter::create(
-        &dir.join(shard_file_name(0)),
-        &metadata,
-        &keys,
-        FileDtype::F32,
-    )?;
-    for i in 0..tensors.len() {
-        for values in read(i) {
-            w.write(&values)?;
-        }
-    }
-    w.finish()
 }
 
 /// This rank's optimizer-shard file: `param`, `exp_avg` and `exp_avg_sq` of every range it

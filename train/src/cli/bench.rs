@@ -84,6 +84,13 @@ pub struct BenchTrainArgs {
     /// One JSON object per line instead of a table
     #[arg(long)]
     pub json: bool,
+    /// Also time the PyTorch eager reference of the same step under this Python interpreter
+    /// (which must have torch), alternating with ember, and print both and their ratio
+    #[arg(long, value_name = "PYTHON")]
+    pub against_torch: Option<String>,
+    /// Rounds of ember and PyTorch alternated per preset (with --against-torch)
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
     #[command(flatten)]
     pub settings: TrainOverrides,
 }
@@ -203,7 +210,53 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
     if args.steps == 0 {
         return Err(usage("--steps must be at least 1"));
     }
-    let results = bench::bench_train(&args.presets, &args.settings, args.steps, args.warmup)?;
+    if args.rounds == 0 {
+        return Err(usage("--rounds must be at least 1"));
+    }
+    let comm = ShardArgs::default().start()?;
+    if let Some(python) = &args.against_torch {
+        let results = bench::against_torch(
+            &comm,
+            python,
+            &args.presets,
+            &args.settings,
+            args.steps,
+            args.warmup,
+            args.rounds,
+        )?;
+        for r in &results {
+            if args.json {
+                println!("{}", serde_json::to_string(r).map_err(anyhow::Error::new)?);
+                continue;
+            }
+            let spread = |v: &[f64]| {
+                let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+                let hi = v.iter().copied().fold(0.0, f64::max);
+                format!("{lo:.1}-{hi:.1}")
+            };
+            println!(
+                "{:<10} {} threads  ember {:>8.1} ms/step ({} over {} rounds)  PyTorch {} {:>8.1} \
+                 ms/step ({})  ember/PyTorch tokens/s {:.2}x",
+                r.preset,
+                r.threads,
+                r.ember_median_ms,
+                spread(&r.ember_ms),
+                r.ember_ms.len(),
+                r.torch,
+                r.torch_median_ms,
+                spread(&r.torch_ms),
+                r.ratio
+            );
+        }
+        return Ok(());
+    }
+    let results = bench::bench_train(
+        &comm,
+        &args.presets,
+        &args.settings,
+        args.steps,
+        args.warmup,
+    )?;
     for r in &results {
         if args.json {
             println!("{}", serde_json::to_string(r).map_err(anyhow::Error::new)?);

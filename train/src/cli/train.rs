@@ -8,7 +8,8 @@ use clap::Args;
 
 use ember_train::config::TrainOverrides;
 use ember_train::error::CliResult;
-use ember_train::gpt_run::{GptRun, rss_peaks};
+use ember_train::gpt_run::GptRun;
+use ember_train::host_memory::rss_peaks;
 use ember_train::run_loop::{self, Output};
 use ember_train::setup::{RunArgs, RunSetup};
 use ember_train::shard_args::ShardArgs;

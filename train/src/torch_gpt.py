@@ -1,0 +1,112 @@
+"""The PyTorch eager reference of ember's training step, for `ember bench train --against-torch`.
+
+The same GPT-2 as ember's `Gpt` (learned positions, pre-norm blocks, fused c_attn, causal
+scaled-dot-product attention, GELU (tanh) MLP of width 4d, final LayerNorm, head tied to
+wte) and the same step (mean cross-entropy over the batch, backward, global-norm clipping at
+1.0, AdamW with betas (0.9, 0.95), eps 1e-8 and weight decay 0.1 on 2-D weights only).
+Initialisation and data do not matter for speed: weights are normal(0, 0.02), tokens are
+uniform. Prints one JSON object: the median step time of the timed steps and tokens/s.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.h = h
+        self.ln_1 = nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.mlp_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class Gpt(nn.Module):
+    def __init__(self, n_layer, n_head, n_embd, block_size, vocab_size):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, idx, targets):
+        pos = torch.arange(idx.shape[1])
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def main():
+    a = argparse.ArgumentParser(description=__doc__)
+    for flag in ["n-layer", "n-head", "n-embd", "block-size", "batch-size", "vocab-size"]:
+        a.add_argument("--" + flag, type=int, required=True)
+    a.add_argument("--steps", type=int, default=20)
+    a.add_argument("--warmup", type=int, default=3)
+    a.add_argument("--threads", type=int, default=0)
+    args = a.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = Gpt(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size)
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    shape = (args.batch_size, args.block_size)
+    times = []
+    for i in range(args.warmup + args.steps):
+        idx = torch.randint(args.vocab_size, shape)
+        targets = torch.randint(args.vocab_size, shape)
+        t0 = time.perf_counter()
+        loss = model(idx, targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if not math.isfinite(loss.item()):
+            raise SystemExit(f"loss is {loss.item()}")
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    median = statistics.median(times)
+    print(
+        json.dumps(
+            {
+                "params": sum(p.numel() for p in model.parameters()),
+                "threads": torch.get_num_threads(),
+                "step_ms_median": 1e3 * median,
+                "tokens_per_s": args.batch_size * args.block_size / median,
+                "torch": torch.__version__,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
