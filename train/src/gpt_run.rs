@@ -17,9 +17,7 @@ use ember_sharding::{
 use crate::checkpoint::RunRecord;
 use crate::config::TrainConfig;
 use crate::export::HfDir;
-use crate::host_memory::{
-    gather_u64, keep_freed_buffers_for_reuse, return_large_frees_to_the_os, rss_peaks,
-};
+use crate::host_memory::{gather_u64, rss_peaks, set_allocator_for_training};
 use crate::log0;
 use crate::metrics::StepMetrics;
 use crate::planning::gpt_plan;
@@ -61,11 +59,7 @@ impl<'c, 'd> GptRun<'c, 'd> {
     pub fn start(comm: &'c Comm, setup: &'d mut RunSetup, shard: ShardConfig) -> Result<Self> {
         let rank = comm.rank();
         let world = comm.topology().world_size();
-        if world > 1 {
-            return_large_frees_to_the_os();
-        } else {
-            keep_freed_buffers_for_reuse();
-        }
+        set_allocator_for_training(world);
         let c = setup.config.clone();
         let memory = run_plan(&c, comm.topology(), shard.clone())?.memory(c.grad_accum);
         let checkpoint = match &setup.resume {

@@ -1,6 +1,5 @@
 //! Host memory: every rank's peak resident memory as the OS reports it, and the allocator
-//! settings a run starts with (one process keeps freed buffers for reuse; sharded ranks hand
-//! large ones back at once).
+//! settings a run starts with.
 
 use anyhow::Result;
 use ember_comm::Comm;
@@ -19,30 +18,33 @@ pub fn gather_u64(comm: &Comm, mine: u64) -> Result<Vec<u64>> {
         .collect())
 }
 
-/// Makes freed buffers of 1 MiB and more go back to the OS at once (glibc: a fixed
-/// `M_MMAP_THRESHOLD`, which also stops glibc from raising the threshold as large blocks are
-/// freed). A sharded step allocates and frees whole units of many megabytes; with glibc's
-/// sliding threshold they land in the heap, and its holes kept each rank of gpt2-large at
-/// 8 ranks 0.3 GB (17%) above its plan (measured: 2.14 GB against 1.76 GB with the fixed
-/// threshold, plan 1.84 GB).
-pub fn return_large_frees_to_the_os() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: `mallopt` only sets an allocator parameter; no allocation is in flight.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
-    }
-}
-
-/// Makes freed buffers up to 32 MiB stay in the heap for the next step to reuse (glibc: fixed
-/// `M_MMAP_THRESHOLD` and a high `M_TRIM_THRESHOLD`), for one process, where memory is not
-/// what limits the run: every step allocates and frees the same activations, and as fresh
-/// mappings their page faults cost `small-cpu` a fifth of its step (measured: 490k faults in
-/// 12 steps, against 70k with the buffers kept).
-pub fn keep_freed_buffers_for_reuse() {
+/// Sets glibc's allocator for training on `world` ranks. Both thresholds are fixed, which
+/// also stops glibc from raising the mmap threshold as large blocks are freed.
+///
+/// - Sharded ranks: buffers under 8 MiB come from the heap and, once freed, stay there (up
+///   to 64 MiB at its top) for the next step to reuse; larger ones are their own mappings and
+///   go back to the OS when freed.
+/// - One process: the same with 32 MiB and 256 MiB. Every step allocates and frees the same
+///   activations; returned to the OS, their pages fault again in every step.
+///
+/// Measured on the EPYC machine of BENCHMARKS.md with `ember bench shard` / `bench train`:
+/// `small-cpu` `zero3` at 2 ranks takes 214 ms/step with the sharded setting, 435 with a
+/// 1 MiB mmap threshold (every activation a fresh mapping) and 257 with glibc's sliding
+/// default; one process takes 222-229 ms/step with its setting and 265-285 with the sharded
+/// one. The sliding default lets units of many megabytes land in the heap, and its holes kept
+/// each rank of gpt2-large at 8 ranks 0.3 GB (17%) above its plan (2.14 GB against 1.76 GB
+/// with a fixed threshold); gpt2-medium `zero3` at 4 ranks peaks at 1.40-1.45 GB per rank with
+/// the sharded setting and at 1.38-1.46 GB with the 1 MiB threshold.
+pub fn set_allocator_for_training(world: usize) {
+    let (mmap, trim) = if world > 1 {
+        (8 << 20, 64 << 20)
+    } else {
+        (32 << 20, 256 << 20)
+    };
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: `mallopt` only sets allocator parameters; no allocation is in flight.
     unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, mmap);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, trim);
     }
 }

@@ -192,12 +192,8 @@ impl RunSetup {
                         .validate()
                         .map_err(|e| usage(format!("--init-from: {e}")))?;
                 }
-                if !args.benchmark && checkpoint::locate(&config.out_dir).is_ok() {
-                    return Err(usage(format!(
-                        "--out-dir {} already holds checkpoints of a run; continue it with \
-                         --resume {0}, or pick another --out-dir",
-                        config.out_dir.display()
-                    )));
+                if !args.benchmark {
+                    fresh_out_dir("--out-dir", &config.out_dir)?;
                 }
                 (config, None)
             }
@@ -217,6 +213,23 @@ impl RunSetup {
         );
         all_ok(comm, checked).map_err(|e| usage(format!("{e:#}")))
     }
+}
+
+/// The out-dir policy: a run writes its checkpoints into a directory that holds no other
+/// run's (`flag` names the flag for the message); a run continues with `--resume` instead.
+pub fn fresh_out_dir(flag: &str, dir: &Path) -> CliResult<()> {
+    if checkpoint::locate(dir).is_ok() {
+        let resume = if flag == "--out-dir" {
+            format!("continue it with --resume {}, or ", dir.display())
+        } else {
+            String::new()
+        };
+        return Err(usage(format!(
+            "{flag} {} already holds checkpoints of a run; {resume}pick another {flag}",
+            dir.display()
+        )));
+    }
+    Ok(())
 }
 
 /// Opens `--init-from DIR`, checks the shape flags against it and takes its tokenizer unless

@@ -7,7 +7,7 @@ use clap::Args;
 
 use ember_train::config::{TrainConfig, TrainOverrides};
 use ember_train::error::{CliResult, usage};
-use ember_train::setup::locate_resume;
+use ember_train::setup::{fresh_out_dir, locate_resume};
 use ember_train::shard_args::ShardArgs;
 use ember_train::{gpt_run, log0};
 
@@ -91,6 +91,7 @@ pub fn reshard_cmd(args: ReshardArgs) -> CliResult<()> {
         )));
     }
     let resumed = locate_resume("--checkpoint", &args.checkpoint)?;
+    fresh_out_dir("--out", &args.out)?;
     let comm = args.shard.init_comm()?;
     let shard = args
         .shard
