@@ -197,6 +197,8 @@ fn plan(flags: &[&str]) -> serde_json::Value {
 #[test]
 fn plan_bytes_equal_what_runs_hand_to_mpi() {
     let tmp = tempfile::tempdir().unwrap();
+    // `ember train` keeps unit graphs when they fit (`--recompute none`, no backward
+    // gathers); `ember plan` assumes the recompute unless told: both are checked.
     let cases: Vec<Vec<&str>> = vec![
         vec!["--shard", "ddp", "--topology", "2x2x2"],
         vec!["--shard", "zero1", "--topology", "2x2x2"],
@@ -210,7 +212,16 @@ fn plan_bytes_equal_what_runs_hand_to_mpi() {
             "--batch-size",
             "16",
         ],
-        vec!["--shard", "zero3", "--topology", "2x2x2", "--prefetch", "2"],
+        vec![
+            "--shard",
+            "zero3",
+            "--topology",
+            "2x2x2",
+            "--prefetch",
+            "2",
+            "--recompute",
+            "unit",
+        ],
         vec![
             "--shard",
             "zero3",
@@ -218,8 +229,17 @@ fn plan_bytes_equal_what_runs_hand_to_mpi() {
             "2x2x2",
             "--secondary",
             "gcd",
+            "--recompute",
+            "none",
         ],
-        vec!["--shard", "zeropp", "--topology", "2x2x2"],
+        vec![
+            "--shard",
+            "zeropp",
+            "--topology",
+            "2x2x2",
+            "--recompute",
+            "unit",
+        ],
         vec![
             "--shard",
             "hier3",
@@ -229,8 +249,19 @@ fn plan_bytes_equal_what_runs_hand_to_mpi() {
             "2",
             "--batch-size",
             "16",
+            "--recompute",
+            "none",
         ],
-        vec!["--shard", "hier3", "--topology", "2x4x1", "--dtype", "bf16"],
+        vec![
+            "--shard",
+            "hier3",
+            "--topology",
+            "2x4x1",
+            "--dtype",
+            "bf16",
+            "--recompute",
+            "unit",
+        ],
     ];
     for (i, flags) in cases.iter().enumerate() {
         let out = tmp.path().join(format!("case-{i}"));
@@ -1075,6 +1106,104 @@ fn a_checkpoint_failure_on_one_rank_ends_every_rank_in_seconds() {
         // The checkpoint that existed is untouched on the healthy side.
         ember_train::checkpoint::load(&sides[0].join("run").join("step-000002")).unwrap();
     }
+}
+
+#[test]
+fn keeping_unit_graphs_matches_recomputing_them() {
+    // `--recompute none` keeps each unit's autodiff graph (activations and gathered
+    // parameters) from forward to backward instead of gathering and recomputing the unit:
+    // the same arithmetic, so the same losses, with fewer bytes gathered.
+    let tmp = tempfile::tempdir().unwrap();
+    let single = tmp.path().join("single");
+    ok(0, &train_args(&single, "20", &[]));
+    let single = losses_after(&single, 0);
+    let gathered = |out: &Path| -> u64 {
+        let m = metrics(out);
+        let bytes = m[0].comm_bytes.as_ref().unwrap();
+        bytes
+            .iter()
+            .filter(|(k, _)| k.ends_with("all_gather"))
+            .map(|(_, v)| v)
+            .sum()
+    };
+    for (preset, topology) in [("zero3", "2x1x1"), ("hier3", "1x2x2")] {
+        let mut sent = Vec::new();
+        let mut losses = Vec::new();
+        for recompute in ["unit", "none"] {
+            let out = tmp.path().join(format!("{preset}-{recompute}"));
+            // Unquantized: int4 gradients would turn the last bits in which a gather
+            // from the secondary copy and the forward's differ into different roundings.
+            let flags = [
+                "--shard",
+                preset,
+                "--topology",
+                topology,
+                "--recompute",
+                recompute,
+                "--quantize-weights",
+                "off",
+                "--quantize-grads",
+                "off",
+            ];
+            ok(ranks(topology), &train_args(&out, "20", &flags));
+            sent.push(gathered(&out));
+            losses.push(losses_after(&out, 0));
+        }
+        assert_close(
+            &losses[0],
+            &losses[1],
+            PARITY_TOL,
+            &format!("{preset} without recompute"),
+        );
+        assert_close(
+            &single,
+            &losses[1],
+            PARITY_TOL,
+            &format!("{preset} without recompute"),
+        );
+        assert!(
+            sent[1] < sent[0],
+            "{preset}: keeping graphs gathered {} bytes, recomputing {}",
+            sent[1],
+            sent[0]
+        );
+    }
+    // Keeping every unit's activations of a deep, long-context model does not fit: refused
+    // before anything is allocated, with the numbers and the other choice.
+    let out = run(
+        1,
+        &[
+            "train",
+            "--preset",
+            "tiny",
+            "--n-layer",
+            "48",
+            "--n-embd",
+            "64",
+            "--n-head",
+            "16",
+            "--block-size",
+            "1024",
+            "--batch-size",
+            "32",
+            "--max-iters",
+            "1",
+            "--shard",
+            "zero3",
+            "--topology",
+            "1",
+            "--recompute",
+            "none",
+            "--out-dir",
+            p(&tmp.path().join("big")),
+        ],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("GB are available") && err.contains("--recompute unit"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -140,6 +140,24 @@ pub struct ShardConfig {
     pub compute: Compute,
     /// Units gathered ahead of the one computing (0 = no overlap).
     pub prefetch: usize,
+    /// Whether partitioned parameters' units recompute their forward in backward (and gather
+    /// again for it), or keep their activations and gathered parameters from forward to
+    /// backward. Replicated parameters never recompute.
+    #[serde(default)]
+    pub recompute: Recompute,
+}
+
+/// What a unit with partitioned parameters keeps from its forward for its backward.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Only its input: backward gathers the unit again and recomputes its forward with
+    /// autodiff (4/3 of the forward FLOPs; one unit's activations and parameters at a time).
+    #[default]
+    Unit,
+    /// Its autodiff graph: activations and the gathered parameters stay from forward to
+    /// backward (no second gather, no recompute; every unit's at once per micro-batch).
+    None,
 }
 
 /// Preset names, from plain data parallelism to the three-level hierarchy.
@@ -170,6 +188,7 @@ impl ShardConfig {
             error_feedback: false,
             compute: Compute::F32,
             prefetch: 1,
+            recompute: Recompute::Unit,
         };
         let config = match name {
             "ddp" => ShardConfig {
@@ -370,7 +389,7 @@ impl fmt::Display for ShardConfig {
         write!(
             f,
             "{} (params span {}, secondary {:?}, optimizer span {}, grad hops {:?}, \
-             sharded grads {}, weights {:?}, grads {:?}, {:?}, prefetch {})",
+             sharded grads {}, weights {:?}, grads {:?}, {:?}, prefetch {}, recompute {:?})",
             self.preset,
             self.params.0,
             self.secondary.map(|s| s.0),
@@ -380,7 +399,8 @@ impl fmt::Display for ShardConfig {
             self.quantize_weights,
             self.quantize_grads,
             self.compute,
-            self.prefetch
+            self.prefetch,
+            self.recompute
         )
     }
 }

@@ -158,7 +158,7 @@ impl<S: Staged<D>, const D: usize> std::fmt::Debug for ShardedModel<'_, S, D> {
 }
 
 /// The state of one step on the training thread.
-struct StepState<const D: usize> {
+struct StepState<M, const D: usize> {
     /// Reduced gradient shards, per unit (summed over micro-batches).
     grads: Vec<Option<Tensor<1>>>,
     /// Whole unit gradients being assembled, until handed to the reducer.
@@ -167,6 +167,11 @@ struct StepState<const D: usize> {
     inputs: Vec<Option<Tensor<D>>>,
     /// The gradient of the last backward visit's input.
     upstream: Option<Tensor<D>>,
+    /// Each stage's forward graph, kept for its backward without recompute: the unit's input
+    /// as an autodiff leaf and its output.
+    graphs: Vec<Option<(Option<Tensor<D>>, Tensor<D>)>>,
+    /// The module of each kept graph.
+    modules: Vec<Option<M>>,
     /// Each micro-batch's mean loss.
     micro_losses: Vec<f64>,
     /// Parameters that received a gradient.
@@ -571,6 +576,8 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             work: vec![None; k],
             inputs: vec![None; k],
             upstream: None,
+            graphs: vec![None; k],
+            modules: (0..k).map(|_| None).collect(),
             micro_losses: vec![0.0; accum],
             reached: HashSet::new(),
         };
@@ -624,7 +631,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         &self,
         schedule: &[Event],
         micro_batches: &[S::Batch],
-        state: &mut StepState<D>,
+        state: &mut StepState<S::Module, D>,
         worker: &mut Worker<'_>,
     ) -> Result<(), ShardError> {
         for &event in schedule {
@@ -633,8 +640,12 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                 Event::Visit(v) => {
                     let needs = &self.plan.units[v.stage].needs;
                     let mut full = Vec::with_capacity(needs.len());
-                    for _ in needs {
-                        full.push(next_gathered(worker, &mut state.grads)?);
+                    // A backward visit through a kept graph has no gathers: the graph holds
+                    // the parameters.
+                    if !(v.backward && self.plan.keeps_graph(v.stage)) {
+                        for _ in needs {
+                            full.push(next_gathered(worker, &mut state.grads)?);
+                        }
                     }
                     if v.backward {
                         self.backward_visit(v, full, &micro_batches[v.micro], state)?;
@@ -667,10 +678,29 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         v: Visit,
         full: Vec<Tensor<1>>,
         batch: &S::Batch,
-        state: &mut StepState<D>,
+        state: &mut StepState<S::Module, D>,
     ) -> Result<(), ShardError> {
         let k = self.plan.units.len();
         let needs = &self.plan.units[v.stage].needs;
+        if self.plan.keeps_graph(v.stage) {
+            // With autodiff, kept until the backward visit (the parameters with it).
+            let module = self.module_with(needs, full, true, true);
+            let input = state.inputs[v.stage]
+                .take()
+                .map(|x| x.autodiff().require_grad());
+            return match self
+                .stages
+                .forward(&module, v.stage, input.clone(), batch, &self.autodiff)
+            {
+                Flow::Hidden(h) => {
+                    state.inputs[v.stage + 1] = Some(h.clone().without_autodiff());
+                    state.graphs[v.stage] = Some((input, h));
+                    state.modules[v.stage] = Some(module);
+                    Ok(())
+                }
+                Flow::Loss(_) => Err(flow_error(v.stage, k)),
+            };
+        }
         let module = self.module_with(needs, full, false, false);
         let input = state.inputs[v.stage].clone();
         match self
@@ -692,17 +722,29 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         v: Visit,
         full: Vec<Tensor<1>>,
         batch: &S::Batch,
-        state: &mut StepState<D>,
+        state: &mut StepState<S::Module, D>,
     ) -> Result<(), ShardError> {
         let k = self.plan.units.len();
         let needs = &self.plan.units[v.stage].needs;
-        let module = self.module_with(needs, full, true, true);
-        let input = state.inputs[v.stage]
-            .take()
-            .map(|x| x.autodiff().require_grad());
-        let out = self
-            .stages
-            .forward(&module, v.stage, input.clone(), batch, &self.autodiff);
+        let (module, input, out) = match state.graphs[v.stage].take() {
+            Some((input, out)) => (
+                state.modules[v.stage]
+                    .take()
+                    .expect("a kept graph keeps its module"),
+                input,
+                Flow::Hidden(out),
+            ),
+            None => {
+                let module = self.module_with(needs, full, true, true);
+                let input = state.inputs[v.stage]
+                    .take()
+                    .map(|x| x.autodiff().require_grad());
+                let out =
+                    self.stages
+                        .forward(&module, v.stage, input.clone(), batch, &self.autodiff);
+                (module, input, out)
+            }
+        };
         let grads_ad = match (out, v.stage + 1 == k) {
             (Flow::Loss(l), true) => {
                 state.micro_losses[v.micro] = scalar(l.clone().without_autodiff());
@@ -730,7 +772,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         &self,
         micro: usize,
         batch: &S::Batch,
-        state: &mut StepState<D>,
+        state: &mut StepState<S::Module, D>,
     ) -> Result<(), ShardError> {
         let k = self.plan.units.len();
         let all: Vec<usize> = (0..k).collect();
@@ -765,7 +807,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
     /// Returns the step's mean loss over the world and the norm.
     fn finish_step(
         &mut self,
-        state: StepState<D>,
+        state: StepState<S::Module, D>,
         hyper: &StepHyper,
     ) -> Result<(f64, f64), ShardError> {
         let accum = state.micro_losses.len();

@@ -30,7 +30,7 @@ mod staging;
 mod worker;
 
 pub use checkpoint::{Checkpoint, SaveOptions};
-pub use config::{Compute, GradQuant, PRESETS, ShardConfig, Span, WeightQuant};
+pub use config::{Compute, GradQuant, PRESETS, Recompute, ShardConfig, Span, WeightQuant};
 pub use engine::{ShardedModel, StepHyper, StepReport};
 pub use error::ShardError;
 pub use optim::{AdamConfig, FlatState};

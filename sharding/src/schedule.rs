@@ -6,7 +6,7 @@
 
 use serde::Serialize;
 
-use crate::config::{Compute, GradQuant, Span, WeightQuant};
+use crate::config::{Compute, GradQuant, Recompute, Span, WeightQuant};
 use crate::plan::{Memory, Plan, TrafficTable, Visit, add};
 use ember_comm::counters::Op;
 use ember_comm::quant::{QuantFormat, Quantized};
@@ -52,6 +52,15 @@ pub enum Event {
 }
 
 impl Plan {
+    /// Whether a forward visit of `stage` keeps its autodiff graph (activations and gathered
+    /// parameters) for its backward visit, which then neither gathers nor recomputes. The
+    /// last stage runs only in its backward visit.
+    pub fn keeps_graph(&self, stage: usize) -> bool {
+        self.config.params != Span(0)
+            && self.config.recompute == Recompute::None
+            && stage + 1 < self.units.len()
+    }
+
     /// The events of one optimizer step of `grad_accum` micro-batches.
     pub fn schedule(&self, grad_accum: usize) -> Vec<Event> {
         let cfg = &self.config;
@@ -72,7 +81,13 @@ impl Plan {
                 // This visit's gathers and those of the next `prefetch` visits are in flight
                 // (or done) while this one computes.
                 while issued <= (i + cfg.prefetch).min(visits.len() - 1) {
-                    for &unit in &self.units[visits[issued].stage].needs {
+                    let next = visits[issued];
+                    if next.backward && self.keeps_graph(next.stage) {
+                        // Its forward's graph still holds the parameters.
+                        issued += 1;
+                        continue;
+                    }
+                    for &unit in &self.units[next.stage].needs {
                         let source = match cfg.secondary {
                             None => Source::Primary,
                             Some(_) if has_secondary[unit] => Source::Secondary,
@@ -241,6 +256,7 @@ impl Plan {
 
         let mut gathered = 0u64; // whole units gathered and not yet released
         let mut in_flight: Vec<usize> = Vec::new(); // units gathered, in request order
+        let mut kept: Vec<usize> = Vec::new(); // units a kept forward graph holds
         // Gradients handed off and not yet reduced, with their reductions' staging.
         let mut reducing: Vec<(u64, u64)> = Vec::new();
         let mut work = vec![0u64; k]; // flat unit gradients being assembled
@@ -272,7 +288,15 @@ impl Plan {
                 Event::Visit(v) => {
                     let needs = &self.units[v.stage].needs;
                     let a = &act[v.stage];
-                    let graph = if v.backward {
+                    let keep = self.keeps_graph(v.stage);
+                    let graph = if v.backward && keep {
+                        // Backward through the kept graph: the gradients of its activations,
+                        // the upstream gradient and autodiff's parameter gradients.
+                        for &u in needs {
+                            work[u] = 4 * padded(u);
+                        }
+                        a.saved + a.output + needs.iter().map(|&u| 4 * padded(u)).sum::<u64>()
+                    } else if v.backward {
                         // The recompute with autodiff, then backward's gradients of those
                         // activations (a unit's own graph is all of it, so they add up: about
                         // twice `saved`, measured), the upstream gradient, and autodiff's
@@ -286,17 +310,36 @@ impl Plan {
                     };
                     let w = working(gathered, &work, &reducing, boundaries);
                     note(graph, boundaries + a.saved + a.output, gathered, w);
-                    // The visit ends: its gathers are released, the reductions handed off
-                    // before it have finished, and its boundary is kept or consumed.
+                    // The visit ends: its gathers are released (a kept forward graph holds
+                    // them until its backward visit), the reductions handed off before it
+                    // have finished, and its boundary is kept or consumed.
                     for &u in needs {
+                        if keep && v.backward {
+                            let at = kept.iter().position(|&x| x == u).expect("kept by forward");
+                            kept.remove(at);
+                            gathered -= padded(u) * c;
+                            continue;
+                        }
                         let at = in_flight
                             .iter()
                             .position(|&x| x == u)
                             .expect("a visit's gathers were issued before it");
                         in_flight.remove(at);
-                        gathered -= padded(u) * c;
+                        if keep {
+                            kept.push(u);
+                        } else {
+                            gathered -= padded(u) * c;
+                        }
                     }
                     reducing.clear();
+                    if keep {
+                        // The graph's activations live from the forward visit to the backward.
+                        if v.backward {
+                            boundaries -= a.saved;
+                        } else {
+                            boundaries += a.saved;
+                        }
+                    }
                     if v.backward {
                         if v.stage > 0 {
                             boundaries -= act[v.stage - 1].output;

@@ -11,7 +11,7 @@ use anyhow::anyhow;
 use burn::tensor::Device;
 use ember_comm::Comm;
 use ember_data::{DataError, PreparedData, STREAM_TRAIN, STREAM_VAL};
-use ember_sharding::ShardConfig;
+use ember_sharding::{Recompute, ShardConfig, Span};
 
 use crate::checkpoint::{self, RunRecord};
 use crate::config::{Dtype, TrainConfig, TrainOverrides};
@@ -201,6 +201,40 @@ impl RunSetup {
         Ok((config, resume, init))
     }
 
+    /// Chooses what units with partitioned parameters keep for backward when `--recompute`
+    /// was not given: their graphs (`none`: no second gather, no recompute) when the plan then
+    /// fits the memory available on every rank's machine, else only their inputs (`unit`).
+    pub fn choose_recompute(&self, comm: &Comm, shard: &mut ShardConfig) -> CliResult<()> {
+        if shard.params == Span(0) {
+            return Ok(());
+        }
+        let mut keep = shard.clone();
+        keep.recompute = Recompute::None;
+        let memory = run_plan(&self.config, comm.topology(), keep)?.memory(self.config.grad_accum);
+        let fits =
+            planning::check_memory(&memory, comm.ranks_on_this_node(), false, |_| Vec::new())
+                .is_ok();
+        let everywhere = comm.agree((!fits).then_some("no room")).is_ok();
+        shard.recompute = if everywhere {
+            Recompute::None
+        } else {
+            Recompute::Unit
+        };
+        log0!(
+            comm.rank(),
+            "recompute {}: keeping every unit's activations and parameters for backward needs \
+             {:.2} GB per rank{}",
+            if everywhere { "none" } else { "unit" },
+            memory.total() as f64 / 1e9,
+            if everywhere {
+                ", which fits"
+            } else {
+                ", more than this machine has: each unit is recomputed in backward"
+            }
+        );
+        Ok(())
+    }
+
     /// Refuses, on every rank, a run whose plan times the ranks on this machine exceeds the
     /// memory available (unless `skip`), naming both and the presets that would fit.
     pub fn check_memory(&self, comm: &Comm, shard: &ShardConfig, skip: bool) -> CliResult<()> {
@@ -211,7 +245,16 @@ impl RunSetup {
             skip,
             planning::fitting_presets(&self.config, comm.topology()),
         );
-        all_ok(comm, checked).map_err(|e| usage(format!("{e:#}")))
+        let keeping = shard.params != Span(0) && shard.recompute == Recompute::None;
+        all_ok(comm, checked).map_err(|e| {
+            let hint = if keeping {
+                " (--recompute none keeps every unit's activations and parameters for \
+                 backward; --recompute unit keeps one unit's at a time)"
+            } else {
+                ""
+            };
+            usage(format!("{e:#}{hint}"))
+        })
     }
 }
 

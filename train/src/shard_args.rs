@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 use ember_comm::{Comm, CommConfig, PanicPolicy, Topology, TopologySource};
-use ember_sharding::{Compute, GradQuant, ShardConfig, ShardError, Span, WeightQuant};
+use ember_sharding::{Compute, GradQuant, Recompute, ShardConfig, ShardError, Span, WeightQuant};
 
 use crate::config::Dtype;
 use crate::error::{CliResult, usage};
@@ -42,6 +42,12 @@ pub struct ShardArgs {
     /// Elements per quantization block [default: 256]
     #[arg(long)]
     pub quant_block: Option<usize>,
+    /// What a unit with partitioned parameters keeps for backward: unit (its input; backward
+    /// gathers it again and recomputes its forward) or none (its activations and gathered
+    /// parameters, no recompute) [default: none when the plan then fits this machine's
+    /// available memory, else unit]
+    #[arg(long, value_name = "unit|none")]
+    pub recompute: Option<String>,
     /// Abort the job when a collective waits longer than this many seconds
     #[arg(long, default_value_t = COMM_TIMEOUT_S)]
     pub comm_timeout: f64,
@@ -62,6 +68,7 @@ impl Default for ShardArgs {
             prefetch: None,
             error_feedback: false,
             quant_block: None,
+            recompute: None,
             comm_timeout: COMM_TIMEOUT_S,
         }
     }
@@ -78,6 +85,7 @@ impl ShardArgs {
             ("--prefetch", self.prefetch.is_some()),
             ("--error-feedback", self.error_feedback),
             ("--quant-block", self.quant_block.is_some()),
+            ("--recompute", self.recompute.is_some()),
         ];
         if let Some((flag, _)) = given.iter().find(|g| g.1) {
             return Err(usage(format!(
@@ -166,6 +174,13 @@ impl ShardArgs {
         }
         if let Some(b) = self.quant_block {
             c.quant_block = b;
+        }
+        if let Some(r) = &self.recompute {
+            c.recompute = match r.as_str() {
+                "unit" => Recompute::Unit,
+                "none" => Recompute::None,
+                other => return Err(usage(format!("--recompute {other}: use unit or none"))),
+            };
         }
         c.error_feedback = self.error_feedback;
         c.compute = match dtype {

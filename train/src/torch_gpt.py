@@ -66,6 +66,11 @@ def main():
     a.add_argument("--steps", type=int, default=20)
     a.add_argument("--warmup", type=int, default=3)
     a.add_argument("--threads", type=int, default=0)
+    a.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, profile 3 more with torch.profiler and print its table",
+    )
     args = a.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -80,8 +85,8 @@ def main():
         eps=1e-8,
     )
     shape = (args.batch_size, args.block_size)
-    times = []
-    for i in range(args.warmup + args.steps):
+
+    def step():
         idx = torch.randint(args.vocab_size, shape)
         targets = torch.randint(args.vocab_size, shape)
         t0 = time.perf_counter()
@@ -92,8 +97,16 @@ def main():
         opt.step()
         if not math.isfinite(loss.item()):
             raise SystemExit(f"loss is {loss.item()}")
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    times = [step() for _ in range(args.warmup + args.steps)][args.warmup :]
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     median = statistics.median(times)
     print(
         json.dumps(

@@ -48,7 +48,10 @@ pub fn run(args: TrainArgs) -> CliResult<()> {
         benchmark: false,
     };
     let mut setup = RunSetup::resolve(&comm, &run_args)?;
-    let shard = args.shard.resolve(comm.topology(), setup.config.dtype)?;
+    let mut shard = args.shard.resolve(comm.topology(), setup.config.dtype)?;
+    if args.shard.recompute.is_none() {
+        setup.choose_recompute(&comm, &mut shard)?;
+    }
     setup.check_memory(&comm, &shard, args.no_memory_check)?;
     let c = setup.config.clone();
     log0!(
