@@ -16,7 +16,7 @@ use crate::error::CliResult;
 use crate::gpt_run::{GptRun, run_plan, traffic_by_name};
 use crate::host_memory::rss_peaks;
 use crate::run_loop::{self, Output, Stepped};
-use crate::setup::{RunArgs, RunSetup};
+use crate::setup::{Purpose, RunArgs, RunSetup};
 use crate::shard_args::ShardArgs;
 
 /// One benchmark result.
@@ -89,7 +89,7 @@ fn bench_setup(comm: &Comm, settings: TrainOverrides, max_iters: u64) -> CliResu
         comm,
         &RunArgs {
             settings,
-            benchmark: true,
+            purpose: Purpose::Benchmark,
             ..Default::default()
         },
     )

@@ -4,7 +4,7 @@
 //! size. Also what building, saving and resharding it take.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{Context, Result, anyhow};
 use burn::tensor::Device;
@@ -23,7 +23,7 @@ use crate::metrics::StepMetrics;
 use crate::planning::gpt_plan;
 use crate::run_loop::{Stepped, Trainee};
 use crate::schedule::LrSchedule;
-use crate::setup::{RunSetup, locate_resume};
+use crate::setup::{Resumed, RunSetup};
 use crate::stages::{GptStages, SeededGpt};
 
 /// How every random draw of a run is derived, recorded in its checkpoints.
@@ -352,22 +352,24 @@ pub fn save(
     })
 }
 
-/// `ember reshard`: loads the checkpoint at `path` into this job's partition and writes it
-/// again under `out`, unchanged in value: the same step, weights, moments and data position.
-/// Every rank must call it; each reads only its own ranges.
-pub fn reshard(comm: &Comm, path: &Path, out: &Path, shard: ShardConfig) -> Result<PathBuf> {
-    let resumed = locate_resume("--checkpoint", path).map_err(|e| anyhow!("{e}"))?;
+/// `ember reshard`: loads `resumed` into this job's partition and writes it again under
+/// `c.out_dir`, unchanged in value: the same step, weights, moments and data position. Every
+/// rank must call it; each reads only its own ranges.
+pub fn reshard(
+    comm: &Comm,
+    resumed: &Resumed,
+    c: &TrainConfig,
+    shard: ShardConfig,
+) -> Result<PathBuf> {
     let checkpoint = Checkpoint::open(comm, &resumed.dir)?;
-    let mut c = resumed.record.train.clone();
-    c.out_dir = out.to_path_buf();
     let tokenizer = (
         checkpoint.dir().join("tokenizer.json"),
         resumed.record.tokenizer_sha256.clone(),
     );
-    let sharded = build(comm, &c, shard, Device::flex(), Some(&checkpoint), None)?;
+    let sharded = build(comm, c, shard, Device::flex(), Some(&checkpoint), None)?;
     save(
         &sharded,
-        &c,
+        c,
         checkpoint.manifest().step,
         resumed.record.data.tokens_seen,
         &tokenizer,

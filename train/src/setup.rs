@@ -43,13 +43,26 @@ pub struct RunArgs {
     pub init_from: Option<PathBuf>,
     /// The flags.
     pub settings: TrainOverrides,
-    /// A benchmark: it writes nothing, so its out dir may hold another run's checkpoints.
-    pub benchmark: bool,
+    /// What the run is resolved for.
+    pub purpose: Purpose,
+}
+
+/// What a run is resolved for: the out-dir policy and the checks on a checkpoint differ.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Purpose {
+    /// `ember train`: a fresh run's out dir holds no other run; a resumed one has steps left.
+    #[default]
+    Train,
+    /// `ember bench`: nothing is written, so any out dir will do.
+    Benchmark,
+    /// `ember reshard`: the checkpoint (`--checkpoint`) is written again under the out dir
+    /// (`--out`), which holds no other run.
+    Reshard,
 }
 
 /// What a rank reads before the run is agreed: configuration, checkpoint, Hugging Face
 /// directory.
-type Settled = (TrainConfig, Option<Resumed>, Option<HfDir>);
+pub type Settled = (TrainConfig, Option<Resumed>, Option<HfDir>);
 
 /// A run resolved and ready to build.
 #[derive(Debug)]
@@ -89,9 +102,7 @@ impl RunSetup {
     /// Resolves `args` on every rank of `comm`.
     pub fn resolve(comm: &Comm, args: &RunArgs) -> CliResult<Self> {
         let rank = comm.rank();
-        // Reading the config file, the checkpoint's manifest and the Hugging Face directory
-        // can fail on one rank alone (a node's view of a shared file system): agree first.
-        let (mut config, resume, init) = agreed(comm, Self::settle(rank, args))?;
+        let (mut config, resume, init) = Self::layered(comm, args)?;
         let device = device::device(config.device)?;
         if config.dtype == Dtype::Bf16 && !device.supports_dtype(burn::tensor::DType::BF16) {
             return Err(usage(format!(
@@ -141,8 +152,16 @@ impl RunSetup {
         })
     }
 
-    /// The configuration, checkpoint and Hugging Face directory `args` name, as this rank
-    /// reads them.
+    /// The configuration layered from preset, `--config` file and flags (or from the
+    /// checkpoint a run continues), the checkpoint and the Hugging Face directory `args` name,
+    /// with the out-dir policy of `args.purpose` applied, on every rank: reading the config
+    /// file, the manifest and the directory can fail on one rank alone (a node's view of a
+    /// shared file system), so the ranks agree before going on.
+    pub fn layered(comm: &Comm, args: &RunArgs) -> CliResult<Settled> {
+        agreed(comm, Self::settle(comm.rank(), args))
+    }
+
+    /// [`RunSetup::layered`] as this rank reads it.
     fn settle(rank: usize, args: &RunArgs) -> CliResult<Settled> {
         let file = match &args.config {
             Some(path) => TrainOverrides::from_toml_file(path)?,
@@ -152,7 +171,11 @@ impl RunSetup {
         let mut init = None;
         let (config, resume) = match &args.resume {
             Some(path) => {
-                let resumed = locate_resume("--resume", path)?;
+                let flag = match args.purpose {
+                    Purpose::Reshard => "--checkpoint",
+                    Purpose::Train | Purpose::Benchmark => "--resume",
+                };
+                let resumed = locate_resume(flag, path)?;
                 let mut config = resumed.record.train.clone();
                 // A checkpoint continues where it lives (it may have been moved since), unless
                 // --out-dir says otherwise.
@@ -160,19 +183,23 @@ impl RunSetup {
                     config.out_dir = parent.to_path_buf();
                 }
                 config.apply(&settings, false)?;
-                if config.max_iters <= resumed.step {
-                    return Err(usage(format!(
-                        "--max-iters {} is not past the checkpoint's step {}: nothing to train; \
-                         raise --max-iters",
-                        config.max_iters, resumed.step
-                    )));
+                if args.purpose == Purpose::Reshard {
+                    fresh_out_dir("--out", &config.out_dir)?;
+                } else {
+                    if config.max_iters <= resumed.step {
+                        return Err(usage(format!(
+                            "--max-iters {} is not past the checkpoint's step {}: nothing to \
+                             train; raise --max-iters",
+                            config.max_iters, resumed.step
+                        )));
+                    }
+                    log0!(
+                        rank,
+                        "resuming from {} (step {})",
+                        resumed.dir.display(),
+                        resumed.step
+                    );
                 }
-                log0!(
-                    rank,
-                    "resuming from {} (step {})",
-                    resumed.dir.display(),
-                    resumed.step
-                );
                 (config, Some(resumed))
             }
             None => {
@@ -192,7 +219,7 @@ impl RunSetup {
                         .validate()
                         .map_err(|e| usage(format!("--init-from: {e}")))?;
                 }
-                if !args.benchmark {
+                if args.purpose == Purpose::Train {
                     fresh_out_dir("--out-dir", &config.out_dir)?;
                 }
                 (config, None)

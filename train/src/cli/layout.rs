@@ -7,7 +7,7 @@ use clap::Args;
 
 use ember_train::config::{TrainConfig, TrainOverrides};
 use ember_train::error::{CliResult, usage};
-use ember_train::setup::{fresh_out_dir, locate_resume};
+use ember_train::setup::{Purpose, RunArgs, RunSetup};
 use ember_train::shard_args::ShardArgs;
 use ember_train::{gpt_run, log0};
 
@@ -84,19 +84,20 @@ pub fn reshard_cmd(args: ReshardArgs) -> CliResult<()> {
             "ember reshard needs --shard PRESET (and --topology) for the new layout",
         ));
     }
-    if !args.checkpoint.exists() {
-        return Err(usage(format!(
-            "--checkpoint {}: no such directory",
-            args.checkpoint.display()
-        )));
-    }
-    let resumed = locate_resume("--checkpoint", &args.checkpoint)?;
-    fresh_out_dir("--out", &args.out)?;
     let comm = args.shard.init_comm()?;
-    let shard = args
-        .shard
-        .resolve(comm.topology(), resumed.record.train.dtype)?;
-    let out = gpt_run::reshard(&comm, &resumed.dir, &args.out, shard)?;
+    let run = RunArgs {
+        resume: Some(args.checkpoint),
+        settings: TrainOverrides {
+            out_dir: Some(args.out),
+            ..Default::default()
+        },
+        purpose: Purpose::Reshard,
+        ..Default::default()
+    };
+    let (config, resumed, _) = RunSetup::layered(&comm, &run)?;
+    let resumed = resumed.expect("a reshard continues a checkpoint");
+    let shard = args.shard.resolve(comm.topology(), config.dtype)?;
+    let out = gpt_run::reshard(&comm, &resumed, &config, shard)?;
     log0!(
         comm.rank(),
         "wrote {} for {} ranks ({})",

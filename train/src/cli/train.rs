@@ -11,7 +11,7 @@ use ember_train::error::CliResult;
 use ember_train::gpt_run::GptRun;
 use ember_train::host_memory::rss_peaks;
 use ember_train::run_loop::{self, Output};
-use ember_train::setup::{RunArgs, RunSetup};
+use ember_train::setup::{Purpose, RunArgs, RunSetup};
 use ember_train::shard_args::ShardArgs;
 use ember_train::{log0, metrics, plot};
 
@@ -45,7 +45,7 @@ pub fn run(args: TrainArgs) -> CliResult<()> {
         resume: args.resume,
         init_from: args.init_from,
         settings: args.settings,
-        benchmark: false,
+        purpose: Purpose::Train,
     };
     let mut setup = RunSetup::resolve(&comm, &run_args)?;
     let mut shard = args.shard.resolve(comm.topology(), setup.config.dtype)?;
