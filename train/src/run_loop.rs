@@ -78,7 +78,11 @@ pub fn run(
     };
     let peak = peak_flops(c.device, c.peak_tflops);
     let flops_per_token = c.model.train_flops_per_token(c.block_size);
-    let bar = progress_bar(c.max_iters, first_step, if writing { rank } else { 1 });
+    let bar = if writing {
+        progress_bar(c.max_iters, first_step, rank)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
     let start = Instant::now();
     // (seconds spent in training steps, tokens) since the last logged step: evaluation and
     // checkpointing are kept out of the throughput figure.
