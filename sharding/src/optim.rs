@@ -37,6 +37,17 @@ pub struct FlatState {
     pub decay: Vec<Range<usize>>,
 }
 
+/// The scalars of one AdamW update.
+#[derive(Debug, Clone, Copy)]
+struct Coefficients {
+    /// Decoupled weight decay's factor, `1 - lr * weight_decay`.
+    decay: f64,
+    /// `lr / (1 - beta1^t)`.
+    step_size: f64,
+    /// `sqrt(1 - beta2^t)`.
+    sqrt_bias2: f64,
+}
+
 impl FlatState {
     /// Fresh state: `master` as given, zero moments.
     pub fn new(master: Tensor<1>, decay: Vec<Range<usize>>) -> Self {
@@ -65,33 +76,28 @@ impl FlatState {
         let bias1 = 1.0 - c.beta1.powi(t);
         let bias2 = 1.0 - c.beta2.powi(t);
         // PyTorch: denom = sqrt(v) / sqrt(bias2) + eps; p -= lr / bias1 * m / denom.
-        let step_size = lr / bias1;
-        let sqrt_bias2 = bias2.sqrt();
-        let factor = 1.0 - lr * c.weight_decay;
+        let k = Coefficients {
+            decay: 1.0 - lr * c.weight_decay,
+            step_size: lr / bias1,
+            sqrt_bias2: bias2.sqrt(),
+        };
         if self.master.device() == Device::flex() {
-            self.update_on_host(c, factor, step_size, sqrt_bias2, grad);
+            self.update_on_host(c, &k, grad);
         } else {
-            self.update_with_tensor_ops(c, factor, step_size, sqrt_bias2, grad);
+            self.update_with_tensor_ops(c, &k, grad);
         }
     }
 
     /// [`update`](Self::update) as tensor operations on the buffers' device.
-    fn update_with_tensor_ops(
-        &mut self,
-        c: &AdamConfig,
-        factor: f64,
-        step_size: f64,
-        sqrt_bias2: f64,
-        grad: Tensor<1>,
-    ) {
+    fn update_with_tensor_ops(&mut self, c: &AdamConfig, k: &Coefficients, grad: Tensor<1>) {
         if c.weight_decay > 0.0 {
             let n = self.len();
             match self.decay.as_slice() {
                 [] => {}
-                [whole] if *whole == (0..n) => self.master = self.master.clone() * factor,
+                [whole] if *whole == (0..n) => self.master = self.master.clone() * k.decay,
                 ranges => {
                     for r in ranges {
-                        let part = self.master.clone().slice(r.clone()) * factor;
+                        let part = self.master.clone().slice(r.clone()) * k.decay;
                         self.master = self.master.clone().slice_assign(r.clone(), part);
                     }
                 }
@@ -99,8 +105,8 @@ impl FlatState {
         }
         let m = self.exp_avg.clone() * c.beta1 + grad.clone() * (1.0 - c.beta1);
         let v = self.exp_avg_sq.clone() * c.beta2 + (grad.clone() * grad) * (1.0 - c.beta2);
-        let denom = v.clone().sqrt() / sqrt_bias2 + c.eps;
-        self.master = self.master.clone() - (m.clone() / denom) * step_size;
+        let denom = v.clone().sqrt() / k.sqrt_bias2 + c.eps;
+        self.master = self.master.clone() - (m.clone() / denom) * k.step_size;
         self.exp_avg = m;
         self.exp_avg_sq = v;
     }
@@ -108,14 +114,7 @@ impl FlatState {
     /// [`update`](Self::update) in one pass over buffers in host memory, in place: the same
     /// f32 operations in the same order as the tensor ops (so the same bits), without their
     /// eight or more temporaries of the buffer's size per step.
-    fn update_on_host(
-        &mut self,
-        c: &AdamConfig,
-        factor: f64,
-        step_size: f64,
-        sqrt_bias2: f64,
-        grad: Tensor<1>,
-    ) {
+    fn update_on_host(&mut self, c: &AdamConfig, k: &Coefficients, grad: Tensor<1>) {
         let device = self.master.device();
         let take =
             |t: &mut Tensor<1>| staging::to_f32(std::mem::replace(t, Tensor::empty([0], &device)));
@@ -124,14 +123,14 @@ impl FlatState {
         let mut v = take(&mut self.exp_avg_sq);
         let g = staging::to_f32(grad);
         if c.weight_decay > 0.0 {
-            let factor = factor as f32;
+            let factor = k.decay as f32;
             for r in &self.decay {
                 p[r.clone()].iter_mut().for_each(|x| *x *= factor);
             }
         }
         let (b1, b1c) = (c.beta1 as f32, (1.0 - c.beta1) as f32);
         let (b2, b2c) = (c.beta2 as f32, (1.0 - c.beta2) as f32);
-        let (sb2, eps, lr) = (sqrt_bias2 as f32, c.eps as f32, step_size as f32);
+        let (sb2, eps, lr) = (k.sqrt_bias2 as f32, c.eps as f32, k.step_size as f32);
         for (((p, m), v), &g) in p.iter_mut().zip(&mut m).zip(&mut v).zip(&g) {
             *m = *m * b1 + g * b1c;
             *v = *v * b2 + (g * g) * b2c;
@@ -198,9 +197,13 @@ mod tests {
         for step in 1..=5 {
             let g = t(&wave(0.11 * step as f32));
             let (lr, bias1, bias2) = (3e-3, 1.0 - 0.9f64.powi(step), 1.0 - 0.95f64.powi(step));
-            let factor = 1.0 - lr * c.weight_decay;
-            host.update_on_host(&c, factor, lr / bias1, bias2.sqrt(), g.clone());
-            ops.update_with_tensor_ops(&c, factor, lr / bias1, bias2.sqrt(), g);
+            let k = Coefficients {
+                decay: 1.0 - lr * c.weight_decay,
+                step_size: lr / bias1,
+                sqrt_bias2: bias2.sqrt(),
+            };
+            host.update_on_host(&c, &k, g.clone());
+            ops.update_with_tensor_ops(&c, &k, g);
         }
         for (a, b) in [
             (&host.master, &ops.master),
