@@ -293,17 +293,6 @@ pub fn batch_plan(c: &TrainConfig, world: usize, rank: usize) -> Result<BatchPla
     })
 }
 
-/// Every rank learns whether every rank's `result` is `Ok`; a failure on any rank fails all of
-/// them within one collective, each naming the failing rank and its error.
-pub fn all_ok<T>(comm: &Comm, result: Result<T>) -> Result<T> {
-    let mine = result.as_ref().err().map(|e| format!("{e:#}"));
-    match comm.agree(mine.as_deref()) {
-        Ok(()) => result,
-        Err(f) if f.rank == comm.rank() => result,
-        Err(f) => Err(anyhow!("rank {} failed: {}", f.rank, f.message)),
-    }
-}
-
 /// The plan of `c`'s run with its activation estimate (what `ember plan` prints).
 pub fn run_plan(c: &TrainConfig, topology: &Topology, shard: ShardConfig) -> Result<Plan> {
     gpt_plan(

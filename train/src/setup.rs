@@ -17,7 +17,7 @@ use crate::checkpoint::{self, RunRecord};
 use crate::config::{Dtype, TrainConfig, TrainOverrides};
 use crate::error::{CliError, CliResult, usage};
 use crate::export::HfDir;
-use crate::gpt_run::{all_ok, run_plan};
+use crate::gpt_run::run_plan;
 use crate::{data, device, log0, planning};
 
 /// A checkpoint a run continues.
@@ -273,14 +273,14 @@ impl RunSetup {
             planning::fitting_presets(&self.config, comm.topology()),
         );
         let keeping = shard.params != Span(0) && shard.recompute == Recompute::None;
-        all_ok(comm, checked).map_err(|e| {
+        agreed(comm, checked.map_err(CliError::Runtime)).map_err(|e| {
             let hint = if keeping {
                 " (--recompute none keeps every unit's activations and parameters for \
                  backward; --recompute unit keeps one unit's at a time)"
             } else {
                 ""
             };
-            usage(format!("{e:#}{hint}"))
+            usage(format!("{e}{hint}"))
         })
     }
 }
