@@ -3,13 +3,13 @@
 
 use burn::module::Module;
 use burn::nn::Embedding;
-use burn::tensor::activation::log_softmax;
 use burn::tensor::module::linear;
 use burn::tensor::{DType, Device, Int, Tensor};
 
 use crate::config::GptConfig;
 use crate::dropout::{DropoutKey, dropout};
 use crate::init::{Init, param};
+use crate::kernels::softmax_cross_entropy;
 use crate::layers::{Block, LayerNorm, residual_std};
 
 /// A GPT-2-architecture model. Module paths equal Hugging Face names minus `transformer.`.
@@ -180,9 +180,7 @@ pub fn cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
         DType::BF16 | DType::F16 => logits.cast(DType::F32),
         _ => logits,
     };
-    let logp = log_softmax(logits.reshape([b * t, v]), 1); // [B*T, V]
-    let picked = logp.gather(1, targets.reshape([b * t, 1])); // [B*T, 1]
-    picked.mean().neg()
+    softmax_cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]))
 }
 
 #[cfg(test)]

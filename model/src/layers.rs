@@ -4,14 +4,13 @@
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
-use burn::tensor::activation::sigmoid;
-use burn::tensor::module::{attention, layer_norm};
-use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Device, Tensor};
 
 use crate::config::GptConfig;
 use crate::dropout::{DropoutKey, dropout};
 use crate::init::{Init, param};
+pub use crate::kernels::gelu_tanh;
+use crate::kernels::{causal_attention, layer_norm};
 
 /// GPT-2's LayerNorm epsilon (`layer_norm_epsilon = 1e-5`).
 pub const LAYER_NORM_EPS: f64 = 1e-5;
@@ -38,7 +37,7 @@ impl LayerNorm {
     /// - input: `[..., d]`
     /// - output: `[..., d]`
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        layer_norm(x, self.weight.val(), Some(self.bias.val()), LAYER_NORM_EPS)
+        layer_norm(x, self.weight.val(), self.bias.val(), LAYER_NORM_EPS)
     }
 }
 
@@ -111,40 +110,10 @@ impl CausalSelfAttention {
     /// - x: `[B, T, d]`
     /// - output: `[B, T, d]`
     pub fn forward(&self, x: Tensor<3>, key: Option<&DropoutKey>, site: u64) -> Tensor<3> {
-        let [b, t, d] = x.dims();
-        let (h, hd) = (self.n_head, d / self.n_head);
-        let qkv = self.c_attn.forward(x); // [B, T, 3d]
-        let heads = |m: Tensor<3>| m.reshape([b, t, h, hd]).swap_dims(1, 2); // [B, H, T, hd]
-        let mut parts = qkv.chunk(3, 2).into_iter().map(heads);
-        let (q, k, v) = (
-            parts.next().unwrap(),
-            parts.next().unwrap(),
-            parts.next().unwrap(),
-        );
-        let options = AttentionModuleOptions {
-            is_causal: true,
-            ..Default::default()
-        };
         // Dropout on attention probabilities is not applied: the fused attention op has none.
-        let y = attention(q, k, v, None, None, options); // [B, H, T, hd]
-        let y = y.swap_dims(1, 2).reshape([b, t, d]); // [B, T, d]
+        let y = causal_attention(self.c_attn.forward(x), self.n_head); // [B, T, d]
         dropout(self.c_proj.forward(y), self.dropout, key, site)
     }
-}
-
-/// GELU, tanh approximation (GPT-2's `gelu_new`): `0.5 x (1 + tanh(u))` with
-/// `u = sqrt(2/pi) (x + 0.044715 x^3)`, computed as the identical `x sigmoid(2u)`.
-/// Why: on CPU, `powf` + `tanh` made up a fifth of a `small-cpu` training step (perf); the
-/// sigmoid form needs one fused op with a fused backward, and `x^3` is two multiplies.
-///
-/// # Shapes
-/// - x: `[...]`
-/// - output: `[...]`
-pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
-    const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
-    let cube = x.clone() * x.clone() * x.clone();
-    let u2 = (x.clone() + cube * 0.044715) * (2.0 * SQRT_2_OVER_PI);
-    x * sigmoid(u2)
 }
 
 /// The position-wise feed-forward network: d -> 4d -> GELU (tanh) -> d.

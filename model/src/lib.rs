@@ -8,6 +8,7 @@ pub mod config;
 pub mod dropout;
 pub mod gpt;
 pub mod init;
+pub mod kernels;
 pub mod layers;
 
 pub use config::{GptConfig, PRESETS};

@@ -1,0 +1,294 @@
+//! Causal multi-head self-attention on the packed `[B, T, 3d]` q/k/v projection, forward and
+//! backward, without materialising the heads.
+//!
+//! Each (sequence, head) is one task: the scores of its `T` queries live in one `T x T`
+//! buffer, the softmax runs in place, and the output is written straight into the `[B, T, d]`
+//! layout the output projection reads. Only the saved log-sum-exp of each query's row goes
+//! from forward to backward, which recomputes the probabilities (as flash attention does).
+//! Query rows go in blocks of [`BLOCK`], and a block multiplies only the keys it can see, so
+//! causal masking skips the upper triangle instead of computing and discarding it.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::simd::{dot, exp, max, multiversion, sum};
+
+/// Query rows per block of the causal score computation.
+const BLOCK: usize = 64;
+
+/// Shapes of one attention call: batch, sequence, heads, head width.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dims {
+    pub b: usize,
+    pub t: usize,
+    pub h: usize,
+    pub hd: usize,
+}
+
+impl Dims {
+    fn d(&self) -> usize {
+        self.h * self.hd
+    }
+
+    fn scale(&self) -> f32 {
+        1.0 / (self.hd as f32).sqrt()
+    }
+
+    /// Offset of head `head` of sequence `seq`'s query block in the packed projection.
+    fn qkv_base(&self, task: usize) -> usize {
+        let (seq, head) = (task / self.h, task % self.h);
+        seq * self.t * 3 * self.d() + head * self.hd
+    }
+
+    /// Offset of head `head` of sequence `seq` in a `[B, T, d]` tensor.
+    fn out_base(&self, task: usize) -> usize {
+        let (seq, head) = (task / self.h, task % self.h);
+        seq * self.t * self.d() + head * self.hd
+    }
+}
+
+/// A pointer that parallel tasks write through, each to its own disjoint elements.
+#[derive(Clone, Copy)]
+struct Shared(*mut f32);
+// SAFETY: every task writes a disjoint set of elements (its own head's columns).
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+thread_local! {
+    /// Per-thread score and score-gradient buffers, reused across calls.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// `dst = beta * lhs rhs` for an `m x k` times `k x n` product, every operand given by its
+/// row and column strides. Single-threaded: the parallelism is over (sequence, head).
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm(
+    [m, n, k]: [usize; 3],
+    dst: *mut f32,
+    [dst_rs, dst_cs]: [isize; 2],
+    lhs: *const f32,
+    [lhs_rs, lhs_cs]: [isize; 2],
+    rhs: *const f32,
+    [rhs_rs, rhs_cs]: [isize; 2],
+    beta: f32,
+) {
+    // SAFETY: the caller guarantees every addressed element is in bounds.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            dst_cs,
+            dst_rs,
+            false,
+            lhs,
+            lhs_cs,
+            lhs_rs,
+            rhs,
+            rhs_cs,
+            rhs_rs,
+            0.0,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+multiversion! {
+    /// Softmax of `row[..=i]` in place, zeros after it; returns the row's log-sum-exp.
+    fn softmax_row(row: &mut [f32], i: usize, lse: &mut f32) {
+        let (seen, unseen) = row.split_at_mut(i + 1);
+        let m = max(seen);
+        for x in seen.iter_mut() {
+            *x = exp(*x - m);
+        }
+        let s = sum(seen);
+        let inv = 1.0 / s;
+        for x in seen.iter_mut() {
+            *x *= inv;
+        }
+        unseen.fill(0.0);
+        *lse = m + s.ln();
+    }
+}
+
+multiversion! {
+    /// Probabilities `exp(s - lse)` of `row[..=i]` in place, zeros after it.
+    fn probabilities_row(row: &mut [f32], i: usize, lse: f32) {
+        let (seen, unseen) = row.split_at_mut(i + 1);
+        for x in seen.iter_mut() {
+            *x = exp(*x - lse);
+        }
+        unseen.fill(0.0);
+    }
+}
+
+multiversion! {
+    /// `dp = p * (dp - delta)` over the row: the gradient of the scores.
+    fn score_gradient_row(p: &[f32], dp: &mut [f32], delta: f32) {
+        for (dp, &p) in dp.iter_mut().zip(p) {
+            *dp = p * (*dp - delta);
+        }
+    }
+}
+
+/// Scaled scores `Q K^T / sqrt(hd)` of every query block against the keys it sees, into
+/// `s` (`T x T`, row-major); entries right of a block's last key are left as they were.
+///
+/// # Safety
+/// `q` and `k` address `T` rows of stride `3d` and `hd` columns each.
+unsafe fn causal_scores(dims: Dims, q: *const f32, k: *const f32, s: &mut [f32]) {
+    let (t, rs) = (dims.t, 3 * dims.d() as isize);
+    for r0 in (0..t).step_by(BLOCK) {
+        let r1 = (r0 + BLOCK).min(t);
+        // SAFETY: rows r0..r1 of q, rows 0..r1 of k, and s[r0 * t..r1 * t] are in bounds.
+        unsafe {
+            gemm(
+                [r1 - r0, r1, dims.hd],
+                s[r0 * t..].as_mut_ptr(),
+                [t as isize, 1],
+                q.add(r0 * 3 * dims.d()),
+                [rs, 1],
+                k,
+                [1, rs],
+                dims.scale(),
+            );
+        }
+    }
+}
+
+/// Causal attention of the packed projection `qkv` (`[B, T, 3d]`, heads side by side in each
+/// of q, k, v). Returns the output in `[B, T, d]` and each query's log-sum-exp (`[B, H, T]`).
+pub(crate) fn forward(qkv: &[f32], dims: Dims) -> (Vec<f32>, Vec<f32>) {
+    let Dims { b, t, h, .. } = dims;
+    let d = dims.d();
+    let mut out = vec![0.0f32; b * t * d];
+    let mut lse = vec![0.0f32; b * h * t];
+    let out_ptr = Shared(out.as_mut_ptr());
+    lse.par_chunks_mut(t).enumerate().for_each(|(task, lse)| {
+        let out_ptr = out_ptr;
+        SCRATCH.with_borrow_mut(|(s, _)| {
+            s.resize(t * t, 0.0);
+            let q = qkv[dims.qkv_base(task)..].as_ptr();
+            // SAFETY: q, k, v are this task's head within qkv (its length is B T 3d).
+            unsafe { causal_scores(dims, q, q.add(d), s) };
+            for (i, (row, lse)) in s.chunks_exact_mut(t).zip(lse.iter_mut()).enumerate() {
+                softmax_row(row, i, lse);
+            }
+            // SAFETY: the output block of this head is T rows of stride d, hd columns; no
+            // other task writes it.
+            unsafe {
+                gemm(
+                    [t, dims.hd, t],
+                    out_ptr.0.add(dims.out_base(task)),
+                    [d as isize, 1],
+                    s.as_ptr(),
+                    [t as isize, 1],
+                    q.add(2 * d),
+                    [3 * d as isize, 1],
+                    1.0,
+                );
+            }
+        });
+    });
+    (out, lse)
+}
+
+/// The gradient of [`forward`] with respect to `qkv`, given its output `out`, the saved
+/// `lse` and the output's gradient `dout` (`[B, T, d]`).
+pub(crate) fn backward(
+    qkv: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    dout: &[f32],
+    dims: Dims,
+) -> Vec<f32> {
+    let Dims { b, t, hd, .. } = dims;
+    let d = dims.d();
+    let mut dqkv = vec![0.0f32; b * t * 3 * d];
+    let dqkv_ptr = Shared(dqkv.as_mut_ptr());
+    let (rs3, rs, t_s) = (3 * d as isize, d as isize, t as isize);
+    lse.par_chunks(t).enumerate().for_each(|(task, lse)| {
+        let dqkv_ptr = dqkv_ptr;
+        SCRATCH.with_borrow_mut(|(p, dp)| {
+            p.resize(t * t, 0.0);
+            dp.resize(t * t, 0.0);
+            let base = dims.qkv_base(task);
+            let q = qkv[base..].as_ptr();
+            let (k, v) = (q.wrapping_add(d), q.wrapping_add(2 * d));
+            let ob = dims.out_base(task);
+            let dout_h = dout[ob..].as_ptr();
+            // SAFETY: all pointers address this task's head: T rows of hd columns, within
+            // their buffers; the three gradient blocks are written by this task only.
+            unsafe {
+                causal_scores(dims, q, k, p);
+                for (i, row) in p.chunks_exact_mut(t).enumerate() {
+                    probabilities_row(row, i, lse[i]);
+                }
+                // dP = dO V^T, per query block against the keys it sees.
+                for r0 in (0..t).step_by(BLOCK) {
+                    let r1 = (r0 + BLOCK).min(t);
+                    gemm(
+                        [r1 - r0, r1, hd],
+                        dp[r0 * t..].as_mut_ptr(),
+                        [t_s, 1],
+                        dout_h.add(r0 * d),
+                        [rs, 1],
+                        v,
+                        [1, rs3],
+                        1.0,
+                    );
+                }
+                for (i, (p_row, dp_row)) in
+                    p.chunks_exact(t).zip(dp.chunks_exact_mut(t)).enumerate()
+                {
+                    let row = ob + i * d;
+                    let delta = dot(&dout[row..row + hd], &out[row..row + hd]);
+                    score_gradient_row(&p_row[..=i], &mut dp_row[..=i], delta);
+                    dp_row[i + 1..].fill(0.0);
+                }
+                let dq = dqkv_ptr.0.add(base);
+                // dV = P^T dO.
+                gemm(
+                    [t, hd, t],
+                    dq.add(2 * d),
+                    [rs3, 1],
+                    p.as_ptr(),
+                    [1, t_s],
+                    dout_h,
+                    [rs, 1],
+                    1.0,
+                );
+                // dQ = dS K / sqrt(hd).
+                gemm(
+                    [t, hd, t],
+                    dq,
+                    [rs3, 1],
+                    dp.as_ptr(),
+                    [t_s, 1],
+                    k,
+                    [rs3, 1],
+                    dims.scale(),
+                );
+                // dK = dS^T Q / sqrt(hd).
+                gemm(
+                    [t, hd, t],
+                    dq.add(d),
+                    [rs3, 1],
+                    dp.as_ptr(),
+                    [1, t_s],
+                    q,
+                    [rs3, 1],
+                    dims.scale(),
+                );
+            }
+        });
+    });
+    dqkv
+}

@@ -1,0 +1,407 @@
+//! Fused CPU kernels for the `flex` backend: GELU (tanh), LayerNorm, causal attention on the
+//! packed q/k/v projection, and softmax cross-entropy, each with its own backward pass.
+//!
+//! Under autodiff Burn builds these from chains of element-wise ops (attention included),
+//! each a pass over memory and a node of the graph. Here each is one Burn backend extension
+//! ([`FusedOps`]) implemented for `Flex` and, with a hand-written backward, for
+//! `Autodiff<Flex>`. The functions below take the fused path on a `flex` device with f32
+//! tensors and compose Burn's ops everywhere else (wgpu, ndarray, f64, half types), so the
+//! op definitions are the same on every backend.
+
+mod attention;
+mod rows;
+mod simd;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension};
+use burn::tensor::activation::{log_softmax, sigmoid};
+use burn::tensor::module::{attention as burn_attention, layer_norm as burn_layer_norm};
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{DType, Device, Int, Shape, Tensor, TensorData};
+use burn_flex::FlexTensor;
+
+use attention::Dims;
+
+/// The fused operations, as a Burn backend extension.
+#[backend_extension(Flex, Autodiff)]
+pub trait FusedOps: Backend {
+    /// GELU, tanh approximation, element-wise.
+    fn fused_gelu_tanh(x: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// LayerNorm over the last dimension.
+    fn fused_layer_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self>;
+    /// Causal self-attention of a packed `[B, T, 3d]` projection into `[B, T, d]`.
+    fn fused_causal_attention(qkv: FloatTensor<Self>, n_head: usize) -> FloatTensor<Self>;
+    /// Mean softmax cross-entropy of `[N, V]` logits against `[N]` targets, `[1]`.
+    fn fused_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> FloatTensor<Self>;
+}
+
+/// Whether ops on `x` take the fused kernels: f32 on the `flex` device, with or without
+/// autodiff. Other tensors use Burn's composed ops.
+pub fn uses_fused_kernels<const D: usize>(x: &Tensor<D>) -> bool {
+    x.dtype() == DType::F32 && x.device().inner() == Device::flex()
+}
+
+/// GELU, tanh approximation (GPT-2's `gelu_new`): `0.5 x (1 + tanh(u))` with
+/// `u = sqrt(2/pi) (x + 0.044715 x^3)`, computed as the identical `x sigmoid(2u)`.
+///
+/// # Shapes
+/// - x: `[...]`
+/// - output: `[...]`
+pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    if uses_fused_kernels(&x) {
+        return Tensor::from_dispatch(Dispatch::fused_gelu_tanh(x.into_dispatch()));
+    }
+    const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+    let cube = x.clone() * x.clone() * x.clone();
+    let u2 = (x.clone() + cube * 0.044715) * (2.0 * SQRT_2_OVER_PI);
+    x * sigmoid(u2)
+}
+
+/// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * weight + bias`.
+///
+/// # Shapes
+/// - x: `[..., d]`, weight, bias: `[d]`
+/// - output: `[..., d]`
+pub fn layer_norm<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<1>,
+    bias: Tensor<1>,
+    eps: f64,
+) -> Tensor<D> {
+    if uses_fused_kernels(&x) {
+        return Tensor::from_dispatch(Dispatch::fused_layer_norm(
+            x.into_dispatch(),
+            weight.into_dispatch(),
+            bias.into_dispatch(),
+            eps,
+        ));
+    }
+    burn_layer_norm(x, weight, Some(bias), eps)
+}
+
+/// Causal multi-head self-attention of a packed q/k/v projection (q, k, v side by side on
+/// the last dimension, heads side by side within each), scaled by `1 / sqrt(d / n_head)`.
+///
+/// # Shapes
+/// - qkv: `[B, T, 3d]`
+/// - output: `[B, T, d]`, heads side by side
+pub fn causal_attention(qkv: Tensor<3>, n_head: usize) -> Tensor<3> {
+    if uses_fused_kernels(&qkv) {
+        return Tensor::from_dispatch(Dispatch::fused_causal_attention(
+            qkv.into_dispatch(),
+            n_head,
+        ));
+    }
+    let [b, t, d3] = qkv.dims();
+    let (d, h) = (d3 / 3, n_head);
+    let heads = |m: Tensor<3>| m.reshape([b, t, h, d / h]).swap_dims(1, 2); // [B, H, T, hd]
+    let mut parts = qkv.chunk(3, 2).into_iter().map(heads);
+    let (q, k, v) = (
+        parts.next().unwrap(),
+        parts.next().unwrap(),
+        parts.next().unwrap(),
+    );
+    let options = AttentionModuleOptions {
+        is_causal: true,
+        ..Default::default()
+    };
+    let y = burn_attention(q, k, v, None, None, options); // [B, H, T, hd]
+    y.swap_dims(1, 2).reshape([b, t, d])
+}
+
+/// Mean softmax cross-entropy (nats) of each row of `logits` against its target.
+///
+/// # Shapes
+/// - logits: `[N, V]`, targets: `[N]`
+/// - output: `[1]`
+pub fn softmax_cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+    if uses_fused_kernels(&logits) {
+        return Tensor::from_dispatch(Dispatch::fused_cross_entropy(
+            logits.into_dispatch(),
+            targets.into_dispatch(),
+        ));
+    }
+    let [n, _] = logits.dims();
+    let logp = log_softmax(logits, 1); // [N, V]
+    logp.gather(1, targets.reshape([n, 1])).mean().neg()
+}
+
+/// The elements of a float tensor, in row-major order.
+fn floats(t: &FlexTensor) -> Vec<f32> {
+    match t.as_slice::<f32>() {
+        Some(s) => s.to_vec(),
+        None => t.to_contiguous().as_slice::<f32>().unwrap().to_vec(),
+    }
+}
+
+/// Runs `f` on the elements of a float tensor, in row-major order, copying only when the
+/// tensor is not contiguous.
+fn with_floats<R>(t: &FlexTensor, f: impl FnOnce(&[f32]) -> R) -> R {
+    match t.as_slice::<f32>() {
+        Some(s) => f(s),
+        None => f(&floats(t)),
+    }
+}
+
+/// The elements of an integer tensor as indices.
+fn indices(t: &FlexTensor) -> Vec<usize> {
+    let t = t.to_contiguous();
+    match t.dtype() {
+        DType::I64 => t
+            .as_slice::<i64>()
+            .unwrap()
+            .iter()
+            .map(|&i| i as usize)
+            .collect(),
+        DType::I32 => t
+            .as_slice::<i32>()
+            .unwrap()
+            .iter()
+            .map(|&i| i as usize)
+            .collect(),
+        other => panic!("cross-entropy targets must be i32 or i64, not {other:?}"),
+    }
+}
+
+fn flex(values: Vec<f32>, shape: Shape) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape))
+}
+
+fn dims(t: &FlexTensor) -> Vec<usize> {
+    t.layout().shape().iter().copied().collect()
+}
+
+/// The attention shapes of a packed `[B, T, 3d]` projection.
+fn attention_dims(qkv: &FlexTensor, n_head: usize) -> Dims {
+    let [b, t, d3] = dims(qkv)[..] else {
+        panic!("fused attention takes a [B, T, 3d] projection");
+    };
+    let d = d3 / 3;
+    assert!(
+        d3 % 3 == 0 && d % n_head == 0,
+        "3d = {d3} does not split into {n_head} heads"
+    );
+    Dims {
+        b,
+        t,
+        h: n_head,
+        hd: d / n_head,
+    }
+}
+
+/// Checks that every index is below `v` (the vocabulary size), as Burn's gather would.
+fn check_targets(targets: &[usize], v: usize) {
+    if let Some(t) = targets.iter().find(|&&t| t >= v) {
+        panic!("cross-entropy target {t} is out of range for {v} classes");
+    }
+}
+
+impl FusedOps for Flex {
+    fn fused_gelu_tanh(x: FlexTensor) -> FlexTensor {
+        let shape = x.layout().shape().clone();
+        flex(with_floats(&x, rows::gelu), shape)
+    }
+
+    fn fused_layer_norm(
+        x: FlexTensor,
+        weight: FlexTensor,
+        bias: FlexTensor,
+        eps: f64,
+    ) -> FlexTensor {
+        let shape = x.layout().shape().clone();
+        let [y, _, _] = with_floats(&x, |x| {
+            rows::layer_norm(x, &floats(&weight), &floats(&bias), eps as f32)
+        });
+        flex(y, shape)
+    }
+
+    fn fused_causal_attention(qkv: FlexTensor, n_head: usize) -> FlexTensor {
+        let dims = attention_dims(&qkv, n_head);
+        let (out, _) = with_floats(&qkv, |qkv| attention::forward(qkv, dims));
+        flex(out, Shape::from(vec![dims.b, dims.t, dims.h * dims.hd]))
+    }
+
+    fn fused_cross_entropy(logits: FlexTensor, targets: FlexTensor) -> FlexTensor {
+        let targets = indices(&targets);
+        let v = dims(&logits)[1];
+        check_targets(&targets, v);
+        let (loss, _) = with_floats(&logits, |l| rows::cross_entropy(l, &targets));
+        flex(vec![loss], Shape::from(vec![1]))
+    }
+}
+
+#[derive(Debug)]
+struct GeluBackward;
+
+impl Backward<Flex, 1> for GeluBackward {
+    /// The input.
+    type State = FlexTensor;
+
+    fn backward(self, ops: Ops<FlexTensor, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let dy = grads.consume::<Flex>(&ops.node);
+        if let Some(parent) = parent {
+            let x = &ops.state;
+            let dx = with_floats(x, |x| with_floats(&dy, |dy| rows::gelu_backward(x, dy)));
+            grads.register::<Flex>(parent.id, flex(dx, x.layout().shape().clone()));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct LayerNormBackward;
+
+impl Backward<Flex, 3> for LayerNormBackward {
+    /// The input, weight, and each row's mean and reciprocal standard deviation.
+    type State = (FlexTensor, FlexTensor, Vec<f32>, Vec<f32>);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [px, pw, pb] = ops.parents;
+        let dy = grads.consume::<Flex>(&ops.node);
+        let (x, w, mean, rstd) = &ops.state;
+        let [dx, dw, db] = with_floats(x, |xs| {
+            with_floats(&dy, |dy| {
+                rows::layer_norm_backward(xs, &floats(w), mean, rstd, dy)
+            })
+        });
+        let d = dw.len();
+        if let Some(p) = px {
+            grads.register::<Flex>(p.id, flex(dx, x.layout().shape().clone()));
+        }
+        if let Some(p) = pw {
+            grads.register::<Flex>(p.id, flex(dw, Shape::from(vec![d])));
+        }
+        if let Some(p) = pb {
+            grads.register::<Flex>(p.id, flex(db, Shape::from(vec![d])));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl Backward<Flex, 1> for AttentionBackward {
+    /// The projection, the output, each query's log-sum-exp, and the shapes.
+    type State = (FlexTensor, FlexTensor, Vec<f32>, Dims);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let dout = grads.consume::<Flex>(&ops.node);
+        if let Some(parent) = parent {
+            let (qkv, out, lse, dims) = &ops.state;
+            let dqkv = with_floats(qkv, |qkv| {
+                with_floats(out, |out| {
+                    with_floats(&dout, |dout| {
+                        attention::backward(qkv, out, lse, dout, *dims)
+                    })
+                })
+            });
+            grads.register::<Flex>(parent.id, flex(dqkv, qkv.layout().shape().clone()));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct CrossEntropyBackward;
+
+impl Backward<Flex, 1> for CrossEntropyBackward {
+    /// The logits, the targets and each row's log-sum-exp.
+    type State = (FlexTensor, Vec<usize>, Vec<f32>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let grad = grads.consume::<Flex>(&ops.node);
+        if let Some(parent) = parent {
+            let (logits, targets, lse) = &ops.state;
+            let g = floats(&grad)[0];
+            let dlogits = with_floats(logits, |l| rows::cross_entropy_backward(l, targets, lse, g));
+            grads.register::<Flex>(parent.id, flex(dlogits, logits.layout().shape().clone()));
+        }
+    }
+}
+
+impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
+    fn fused_gelu_tanh(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let input = x.primitive().clone();
+        match GeluBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let y = Flex::fused_gelu_tanh(input.clone());
+                prep.finish(input, y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(Flex::fused_gelu_tanh(input)),
+        }
+    }
+
+    fn fused_layer_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        let (xp, wp, bp) = (
+            x.primitive().clone(),
+            weight.primitive().clone(),
+            bias.primitive().clone(),
+        );
+        let shape = xp.layout().shape().clone();
+        let prep = LayerNormBackward
+            .prepare::<C>([x.node(), weight.node(), bias.node()])
+            .compute_bound()
+            .stateful();
+        let [y, mean, rstd] = with_floats(&xp, |xs| {
+            rows::layer_norm(xs, &floats(&wp), &floats(&bp), eps as f32)
+        });
+        let y = flex(y, shape);
+        match prep {
+            OpsKind::Tracked(prep) => prep.finish((xp, wp, mean, rstd), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_causal_attention(qkv: FloatTensor<Self>, n_head: usize) -> FloatTensor<Self> {
+        let input = qkv.primitive().clone();
+        let dims = attention_dims(&input, n_head);
+        let prep = AttentionBackward
+            .prepare::<C>([qkv.node()])
+            .compute_bound()
+            .stateful();
+        let (out, lse) = with_floats(&input, |q| attention::forward(q, dims));
+        let out = flex(out, Shape::from(vec![dims.b, dims.t, dims.h * dims.hd]));
+        match prep {
+            OpsKind::Tracked(prep) => prep.finish((input, out.clone(), lse, dims), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn fused_cross_entropy(logits: FloatTensor<Self>, targets: FlexTensor) -> FloatTensor<Self> {
+        let input = logits.primitive().clone();
+        let targets = indices(&targets);
+        check_targets(&targets, dims(&input)[1]);
+        let prep = CrossEntropyBackward
+            .prepare::<C>([logits.node()])
+            .compute_bound()
+            .stateful();
+        let (loss, lse) = with_floats(&input, |l| rows::cross_entropy(l, &targets));
+        let loss = flex(vec![loss], Shape::from(vec![1]));
+        match prep {
+            OpsKind::Tracked(prep) => prep.finish((input, targets, lse), loss),
+            OpsKind::UnTracked(prep) => prep.finish(loss),
+        }
+    }
+}
