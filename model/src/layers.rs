@@ -10,7 +10,7 @@ use crate::config::GptConfig;
 use crate::dropout::{DropoutKey, dropout};
 use crate::init::{Init, param};
 pub use crate::kernels::gelu_tanh;
-use crate::kernels::{causal_attention, layer_norm};
+use crate::kernels::{causal_attention, layer_norm, linear as fused_linear};
 
 /// GPT-2's LayerNorm epsilon (`layer_norm_epsilon = 1e-5`).
 pub const LAYER_NORM_EPS: f64 = 1e-5;
@@ -111,8 +111,8 @@ impl CausalSelfAttention {
     /// - output: `[B, T, d]`
     pub fn forward(&self, x: Tensor<3>, key: Option<&DropoutKey>, site: u64) -> Tensor<3> {
         // Dropout on attention probabilities is not applied: the fused attention op has none.
-        let y = causal_attention(self.c_attn.forward(x), self.n_head); // [B, T, d]
-        dropout(self.c_proj.forward(y), self.dropout, key, site)
+        let y = causal_attention(fused_linear(x, &self.c_attn), self.n_head); // [B, T, d]
+        dropout(fused_linear(y, &self.c_proj), self.dropout, key, site)
     }
 }
 
@@ -157,8 +157,8 @@ impl Mlp {
     /// - x: `[B, T, d]`
     /// - output: `[B, T, d]`
     pub fn forward(&self, x: Tensor<3>, key: Option<&DropoutKey>, site: u64) -> Tensor<3> {
-        let x = gelu_tanh(self.c_fc.forward(x)); // [B, T, 4d]
-        dropout(self.c_proj.forward(x), self.dropout, key, site)
+        let x = gelu_tanh(fused_linear(x, &self.c_fc)); // [B, T, 4d]
+        dropout(fused_linear(x, &self.c_proj), self.dropout, key, site)
     }
 }
 

@@ -4,7 +4,7 @@
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
 use ember_model::kernels::{
-    causal_attention, gelu_tanh, layer_norm, softmax_cross_entropy, uses_fused_kernels,
+    causal_attention, gelu_tanh, layer_norm, linear, softmax_cross_entropy, uses_fused_kernels,
 };
 
 /// Deterministic values in [-scale, scale).
@@ -157,4 +157,37 @@ fn fused_kernels_also_run_without_autodiff() {
     assert!(rel_err(&to_f64(y), &to_f64(want)) < 2e-6);
     let g = gelu_tanh(x.clone());
     assert!(rel_err(&to_f64(g), &to_f64(gelu_tanh(x.cast(DType::F64)))) < 2e-6);
+}
+
+#[test]
+fn fused_linear_matches_the_composed_op() {
+    use burn::module::{Param, ParamId};
+    use burn::nn::Linear;
+    // 150 rows x 70 -> 33, and one row (a vector input).
+    for rows in [150, 1] {
+        let (d_in, d_out) = (70, 33);
+        let x = values(rows * d_in, 8, 2.0);
+        let w = values(d_in * d_out, 9, 0.5);
+        let b = values(d_out, 10, 0.5);
+        check(
+            "linear",
+            &[
+                (x, [1, rows, d_in]),
+                (w, [1, d_in, d_out]),
+                (b, [1, 1, d_out]),
+            ],
+            [1, rows, d_out],
+            |t| {
+                let layer = Linear {
+                    weight: Param::initialized(ParamId::new(), t[1].clone().reshape([d_in, d_out])),
+                    bias: Some(Param::initialized(
+                        ParamId::new(),
+                        t[2].clone().reshape([d_out]),
+                    )),
+                };
+                linear(t[0].clone(), &layer)
+            },
+            2e-6,
+        );
+    }
 }

@@ -1,5 +1,6 @@
-//! Fused CPU kernels for the `flex` backend: GELU (tanh), LayerNorm, causal attention on the
-//! packed q/k/v projection, and softmax cross-entropy, each with its own backward pass.
+//! Fused CPU kernels for the `flex` backend: linear layers with their bias, GELU (tanh),
+//! LayerNorm, causal attention on the packed q/k/v projection, and softmax cross-entropy,
+//! each with its own backward pass.
 //!
 //! Under autodiff Burn builds these from chains of element-wise ops (attention included),
 //! each a pass over memory and a node of the graph. Here each is one Burn backend extension
@@ -9,6 +10,7 @@
 //! op definitions are the same on every backend.
 
 mod attention;
+mod linear;
 mod rows;
 mod simd;
 
@@ -18,6 +20,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension};
+use burn::nn::Linear;
 use burn::tensor::activation::{log_softmax, sigmoid};
 use burn::tensor::module::{attention as burn_attention, layer_norm as burn_layer_norm};
 use burn::tensor::ops::AttentionModuleOptions;
@@ -29,6 +32,12 @@ use attention::Dims;
 /// The fused operations, as a Burn backend extension.
 #[backend_extension(Flex, Autodiff)]
 pub trait FusedOps: Backend {
+    /// `x W + b` over the last dimension of `x`, with `W` of `[d_in, d_out]`.
+    fn fused_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
     /// GELU, tanh approximation, element-wise.
     fn fused_gelu_tanh(x: FloatTensor<Self>) -> FloatTensor<Self>;
     /// LayerNorm over the last dimension.
@@ -51,6 +60,23 @@ pub trait FusedOps: Backend {
 /// autodiff. Other tensors use Burn's composed ops.
 pub fn uses_fused_kernels<const D: usize>(x: &Tensor<D>) -> bool {
     x.dtype() == DType::F32 && x.device().inner() == Device::flex()
+}
+
+/// A linear layer with a bias, `x W + b` (Burn's `[d_in, d_out]` weight layout): one
+/// pass writes the output, with the bias folded into the product.
+///
+/// # Shapes
+/// - x: `[..., d_in]`
+/// - output: `[..., d_out]`
+pub fn linear<const D: usize>(x: Tensor<D>, layer: &Linear) -> Tensor<D> {
+    match &layer.bias {
+        Some(bias) if uses_fused_kernels(&x) => Tensor::from_dispatch(Dispatch::fused_linear(
+            x.into_dispatch(),
+            layer.weight.val().into_dispatch(),
+            bias.val().into_dispatch(),
+        )),
+        _ => layer.forward(x),
+    }
 }
 
 /// GELU, tanh approximation (GPT-2's `gelu_new`): `0.5 x (1 + tanh(u))` with
@@ -208,7 +234,23 @@ fn check_targets(targets: &[usize], v: usize) {
     }
 }
 
+/// `shape` with its last dimension replaced by `last`.
+fn with_last(shape: &Shape, last: usize) -> Shape {
+    let mut dims: Vec<usize> = shape.iter().copied().collect();
+    *dims
+        .last_mut()
+        .expect("a linear layer's input has a feature dimension") = last;
+    Shape::from(dims)
+}
+
 impl FusedOps for Flex {
+    fn fused_linear(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) -> FlexTensor {
+        let b = floats(&bias);
+        let shape = with_last(x.layout().shape(), b.len());
+        let y = with_floats(&x, |x| with_floats(&weight, |w| linear::forward(x, w, &b)));
+        flex(y, shape)
+    }
+
     fn fused_gelu_tanh(x: FlexTensor) -> FlexTensor {
         let shape = x.layout().shape().clone();
         flex(with_floats(&x, rows::gelu), shape)
@@ -239,6 +281,37 @@ impl FusedOps for Flex {
         check_targets(&targets, v);
         let (loss, _) = with_floats(&logits, |l| rows::cross_entropy(l, &targets));
         flex(vec![loss], Shape::from(vec![1]))
+    }
+}
+
+#[derive(Debug)]
+struct LinearBackward;
+
+impl Backward<Flex, 3> for LinearBackward {
+    /// The input and the weight.
+    type State = (FlexTensor, FlexTensor);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [px, pw, pb] = ops.parents;
+        let dy = grads.consume::<Flex>(&ops.node);
+        let (x, w) = &ops.state;
+        let [d_in, d_out] = dims(w)[..] else {
+            panic!("a linear layer's weight is [d_in, d_out]");
+        };
+        let [dx, dw, db] = with_floats(x, |xs| {
+            with_floats(w, |ws| {
+                with_floats(&dy, |dy| linear::backward(xs, ws, dy, d_out))
+            })
+        });
+        if let Some(p) = px {
+            grads.register::<Flex>(p.id, flex(dx, x.layout().shape().clone()));
+        }
+        if let Some(p) = pw {
+            grads.register::<Flex>(p.id, flex(dw, Shape::from(vec![d_in, d_out])));
+        }
+        if let Some(p) = pb {
+            grads.register::<Flex>(p.id, flex(db, Shape::from(vec![d_out])));
+        }
     }
 }
 
@@ -333,6 +406,27 @@ impl Backward<Flex, 1> for CrossEntropyBackward {
 }
 
 impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
+    fn fused_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let (xp, wp, bp) = (
+            x.primitive().clone(),
+            weight.primitive().clone(),
+            bias.primitive().clone(),
+        );
+        let prep = LinearBackward
+            .prepare::<C>([x.node(), weight.node(), bias.node()])
+            .compute_bound()
+            .stateful();
+        let y = Flex::fused_linear(xp.clone(), wp.clone(), bp);
+        match prep {
+            OpsKind::Tracked(prep) => prep.finish((xp, wp), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
     fn fused_gelu_tanh(x: FloatTensor<Self>) -> FloatTensor<Self> {
         let input = x.primitive().clone();
         match GeluBackward
