@@ -302,6 +302,7 @@ pub fn run_plan(c: &TrainConfig, topology: &Topology, shard: ShardConfig) -> Res
         c.batch_size,
         c.grad_accum,
         c.block_size,
+        c.device,
     )
     .map_err(|e| anyhow!("{e}"))
 }

@@ -12,6 +12,7 @@ use ember_sharding::profile::Profile;
 use ember_sharding::{Memory, Plan, ShardConfig};
 use serde::Serialize;
 
+use crate::config::DeviceKind;
 use crate::error::{CliResult, usage};
 use crate::stages::{gpt_activations, gpt_units};
 
@@ -96,6 +97,8 @@ pub fn load_profile(spec: &str) -> CliResult<Profile> {
 
 /// The plan of a GPT run: its units, with the activations one rank's micro-batch (of
 /// `batch_size / (ranks x grad_accum)` sequences of `block_size` tokens) keeps.
+/// The activations are those of the fused CPU kernels on `flex` in f32, of Burn's composed
+/// ops elsewhere.
 pub fn gpt_plan(
     model: &GptConfig,
     topology: &Topology,
@@ -103,23 +106,26 @@ pub fn gpt_plan(
     batch_size: usize,
     grad_accum: usize,
     block_size: usize,
+    device: DeviceKind,
 ) -> Result<Plan, ember_sharding::ShardError> {
     let per_rank = batch_size / (topology.world_size() * grad_accum).max(1);
     let elem = shard.compute.bytes();
+    let fused = device == DeviceKind::Flex && shard.compute == ember_sharding::Compute::F32;
     Plan::new(gpt_units(model), shard, topology.clone())?
-        .with_activations(gpt_activations(model, per_rank, block_size, elem))
+        .with_activations(gpt_activations(model, per_rank, block_size, elem, fused))
 }
 
 /// The report for `model` sharded per `shard` over `topology`.
+/// The run's batch, accumulation, preset name and device come from `config`.
 pub fn report(
-    preset: &str,
     model: &GptConfig,
+    config: &crate::config::TrainConfig,
     topology: &Topology,
     shard: ShardConfig,
-    batch_size: usize,
-    grad_accum: usize,
     profile: &Profile,
 ) -> CliResult<PlanReport> {
+    let (preset, batch_size, grad_accum) =
+        (config.preset.as_str(), config.batch_size, config.grad_accum);
     let world = topology.world_size();
     if batch_size == 0 || grad_accum == 0 || !batch_size.is_multiple_of(world * grad_accum) {
         return Err(usage(format!(
@@ -138,6 +144,7 @@ pub fn report(
         batch_size,
         grad_accum,
         model.block_size,
+        config.device,
     )
     .map_err(|e| usage(format!("--shard: {e}")))?;
     let memory = plan.memory(grad_accum);
@@ -319,6 +326,7 @@ pub fn fitting_presets(
                     config.batch_size,
                     config.grad_accum,
                     config.block_size,
+                    config.device,
                 )
                 .ok()?;
                 let total = plan.memory(config.grad_accum).total();

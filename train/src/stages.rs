@@ -160,17 +160,25 @@ impl ParamSource for SeededGpt<'_> {
 
 /// Bytes of activations each unit of a GPT keeps per micro-batch of `batch` sequences of
 /// `block` tokens, computing in elements of `elem` bytes, for the plan's memory prediction.
+/// `fused` says whether the model runs on the fused CPU kernels (`flex`, f32).
 ///
-/// A block keeps about `38 d + 2 h T` values per token for its backward (inputs of its four
-/// matmuls and two norms, the GELU's intermediates, the attention's probabilities), measured
-/// with the resident set of single-process steps of `small-cpu` at d 256 and 512 and T 64
-/// and 128 (the growth per token of the peak). The head keeps its logits, their log-softmax
-/// and their gradient (`3 V` values per token, in f32) and the final norm's inputs.
+/// Both constants are the growth per token of the resident peak of single-process steps,
+/// measured at `small-cpu`'s 4 layers and vocabulary 512 (BENCHMARKS.md, "Activation memory"):
+/// - fused kernels: about `20 d` values per token per block (measured 17.6 d at d 256 and
+///   18.0 d at d 512 with T 128, 20.2 d at T 64): the inputs of the four linear layers and
+///   two norms, the attention's packed projection and output, and the GELU's input; the
+///   attention keeps one log-sum-exp per query, not its probabilities.
+/// - Burn's composed ops: about `38 d + 2 h T` (measured at d 256 and 512, T 64 and 128): the
+///   GELU's intermediates and the attention's probabilities as well.
+///
+/// The head keeps its logits, their log-softmax and their gradient (`3 V` values per token,
+/// in f32) and the final norm's inputs.
 pub fn gpt_activations(
     config: &GptConfig,
     batch: usize,
     block: usize,
     elem: usize,
+    fused: bool,
 ) -> Vec<ActivationBytes> {
     let tokens = (batch * block) as u64;
     let (d, h, t, v) = (
@@ -181,13 +189,14 @@ pub fn gpt_activations(
     );
     let e = elem as u64;
     let hidden = tokens * d * e;
+    let per_token = if fused { 20 * d } else { 38 * d + 2 * h * t };
     let mut out = vec![ActivationBytes {
         output: hidden,
         saved: 2 * hidden,
     }];
     out.extend((0..config.n_layer).map(|_| ActivationBytes {
         output: hidden,
-        saved: tokens * (38 * d + 2 * h * t) * e,
+        saved: tokens * per_token * e,
     }));
     out.push(ActivationBytes {
         output: 0,

@@ -58,15 +58,7 @@ pub fn plan_cmd(args: PlanArgs) -> CliResult<()> {
     }
     let shard = args.shard.resolve(&topology, config.dtype)?;
     let profile = ember_train::planning::load_profile(&args.profile)?;
-    let report = ember_train::planning::report(
-        &config.preset,
-        &model,
-        &topology,
-        shard,
-        config.batch_size,
-        config.grad_accum,
-        &profile,
-    )?;
+    let report = ember_train::planning::report(&model, &config, &topology, shard, &profile)?;
     if args.json {
         println!(
             "{}",
