@@ -51,6 +51,13 @@ impl Dims {
 /// A pointer that parallel tasks write through, each to its own disjoint elements.
 #[derive(Clone, Copy)]
 struct Shared(*mut f32);
+impl Shared {
+    /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 // SAFETY: every task writes a disjoint set of elements (its own head's columns).
 unsafe impl Send for Shared {}
 // SAFETY: as above.
@@ -172,7 +179,6 @@ pub(crate) fn forward(qkv: &[f32], dims: Dims) -> (Vec<f32>, Vec<f32>) {
     let mut lse = vec![0.0f32; b * h * t];
     let out_ptr = Shared(out.as_mut_ptr());
     lse.par_chunks_mut(t).enumerate().for_each(|(task, lse)| {
-        let out_ptr = out_ptr;
         SCRATCH.with_borrow_mut(|(s, _)| {
             s.resize(t * t, 0.0);
             let q = qkv[dims.qkv_base(task)..].as_ptr();
@@ -186,7 +192,7 @@ pub(crate) fn forward(qkv: &[f32], dims: Dims) -> (Vec<f32>, Vec<f32>) {
             unsafe {
                 gemm(
                     [t, dims.hd, t],
-                    out_ptr.0.add(dims.out_base(task)),
+                    out_ptr.get().add(dims.out_base(task)),
                     [d as isize, 1],
                     s.as_ptr(),
                     [t as isize, 1],
@@ -215,7 +221,6 @@ pub(crate) fn backward(
     let dqkv_ptr = Shared(dqkv.as_mut_ptr());
     let (rs3, rs, t_s) = (3 * d as isize, d as isize, t as isize);
     lse.par_chunks(t).enumerate().for_each(|(task, lse)| {
-        let dqkv_ptr = dqkv_ptr;
         SCRATCH.with_borrow_mut(|(p, dp)| {
             p.resize(t * t, 0.0);
             dp.resize(t * t, 0.0);
@@ -253,7 +258,7 @@ pub(crate) fn backward(
                     score_gradient_row(&p_row[..=i], &mut dp_row[..=i], delta);
                     dp_row[i + 1..].fill(0.0);
                 }
-                let dq = dqkv_ptr.0.add(base);
+                let dq = dqkv_ptr.get().add(base);
                 // dV = P^T dO.
                 gemm(
                     [t, hd, t],
