@@ -131,6 +131,8 @@ pub(crate) fn gather_primary(
 ) -> Result<(Tensor<1>, Option<Vec<u8>>), ShardError> {
     let path = path(comm, plan)?;
     let (full, wires) = match plan.config.quantize_weights {
+        // A world of one owns the whole unit: nothing to gather, nothing to copy.
+        WeightQuant::Off if plan.topology.world_size() == 1 => (shard.clone(), None),
         WeightQuant::Off => (gather_plain_path(comm, shard.clone(), &path, device)?, None),
         WeightQuant::Int8 => {
             let x = match shard.dtype() {
@@ -234,6 +236,8 @@ pub(crate) fn reduce(
     }
     let path = path(comm, plan)?;
     let shard = match cfg.quantize_grads {
+        // A world of one owns the whole unit, and its mean over one rank is itself.
+        GradQuant::Off if world == 1 => grad,
         GradQuant::Off => staging::from_f32(
             reduce_scatter_path(comm, &staging::to_f32(grad), &path, Reduce::Mean)?,
             device,
