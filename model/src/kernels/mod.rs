@@ -499,3 +499,77 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::simd::LEVEL_CAP;
+    use super::{attention, linear, rows};
+
+    /// Deterministic values in [-scale, scale).
+    fn values(n: usize, seed: u32, scale: f32) -> Vec<f32> {
+        let mut z = seed.wrapping_mul(2_654_435_761) | 1;
+        (0..n)
+            .map(|_| {
+                z ^= z << 13;
+                z ^= z >> 17;
+                z ^= z << 5;
+                (z as f32 / u32::MAX as f32 * 2.0 - 1.0) * scale
+            })
+            .collect()
+    }
+
+    /// Every kernel's result, run with versions up to `level` (single-threaded pieces run on
+    /// rayon's workers, so the cap is set there too).
+    fn all_results(level: u8) -> Vec<Vec<f32>> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .start_handler(move |_| LEVEL_CAP.with(|c| c.set(level)))
+            .build()
+            .unwrap();
+        pool.install(|| {
+            LEVEL_CAP.with(|c| c.set(level));
+            let x = values(3 * 40 * 70, 1, 3.0);
+            let dy = values(3 * 40 * 70, 2, 1.0);
+            let w = values(70, 3, 1.0);
+            let b = values(70, 4, 1.0);
+            let mut out = vec![rows::gelu(&x), rows::gelu_backward(&x, &dy)];
+            let [y, mean, rstd] = rows::layer_norm(&x, &w, &b, 1e-5);
+            out.extend([y, mean.clone(), rstd.clone()]);
+            out.extend(rows::layer_norm_backward(&x, &w, &mean, &rstd, &dy));
+            let targets: Vec<usize> = (0..120).map(|i| (i * 7) % 70).collect();
+            let (loss, lse) = rows::cross_entropy(&x, &targets);
+            out.push(vec![loss]);
+            out.push(rows::cross_entropy_backward(&x, &targets, &lse, 0.7));
+            out.push(lse);
+            let dims = attention::Dims {
+                b: 2,
+                t: 70,
+                h: 2,
+                hd: 12,
+            };
+            let qkv = values(2 * 70 * 72, 5, 2.0);
+            let dout = values(2 * 70 * 24, 6, 1.0);
+            let (o, lse) = attention::forward(&qkv, dims);
+            out.push(attention::backward(&qkv, &o, &lse, &dout, dims));
+            out.extend([o, lse]);
+            let wl = values(70 * 9, 7, 0.5);
+            out.push(linear::forward(&x, &wl, &values(9, 8, 0.5)));
+            out.extend(linear::backward(&x, &wl, &values(120 * 9, 9, 1.0), 9));
+            out
+        })
+    }
+
+    #[test]
+    fn every_instruction_set_gives_the_same_bits() {
+        let best = all_results(2);
+        for level in [1, 0] {
+            for (i, (got, want)) in all_results(level).iter().zip(&best).enumerate() {
+                let same = got
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "kernel result {i} differs at level {level}");
+            }
+        }
+    }
+}

@@ -25,11 +25,13 @@ macro_rules! multiversion {
                 unsafe fn v3($($arg: $ty),*) {
                     body($($arg),*)
                 }
-                if std::arch::is_x86_feature_detected!("avx512f") {
+                let level = $crate::kernels::simd::level_cap();
+                if level >= 2 && std::arch::is_x86_feature_detected!("avx512f") {
                     // SAFETY: the CPU has the features `v4` is compiled for.
                     return unsafe { v4($($arg),*) };
                 }
-                if std::arch::is_x86_feature_detected!("avx2")
+                if level >= 1
+                    && std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma")
                 {
                     // SAFETY: the CPU has the features `v3` is compiled for.
@@ -41,6 +43,25 @@ macro_rules! multiversion {
     };
 }
 pub(crate) use multiversion;
+
+/// The widest version [`multiversion`] may pick: 2 (AVX-512), 1 (AVX2), 0 (baseline). Always
+/// 2 outside this crate's unit tests, which lower it to run every version on one CPU.
+#[inline(always)]
+pub(crate) fn level_cap() -> u8 {
+    #[cfg(test)]
+    {
+        LEVEL_CAP.with(|c| c.get())
+    }
+    #[cfg(not(test))]
+    {
+        2
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    pub(crate) static LEVEL_CAP: std::cell::Cell<u8> = const { std::cell::Cell::new(2) };
+}
 
 /// Partial sums kept side by side, so a reduction vectorises without reassociating.
 pub(crate) const LANES: usize = 16;
