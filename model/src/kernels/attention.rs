@@ -12,6 +12,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
+use super::product::product;
 use super::simd::{dot, exp, max, multiversion, sum};
 
 /// Query rows per block of the causal score computation.
@@ -68,45 +69,6 @@ thread_local! {
     static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// `dst = beta * lhs rhs` for an `m x k` times `k x n` product, every operand given by its
-/// row and column strides. Single-threaded: the parallelism is over (sequence, head).
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm(
-    [m, n, k]: [usize; 3],
-    dst: *mut f32,
-    [dst_rs, dst_cs]: [isize; 2],
-    lhs: *const f32,
-    [lhs_rs, lhs_cs]: [isize; 2],
-    rhs: *const f32,
-    [rhs_rs, rhs_cs]: [isize; 2],
-    beta: f32,
-) {
-    // SAFETY: the caller guarantees every addressed element is in bounds.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            dst_cs,
-            dst_rs,
-            false,
-            lhs,
-            lhs_cs,
-            lhs_rs,
-            rhs,
-            rhs_cs,
-            rhs_rs,
-            0.0,
-            beta,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        )
-    }
-}
-
 multiversion! {
     /// Softmax of `row[..=i]` in place, zeros after it; returns the row's log-sum-exp.
     fn softmax_row(row: &mut [f32], i: usize, lse: &mut f32) {
@@ -156,15 +118,14 @@ unsafe fn causal_scores(dims: Dims, q: *const f32, k: *const f32, s: &mut [f32])
         let r1 = (r0 + BLOCK).min(t);
         // SAFETY: rows r0..r1 of q, rows 0..r1 of k, and s[r0 * t..r1 * t] are in bounds.
         unsafe {
-            gemm(
+            product(
                 [r1 - r0, r1, dims.hd],
-                s[r0 * t..].as_mut_ptr(),
-                [t as isize, 1],
-                q.add(r0 * 3 * dims.d()),
-                [rs, 1],
-                k,
-                [1, rs],
+                (s[r0 * t..].as_mut_ptr(), t as isize),
+                (q.add(r0 * 3 * dims.d()), [rs, 1]),
+                (k, [1, rs]),
                 dims.scale(),
+                false,
+                false,
             );
         }
     }
@@ -190,15 +151,14 @@ pub(crate) fn forward(qkv: &[f32], dims: Dims) -> (Vec<f32>, Vec<f32>) {
             // SAFETY: the output block of this head is T rows of stride d, hd columns; no
             // other task writes it.
             unsafe {
-                gemm(
+                product(
                     [t, dims.hd, t],
-                    out_ptr.get().add(dims.out_base(task)),
-                    [d as isize, 1],
-                    s.as_ptr(),
-                    [t as isize, 1],
-                    q.add(2 * d),
-                    [3 * d as isize, 1],
+                    (out_ptr.get().add(dims.out_base(task)), d as isize),
+                    (s.as_ptr(), [t as isize, 1]),
+                    (q.add(2 * d), [3 * d as isize, 1]),
                     1.0,
+                    false,
+                    false,
                 );
             }
         });
@@ -239,15 +199,14 @@ pub(crate) fn backward(
                 // dP = dO V^T, per query block against the keys it sees.
                 for r0 in (0..t).step_by(BLOCK) {
                     let r1 = (r0 + BLOCK).min(t);
-                    gemm(
+                    product(
                         [r1 - r0, r1, hd],
-                        dp[r0 * t..].as_mut_ptr(),
-                        [t_s, 1],
-                        dout_h.add(r0 * d),
-                        [rs, 1],
-                        v,
-                        [1, rs3],
+                        (dp[r0 * t..].as_mut_ptr(), t_s),
+                        (dout_h.add(r0 * d), [rs, 1]),
+                        (v, [1, rs3]),
                         1.0,
+                        false,
+                        false,
                     );
                 }
                 for (i, (p_row, dp_row)) in
@@ -260,37 +219,34 @@ pub(crate) fn backward(
                 }
                 let dq = dqkv_ptr.get().add(base);
                 // dV = P^T dO.
-                gemm(
+                product(
                     [t, hd, t],
-                    dq.add(2 * d),
-                    [rs3, 1],
-                    p.as_ptr(),
-                    [1, t_s],
-                    dout_h,
-                    [rs, 1],
+                    (dq.add(2 * d), rs3),
+                    (p.as_ptr(), [1, t_s]),
+                    (dout_h, [rs, 1]),
                     1.0,
+                    false,
+                    false,
                 );
                 // dQ = dS K / sqrt(hd).
-                gemm(
+                product(
                     [t, hd, t],
-                    dq,
-                    [rs3, 1],
-                    dp.as_ptr(),
-                    [t_s, 1],
-                    k,
-                    [rs3, 1],
+                    (dq, rs3),
+                    (dp.as_ptr(), [t_s, 1]),
+                    (k, [rs3, 1]),
                     dims.scale(),
+                    false,
+                    false,
                 );
                 // dK = dS^T Q / sqrt(hd).
-                gemm(
+                product(
                     [t, hd, t],
-                    dq.add(d),
-                    [rs3, 1],
-                    dp.as_ptr(),
-                    [1, t_s],
-                    q,
-                    [rs3, 1],
+                    (dq.add(d), rs3),
+                    (dp.as_ptr(), [1, t_s]),
+                    (q, [rs3, 1]),
                     dims.scale(),
+                    false,
+                    false,
                 );
             }
         });

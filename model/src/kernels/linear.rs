@@ -4,59 +4,11 @@
 
 use rayon::prelude::*;
 
+use super::product::product;
 use super::simd::multiversion;
 
-/// Products smaller than this many multiply-adds run on one thread.
-const PARALLEL_MACS: usize = 1 << 21;
 /// Rows per parallel piece of the bias gradient.
 const ROWS: usize = 64;
-
-/// `dst = alpha dst + beta lhs rhs` (`dst` is not read when `read_dst` is false), an
-/// `m x k` times `k x n` product with every operand given by its row and column strides.
-///
-/// # Safety
-/// Every addressed element is in bounds; `dst` is written by this call only.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm(
-    [m, n, k]: [usize; 3],
-    dst: *mut f32,
-    dst_rs: usize,
-    read_dst: bool,
-    lhs: *const f32,
-    [lhs_rs, lhs_cs]: [usize; 2],
-    rhs: *const f32,
-    [rhs_rs, rhs_cs]: [usize; 2],
-) {
-    let parallelism = if m * n * k >= PARALLEL_MACS {
-        gemm::Parallelism::Rayon(0)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: as the caller guarantees.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            dst_rs as isize,
-            read_dst,
-            lhs,
-            lhs_cs as isize,
-            lhs_rs as isize,
-            rhs,
-            rhs_cs as isize,
-            rhs_rs as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        )
-    }
-}
 
 /// An `m x n` buffer written entirely by `fill` before it is read.
 fn written_by(len: usize, fill: impl FnOnce(*mut f32)) -> Vec<f32> {
@@ -78,15 +30,14 @@ pub(crate) fn forward(x: &[f32], w: &[f32], b: &[f32]) -> Vec<f32> {
     }
     // SAFETY: x is rows x d_in, w is d_in x d_out, y is rows x d_out, all row-major.
     unsafe {
-        gemm(
+        product(
             [rows, d_out, d_in],
-            y.as_mut_ptr(),
-            d_out,
+            (y.as_mut_ptr(), d_out as isize),
+            (x.as_ptr(), [d_in as isize, 1]),
+            (w.as_ptr(), [d_out as isize, 1]),
+            1.0,
             true,
-            x.as_ptr(),
-            [d_in, 1],
-            w.as_ptr(),
-            [d_out, 1],
+            true,
         );
     }
     y
@@ -109,28 +60,26 @@ pub(crate) fn backward(x: &[f32], w: &[f32], dy: &[f32], d_out: usize) -> [Vec<f
     // SAFETY (both products): operands as in `forward`; each output is written whole.
     // dx = dy W^T.
     let dx = written_by(rows * d_in, |dx| unsafe {
-        gemm(
+        product(
             [rows, d_in, d_out],
-            dx,
-            d_in,
+            (dx, d_in as isize),
+            (dy.as_ptr(), [d_out as isize, 1]),
+            (w.as_ptr(), [1, d_out as isize]),
+            1.0,
             false,
-            dy.as_ptr(),
-            [d_out, 1],
-            w.as_ptr(),
-            [1, d_out],
+            true,
         )
     });
     // dW = x^T dy.
     let dw = written_by(d_in * d_out, |dw| unsafe {
-        gemm(
+        product(
             [d_in, d_out, rows],
-            dw,
-            d_out,
+            (dw, d_out as isize),
+            (x.as_ptr(), [1, d_in as isize]),
+            (dy.as_ptr(), [d_out as isize, 1]),
+            1.0,
             false,
-            x.as_ptr(),
-            [1, d_in],
-            dy.as_ptr(),
-            [d_out, 1],
+            true,
         )
     });
     // db = the column sums of dy, one partial per piece of rows, added in piece order.

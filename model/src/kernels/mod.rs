@@ -11,6 +11,7 @@
 
 mod attention;
 mod linear;
+mod product;
 mod rows;
 mod simd;
 
