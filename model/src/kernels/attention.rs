@@ -8,8 +8,6 @@
 //! Query rows go in blocks of [`BLOCK`], and a block multiplies only the keys it can see, so
 //! causal masking skips the upper triangle instead of computing and discarding it.
 
-use std::cell::RefCell;
-
 use rayon::prelude::*;
 
 use super::product::product;
@@ -63,11 +61,6 @@ impl Shared {
 unsafe impl Send for Shared {}
 // SAFETY: as above.
 unsafe impl Sync for Shared {}
-
-thread_local! {
-    /// Per-thread score and score-gradient buffers, reused across calls.
-    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
-}
 
 multiversion! {
     /// Softmax of `row[..=i]` in place, zeros after it; returns the row's log-sum-exp.
@@ -139,9 +132,11 @@ pub(crate) fn forward(qkv: &[f32], dims: Dims) -> (Vec<f32>, Vec<f32>) {
     let mut out = vec![0.0f32; b * t * d];
     let mut lse = vec![0.0f32; b * h * t];
     let out_ptr = Shared(out.as_mut_ptr());
-    lse.par_chunks_mut(t).enumerate().for_each(|(task, lse)| {
-        SCRATCH.with_borrow_mut(|(s, _)| {
-            s.resize(t * t, 0.0);
+    // One score buffer per piece of rayon's split, reused by its tasks.
+    let scratch = || vec![0.0f32; t * t];
+    lse.par_chunks_mut(t)
+        .enumerate()
+        .for_each_init(scratch, |s, (task, lse)| {
             let q = qkv[dims.qkv_base(task)..].as_ptr();
             // SAFETY: q, k, v are this task's head within qkv (its length is B T 3d).
             unsafe { causal_scores(dims, q, q.add(d), s) };
@@ -162,7 +157,6 @@ pub(crate) fn forward(qkv: &[f32], dims: Dims) -> (Vec<f32>, Vec<f32>) {
                 );
             }
         });
-    });
     (out, lse)
 }
 
@@ -180,10 +174,11 @@ pub(crate) fn backward(
     let mut dqkv = vec![0.0f32; b * t * 3 * d];
     let dqkv_ptr = Shared(dqkv.as_mut_ptr());
     let (rs3, rs, t_s) = (3 * d as isize, d as isize, t as isize);
-    lse.par_chunks(t).enumerate().for_each(|(task, lse)| {
-        SCRATCH.with_borrow_mut(|(p, dp)| {
-            p.resize(t * t, 0.0);
-            dp.resize(t * t, 0.0);
+    // Probability and score-gradient buffers per piece of rayon's split.
+    let scratch = || (vec![0.0f32; t * t], vec![0.0f32; t * t]);
+    lse.par_chunks(t)
+        .enumerate()
+        .for_each_init(scratch, |(p, dp), (task, lse)| {
             let base = dims.qkv_base(task);
             let q = qkv[base..].as_ptr();
             let (k, v) = (q.wrapping_add(d), q.wrapping_add(2 * d));
@@ -250,6 +245,5 @@ pub(crate) fn backward(
                 );
             }
         });
-    });
     dqkv
 }
