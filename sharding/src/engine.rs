@@ -157,6 +157,14 @@ impl<S: Staged<D>, const D: usize> std::fmt::Debug for ShardedModel<'_, S, D> {
     }
 }
 
+/// A stage's forward with autodiff: the module holding its gathered parameters, its input as
+/// an autodiff leaf (none for the first stage) and its output.
+struct Graph<M, const D: usize> {
+    module: M,
+    input: Option<Tensor<D>>,
+    out: Flow<D>,
+}
+
 /// The state of one step on the training thread.
 struct StepState<M, const D: usize> {
     /// Reduced gradient shards, per unit (summed over micro-batches).
@@ -167,11 +175,8 @@ struct StepState<M, const D: usize> {
     inputs: Vec<Option<Tensor<D>>>,
     /// The gradient of the last backward visit's input.
     upstream: Option<Tensor<D>>,
-    /// Each stage's forward graph, kept for its backward without recompute: the unit's input
-    /// as an autodiff leaf and its output.
-    graphs: Vec<Option<(Option<Tensor<D>>, Tensor<D>)>>,
-    /// The module of each kept graph.
-    modules: Vec<Option<M>>,
+    /// Each stage's forward graph, kept for its backward without recompute.
+    graphs: Vec<Option<Graph<M, D>>>,
     /// Each micro-batch's mean loss.
     micro_losses: Vec<f64>,
     /// Parameters that received a gradient.
@@ -576,8 +581,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             work: vec![None; k],
             inputs: vec![None; k],
             upstream: None,
-            graphs: vec![None; k],
-            modules: (0..k).map(|_| None).collect(),
+            graphs: (0..k).map(|_| None).collect(),
             micro_losses: vec![0.0; accum],
             reached: HashSet::new(),
         };
@@ -684,22 +688,13 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         let needs = &self.plan.units[v.stage].needs;
         if self.plan.keeps_graph(v.stage) {
             // With autodiff, kept until the backward visit (the parameters with it).
-            let module = self.module_with(needs, full, true, true);
-            let input = state.inputs[v.stage]
-                .take()
-                .map(|x| x.autodiff().require_grad());
-            return match self
-                .stages
-                .forward(&module, v.stage, input.clone(), batch, &self.autodiff)
-            {
-                Flow::Hidden(h) => {
-                    state.inputs[v.stage + 1] = Some(h.clone().without_autodiff());
-                    state.graphs[v.stage] = Some((input, h));
-                    state.modules[v.stage] = Some(module);
-                    Ok(())
-                }
-                Flow::Loss(_) => Err(flow_error(v.stage, k)),
+            let graph = self.autodiff_forward(v, full, batch, state);
+            let Flow::Hidden(h) = &graph.out else {
+                return Err(flow_error(v.stage, k));
             };
+            state.inputs[v.stage + 1] = Some(h.clone().without_autodiff());
+            state.graphs[v.stage] = Some(graph);
+            return Ok(());
         }
         let module = self.module_with(needs, full, false, false);
         let input = state.inputs[v.stage].clone();
@@ -715,8 +710,27 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         }
     }
 
-    /// A backward visit: the stage recomputed with autodiff from its saved input, then
-    /// backpropagated from the loss (last stage) or from the upstream gradient.
+    /// The stage's forward with autodiff from its saved input, on the gathered `full` units.
+    fn autodiff_forward(
+        &self,
+        v: Visit,
+        full: Vec<Tensor<1>>,
+        batch: &S::Batch,
+        state: &mut StepState<S::Module, D>,
+    ) -> Graph<S::Module, D> {
+        let module = self.module_with(&self.plan.units[v.stage].needs, full, true, true);
+        let input = state.inputs[v.stage]
+            .take()
+            .map(|x| x.autodiff().require_grad());
+        let out = self
+            .stages
+            .forward(&module, v.stage, input.clone(), batch, &self.autodiff);
+        Graph { module, input, out }
+    }
+
+    /// A backward visit: the stage's graph (kept by its forward visit, or recomputed with
+    /// autodiff from its saved input), backpropagated from the loss (last stage) or from the
+    /// upstream gradient.
     fn backward_visit(
         &self,
         v: Visit,
@@ -726,24 +740,9 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
     ) -> Result<(), ShardError> {
         let k = self.plan.units.len();
         let needs = &self.plan.units[v.stage].needs;
-        let (module, input, out) = match state.graphs[v.stage].take() {
-            Some((input, out)) => (
-                state.modules[v.stage]
-                    .take()
-                    .expect("a kept graph keeps its module"),
-                input,
-                Flow::Hidden(out),
-            ),
-            None => {
-                let module = self.module_with(needs, full, true, true);
-                let input = state.inputs[v.stage]
-                    .take()
-                    .map(|x| x.autodiff().require_grad());
-                let out =
-                    self.stages
-                        .forward(&module, v.stage, input.clone(), batch, &self.autodiff);
-                (module, input, out)
-            }
+        let Graph { module, input, out } = match state.graphs[v.stage].take() {
+            Some(kept) => kept,
+            None => self.autodiff_forward(v, full, batch, state),
         };
         let grads_ad = match (out, v.stage + 1 == k) {
             (Flow::Loss(l), true) => {

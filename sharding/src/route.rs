@@ -34,6 +34,16 @@ fn path(comm: &Comm, plan: &Plan) -> Result<Path, ShardError> {
     Ok(Path::new(comm.topology(), &bounds)?)
 }
 
+/// Whether `path`'s group is this rank alone, so its collectives would only copy.
+fn alone(plan: &Plan, path: &Path) -> bool {
+    Levels {
+        lo: 0,
+        hi: path.hi(),
+    }
+    .size(&plan.topology)
+        == 1
+}
+
 fn dtype(plan: &Plan) -> DType {
     match plan.config.compute {
         Compute::F32 => DType::F32,
@@ -131,8 +141,8 @@ pub(crate) fn gather_primary(
 ) -> Result<(Tensor<1>, Option<Vec<u8>>), ShardError> {
     let path = path(comm, plan)?;
     let (full, wires) = match plan.config.quantize_weights {
-        // A world of one owns the whole unit: nothing to gather, nothing to copy.
-        WeightQuant::Off if plan.topology.world_size() == 1 => (shard.clone(), None),
+        // A group of one owns the whole unit: nothing to gather, nothing to copy.
+        WeightQuant::Off if alone(plan, &path) => (shard.clone(), None),
         WeightQuant::Off => (gather_plain_path(comm, shard.clone(), &path, device)?, None),
         WeightQuant::Int8 => {
             let x = match shard.dtype() {
@@ -236,8 +246,8 @@ pub(crate) fn reduce(
     }
     let path = path(comm, plan)?;
     let shard = match cfg.quantize_grads {
-        // A world of one owns the whole unit, and its mean over one rank is itself.
-        GradQuant::Off if world == 1 => grad,
+        // A group of one owns the whole unit, and its mean over one rank is itself.
+        GradQuant::Off if alone(plan, &path) => grad,
         GradQuant::Off => staging::from_f32(
             reduce_scatter_path(comm, &staging::to_f32(grad), &path, Reduce::Mean)?,
             device,
