@@ -1,6 +1,6 @@
 //! `Comm`: MPI started once, the topology resolved, and every group's communicator created
-//! once at start-up; plus the per-step byte counters and the background worker. It
-//! deliberately holds no collective algorithms (see `collective`, `hier`, `quantized`).
+//! once at start-up; plus the per-step byte counters. It deliberately holds no collective
+//! algorithms (see `collective`, `hier`, `quantized`).
 //!
 //! # Invariants
 //!
@@ -8,13 +8,9 @@
 //!   three levels) is split once in [`Comm::init`]; any spelling of a scope is normalised by
 //!   `Topology::canonical` first, so `Within(0)` and `Across(0)` are the same communicator and
 //!   the same counter key. `Span{0, depth}` is the world communicator itself.
-//! - Two lanes: the caller's collectives run on those communicators; background collectives
-//!   (`start_*` of `hier` / `quantized`, see `background`) run on one worker thread over a
-//!   second, duplicated set. MPI matches collectives per communicator, so a background job can
-//!   never be confused with a collective the caller issues meanwhile, whatever the timing.
 //! - MPI runs with `MPI_THREAD_MULTIPLE` (refused otherwise), which is what makes `Comm`
 //!   `Sync` (see the `unsafe impl` on `Core`); it is not `Send`, so MPI is finalised on the
-//!   thread that started it. The worker is joined before the communicators are freed.
+//!   thread that started it.
 
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
@@ -28,7 +24,6 @@ use mpi::ffi;
 use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 
-use crate::background::{Job, Worker};
 use crate::counters::{Counters, Op, Traffic};
 use crate::element::{Dtype, Element, bf16_sum};
 use crate::error::CommError;
@@ -85,6 +80,10 @@ pub struct CommConfig {
     pub timeout: Duration,
     /// What a panic in this rank does.
     pub panic_policy: PanicPolicy,
+    /// Independent sets of communicators (see [`Comm::lane`]), for threads that run
+    /// collectives on the same groups at the same time. The default, 3, is one for the caller
+    /// and one each for a thread of gathers and a thread of reductions.
+    pub lanes: usize,
 }
 
 impl Default for CommConfig {
@@ -93,49 +92,39 @@ impl Default for CommConfig {
             topology: TopologySource::Detect { gcds_per_gpu: None },
             timeout: DEFAULT_TIMEOUT,
             panic_policy: PanicPolicy::AbortJob,
+            lanes: 3,
         }
     }
 }
 
 /// The communication context of one rank: MPI, the topology and one communicator per scope.
 ///
-/// Create exactly one per process; dropping it finalises MPI. It is `Sync`: threads may share
-/// `&Comm` (MPI runs with `MPI_THREAD_MULTIPLE`), but collectives on one group must still be
-/// issued in the same order on every rank, so two threads must not race collectives on the same
-/// group; use the `start_*` forms to overlap a collective with compute.
+/// Create exactly one per process with [`Comm::init`]; dropping the last handle finalises MPI.
+/// It is `Sync`: threads may share `&Comm` (MPI runs with `MPI_THREAD_MULTIPLE`), but
+/// collectives on one group must still be issued in the same order on every rank, so two
+/// threads must not race collectives on the same group. Threads that need the same groups at
+/// once take separate lanes ([`Comm::lane`]): duplicated communicators, matched separately.
 pub struct Comm {
-    // Declaration order is drop order: the worker is stopped and joined (finishing every job
-    // already queued) before the last reference to `core` can finalise MPI.
-    worker: Option<Worker>,
     core: Arc<Core>,
-    lane: Lane,
-    // Not `Send` (but `Sync`): MPI is finalised where the `Comm` drops, which should be the
-    // thread that initialised it (MPI 4.0 section 11.2.1).
+    /// The set of communicators this handle's groups use (0 for the handle `init` returns).
+    lane: usize,
+    // Not `Send` (but `Sync`): MPI is finalised where the last handle drops, which should be
+    // the thread that initialised it (MPI 4.0 section 11.2.1).
     _not_send: PhantomData<MutexGuard<'static, ()>>,
 }
 
-// `Comm` must be shareable with the worker thread and with callers' threads.
+// `Comm` must be shareable with communication threads and with callers' threads.
 const _: fn() = || {
     fn assert_sync<T: Sync>() {}
     assert_sync::<Comm>();
 };
 
-/// Which set of communicators a `Comm` value issues collectives on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Lane {
-    /// The caller's: the communicators created by `init` (the world itself for `World`).
-    Main,
-    /// The worker thread's: duplicates of every group, so background jobs never interleave
-    /// with the caller's collectives on the same communicator.
-    Background,
-}
-
-/// Everything MPI-related a rank holds, shared by the caller's `Comm` and the worker's view.
+/// Everything MPI-related a rank holds, shared by every lane's handle.
 pub(crate) struct Core {
     // Declaration order is drop order: communicators and the user op must be freed before
     // `universe` finalises MPI.
-    spans: BTreeMap<(usize, usize), SimpleCommunicator>,
-    background: BTreeMap<(usize, usize), SimpleCommunicator>,
+    /// Per lane, one communicator per level range; lane 0's world is `world` itself.
+    lanes: Vec<BTreeMap<(usize, usize), SimpleCommunicator>>,
     bf16_sum: UnsafeUserOperation,
     watchdog: Watchdog,
     // True while the panic hook may call MPI_Abort; cleared before MPI is finalised.
@@ -153,8 +142,9 @@ pub(crate) struct Core {
 // plain integers or pointers into the MPI library that our code never dereferences, only passes
 // to MPI calls. `Comm::init` refuses to run unless MPI grants `MPI_THREAD_MULTIPLE`, under which
 // every MPI call may be made from any thread concurrently (MPI 4.0 section 11.6). The handles are
-// freed only in `Drop`, which runs once, after the worker thread has been joined (the only other
-// owner of an `Arc<Core>`). Counters are behind a mutex; the rest is immutable after `init`.
+// freed only in `Drop`, which runs once, when the last `Comm` handle (all of them `!Send`, so on
+// the initialising thread) lets go. Counters are behind a mutex; the rest is immutable after
+// `init`.
 unsafe impl Send for Core {}
 // SAFETY: as for `Send`.
 unsafe impl Sync for Core {}
@@ -200,9 +190,14 @@ impl std::fmt::Debug for Group<'_> {
 
 impl Comm {
     /// Starts MPI (with `MPI_THREAD_MULTIPLE`: the watchdog aborts from its thread and
-    /// background collectives run on a worker thread), resolves the topology, creates every
-    /// group's communicator (twice: one set per lane) and starts the worker.
+    /// communication threads issue collectives), resolves the topology and creates every
+    /// group's communicator, once per lane.
     pub fn init(config: CommConfig) -> Result<Self, CommError> {
+        if config.lanes == 0 {
+            return Err(CommError::Unsupported(
+                "CommConfig::lanes must be at least 1".into(),
+            ));
+        }
         let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| {
                 CommError::Unsupported(
@@ -210,11 +205,11 @@ impl Comm {
                 )
             })?;
         if threading != Threading::Multiple {
-            // Without it, the worker and watchdog threads calling MPI would be undefined
+            // Without it, communication and watchdog threads calling MPI would be undefined
             // behaviour, and `Comm: Sync` would be unsound.
             return Err(CommError::Unsupported(format!(
                 "MPI provides {threading:?} threading, but ember-comm needs Multiple (its \
-                 watchdog and background collectives call MPI from other threads): use an MPI \
+                 watchdog and communication threads call MPI from other threads): use an MPI \
                  built with thread support (Open MPI >= 3 and MPICH have it by default)"
             )));
         }
@@ -230,27 +225,30 @@ impl Comm {
         };
         topology.check_world(world_size)?;
         let depth = topology.depth();
-        let mut spans = BTreeMap::new();
-        let mut background = BTreeMap::new();
+        let mut lanes: Vec<BTreeMap<(usize, usize), SimpleCommunicator>> =
+            (0..config.lanes).map(|_| BTreeMap::new()).collect();
         for scope in topology.scopes() {
             let bounds = topology.bounds(scope);
-            let comm = if bounds == (0, depth) {
-                world.duplicate()
-            } else {
-                let (color, index) = topology.color_and_index(scope, rank);
-                let comm = world
-                    .split_by_color_with_key(Color::with_value(color as i32), index as i32)
-                    .ok_or_else(|| {
-                        CommError::Topology(format!(
-                            "MPI_Comm_split for {} gave no communicator",
-                            topology.scope_name(scope)
-                        ))
-                    })?;
-                let dup = comm.duplicate();
-                spans.insert(bounds, comm);
-                dup
-            };
-            background.insert(bounds, comm);
+            if bounds == (0, depth) {
+                // Lane 0's world is `world` itself; other lanes get duplicates.
+                for map in lanes.iter_mut().skip(1) {
+                    map.insert(bounds, world.duplicate());
+                }
+                continue;
+            }
+            let (color, index) = topology.color_and_index(scope, rank);
+            let split = world
+                .split_by_color_with_key(Color::with_value(color as i32), index as i32)
+                .ok_or_else(|| {
+                    CommError::Topology(format!(
+                        "MPI_Comm_split for {} gave no communicator",
+                        topology.scope_name(scope)
+                    ))
+                })?;
+            for map in lanes.iter_mut().skip(1) {
+                map.insert(bounds, split.duplicate());
+            }
+            lanes[0].insert(bounds, split);
         }
         // SAFETY: `bf16_sum` reads and writes exactly `len` u16 values, never panics, and is
         // commutative and associative up to rounding (as MPI_SUM on floats is).
@@ -259,35 +257,44 @@ impl Comm {
             PanicPolicy::AbortJob => Some(install_panic_hook(rank)),
             PanicPolicy::KeepHook => None,
         };
-        let core = Arc::new(Core {
-            spans,
-            background,
-            bf16_sum,
-            watchdog: Watchdog::start(rank, &topology, config.timeout),
-            panic_hook_live,
-            counters: Mutex::new(Counters::default()),
-            topology,
-            rank,
-            node_ranks,
-            world,
-            _universe: universe,
-        });
         Ok(Self {
-            worker: Some(Worker::spawn(Arc::clone(&core))?),
-            core,
-            lane: Lane::Main,
+            core: Arc::new(Core {
+                lanes,
+                bf16_sum,
+                watchdog: Watchdog::start(rank, &topology, config.timeout),
+                panic_hook_live,
+                counters: Mutex::new(Counters::default()),
+                topology,
+                rank,
+                node_ranks,
+                world,
+                _universe: universe,
+            }),
+            lane: 0,
             _not_send: PhantomData,
         })
     }
 
-    /// The worker thread's view: the same core, the background lane, no worker of its own.
-    pub(crate) fn background_view(core: Arc<Core>) -> Self {
-        Self {
-            worker: None,
-            core,
-            lane: Lane::Background,
-            _not_send: PhantomData,
+    /// A handle on lane `lane` (below [`CommConfig::lanes`]): the same ranks, topology, counters
+    /// and timeout, but every group on its own duplicated communicator, so a thread can run
+    /// collectives on groups another thread is using at the same time.
+    pub fn lane(&self, lane: usize) -> Result<Comm, CommError> {
+        if lane >= self.core.lanes.len() {
+            return Err(CommError::Unsupported(format!(
+                "lane {lane} of a Comm started with {} lane(s): raise CommConfig::lanes",
+                self.core.lanes.len()
+            )));
         }
+        Ok(Comm {
+            core: Arc::clone(&self.core),
+            lane,
+            _not_send: PhantomData,
+        })
+    }
+
+    /// How many lanes [`Comm::init`] created.
+    pub fn lanes(&self) -> usize {
+        self.core.lanes.len()
     }
 
     /// This rank's number in the world.
@@ -339,10 +346,10 @@ impl Comm {
         let topology = &self.core.topology;
         topology.check_scope(scope)?;
         let bounds = topology.bounds(scope);
-        let found = match self.lane {
-            Lane::Main if bounds == (0, topology.depth()) => Some(&self.core.world),
-            Lane::Main => self.core.spans.get(&bounds),
-            Lane::Background => self.core.background.get(&bounds),
+        let found = if self.lane == 0 && bounds == (0, topology.depth()) {
+            Some(&self.core.world)
+        } else {
+            self.core.lanes[self.lane].get(&bounds)
         };
         // `init` created one communicator per valid level range, so this cannot miss.
         found.ok_or_else(|| {
@@ -358,8 +365,8 @@ impl Comm {
         self.lock_counters().clone()
     }
 
-    /// Returns the counters and resets them (call once per step). Background collectives
-    /// charge when they run, so wait for them first.
+    /// Returns the counters and resets them (call once per step). Collectives charge as they
+    /// run, so let other threads' collectives finish first.
     pub fn take_counters(&self) -> Counters {
         std::mem::take(&mut *self.lock_counters())
     }
@@ -431,18 +438,6 @@ impl Comm {
 
     pub(crate) fn arm(&self, op: Op, scope: Scope) -> Armed<'_> {
         self.core.watchdog.arm(op, scope)
-    }
-
-    /// Queues `job` on the worker thread (background lane, FIFO).
-    pub(crate) fn submit(&self, job: Job) -> Result<(), CommError> {
-        match &self.worker {
-            Some(worker) => worker.submit(job),
-            None => Err(CommError::Unsupported(
-                "a background collective was started from inside another one: start it from \
-                 the thread that owns the Comm"
-                    .into(),
-            )),
-        }
     }
 
     fn lock_counters(&self) -> MutexGuard<'_, Counters> {

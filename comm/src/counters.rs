@@ -1,11 +1,12 @@
-//! Byte accounting: what each collective sent and received, per scope and per op, and the
-//! analytic formula it is charged by. Pure data; it deliberately never inspects MPI's traffic.
+//! Byte accounting: what each collective handed to MPI, per scope and per op, and the
+//! formulas of the algorithms behind them. Pure data; it deliberately never inspects MPI's
+//! traffic (the kernel's interface counters are the measurement of what crossed a wire).
 //!
 //! # What the numbers mean
 //!
-//! MPI picks its own algorithm per message size (ring, recursive doubling, Bruck, ...), and we
-//! cannot see its wire. So every op is charged the **algorithmic** bytes of one documented
-//! algorithm, per rank, for a payload of `n` bytes over a group of `g` ranks:
+//! The bandwidth-bound collectives are ember's own over point-to-point messages (see
+//! `collective`), so each is charged the bytes of the messages it sent and received. For a
+//! payload of `n` bytes over a group of `g` ranks those are:
 //!
 //! | op | payload `n` | sent per rank | received per rank | algorithm |
 //! |---|---|---|---|---|
@@ -15,10 +16,9 @@
 //! | all-to-all | input bytes | `n (g-1) / g` | same | pairwise exchange |
 //! | broadcast | buffer bytes | root `n (g-1)`, others 0 | root 0, others `n` | linear |
 //!
-//! These are the lower bounds a bandwidth-optimal algorithm achieves (broadcast aside, which is
-//! charged as the root sending to everyone), so they are the right unit for comparing levels,
-//! but they are not a packet capture. Quantized collectives are charged for the quantized
-//! bytes they actually hand to MPI (data plus scales).
+//! All-reduces under 64 KiB and broadcasts run MPI's own algorithm, whose wire we cannot see;
+//! they are charged by [`formula`], the same table. Quantized collectives are charged for the
+//! quantized bytes they hand to MPI (data plus scales). A group of one is charged nothing.
 
 use std::collections::BTreeMap;
 

@@ -64,6 +64,9 @@ pub trait Element:
     /// Divides a summed buffer by `n` for `Reduce::Mean`; integers refuse, since their sums
     /// wrap and a mean of wrapped values means nothing.
     fn divide(buf: &mut [Self], n: usize) -> Result<(), CommError>;
+    /// `acc[i] = acc[i] + x[i]`, as the element's MPI sum computes it (integers wrap; bf16
+    /// adds in f32 and rounds back).
+    fn add_into(acc: &mut [Self], x: &[Self]);
 }
 
 impl Element for f32 {
@@ -78,6 +81,9 @@ impl Element for f32 {
         buf.iter_mut().for_each(|x| *x /= n);
         Ok(())
     }
+    fn add_into(acc: &mut [Self], x: &[Self]) {
+        acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b);
+    }
 }
 
 impl Element for Bf16 {
@@ -91,6 +97,11 @@ impl Element for Bf16 {
         buf.iter_mut()
             .for_each(|x| *x = Bf16::from_f32(x.to_f32() / n));
         Ok(())
+    }
+    fn add_into(acc: &mut [Self], x: &[Self]) {
+        acc.iter_mut()
+            .zip(x)
+            .for_each(|(a, b)| *a = Bf16::from_f32(a.to_f32() + b.to_f32()));
     }
 }
 
@@ -110,6 +121,11 @@ impl Element for u8 {
     fn divide(_: &mut [Self], _: usize) -> Result<(), CommError> {
         Err(integer_mean_refused("u8"))
     }
+    fn add_into(acc: &mut [Self], x: &[Self]) {
+        acc.iter_mut()
+            .zip(x)
+            .for_each(|(a, b)| *a = a.wrapping_add(*b));
+    }
 }
 
 impl Element for i8 {
@@ -120,6 +136,11 @@ impl Element for i8 {
     }
     fn divide(_: &mut [Self], _: usize) -> Result<(), CommError> {
         Err(integer_mean_refused("i8"))
+    }
+    fn add_into(acc: &mut [Self], x: &[Self]) {
+        acc.iter_mut()
+            .zip(x)
+            .for_each(|(a, b)| *a = a.wrapping_add(*b));
     }
 }
 

@@ -1,7 +1,7 @@
 //! Hierarchical all-gather and reduce-scatter over a [`Path`]: the collective over the group
 //! `G = Span{0, hi}` composed hop by hop, producing exactly the layout of the flat collective on
 //! `G` (rank with `G` index `i` gets padded chunk `i`; all-gather returns shards in `G` index
-//! order). Blocking and non-blocking forms. It deliberately adds no algorithm of its own beyond
+//! order). It deliberately adds no algorithm of its own beyond
 //! the one chunk permutation of `path` (see its module doc for why and which).
 //!
 //! Reduce-scatter runs the hops innermost first (the largest volume on the fastest link),
@@ -11,14 +11,12 @@
 //! the buffer it produces. The original world-only functions ([`reduce_scatter`],
 //! [`all_gather`]) are the one-hop-per-level path over the world.
 
-use crate::background::{self, Background};
 use crate::collective::Reduce;
 use crate::comm::{Comm, Group};
 use crate::element::Element;
 use crate::error::CommError;
 use crate::padding::ShardLayout;
 use crate::path::{Path, from_hop_order, to_hop_order};
-use crate::pending::Pending;
 use crate::topology::Topology;
 
 /// Position of world chunk `r` in digit-reversed order: the chunk permutation of the
@@ -116,90 +114,6 @@ pub fn reduce_scatter<T: Element>(
 /// `comm.world().all_gather(shard)`.
 pub fn all_gather<T: Element>(comm: &Comm, shard: &[T]) -> Result<Vec<T>, CommError> {
     all_gather_path(comm, shard, &Path::per_level(comm.topology()))
-}
-
-/// A path collective in flight; `wait` returns what the blocking form returns, dropping it
-/// waits. Where the path moves data over one hop only it is plain MPI non-blocking
-/// ([`Pending`], the caller's communicators); over several hops it runs on the background
-/// worker ([`Background`], see `background` for why that is safe); with no hop to move it is
-/// done already.
-#[derive(Debug)]
-#[must_use = "a collective's result is only available through `wait`"]
-pub struct PathPending<'c, T: Element> {
-    state: State<'c, T>,
-}
-
-#[derive(Debug)]
-enum State<'c, T: Element> {
-    Ready(Vec<T>),
-    Mpi(Pending<'c, T>),
-    Worker(Background<Vec<T>>),
-}
-
-impl<T: Element> PathPending<'_, T> {
-    /// True once the collective has completed (then `wait` returns at once).
-    pub fn is_complete(&mut self) -> bool {
-        match &mut self.state {
-            State::Ready(_) => true,
-            State::Mpi(p) => p.is_complete(),
-            State::Worker(b) => b.is_complete(),
-        }
-    }
-
-    /// Blocks until the collective completes and returns its output.
-    pub fn wait(self) -> Result<Vec<T>, CommError> {
-        match self.state {
-            State::Ready(v) => Ok(v),
-            State::Mpi(p) => p.wait(),
-            State::Worker(b) => b.wait(),
-        }
-    }
-}
-
-/// Starts [`reduce_scatter_path`]; refuses a bad path or an integer `Mean` at once.
-pub fn start_reduce_scatter_path<'c, T: Element>(
-    comm: &'c Comm,
-    data: Vec<T>,
-    path: &Path,
-    reduce: Reduce,
-) -> Result<PathPending<'c, T>, CommError> {
-    let hops = live_hops(comm, path)?;
-    if reduce == Reduce::Mean {
-        T::divide(&mut [], 1)?;
-    }
-    let state = match hops.as_slice() {
-        [] => State::Ready(reduce_scatter_path(comm, &data, path, reduce)?),
-        // One hop: its index is the `G` index and its size `|G|`, so no permutation.
-        [one] => State::Mpi(one.start_reduce_scatter(data, reduce)?),
-        _ => {
-            let path = path.clone();
-            State::Worker(background::spawn(comm, move |c| {
-                reduce_scatter_path(c, &data, &path, reduce)
-            })?)
-        }
-    };
-    Ok(PathPending { state })
-}
-
-/// Starts [`all_gather_path`] (e.g. to prefetch the next unit's parameters); refuses a bad
-/// path at once.
-pub fn start_all_gather_path<'c, T: Element>(
-    comm: &'c Comm,
-    shard: Vec<T>,
-    path: &Path,
-) -> Result<PathPending<'c, T>, CommError> {
-    let hops = live_hops(comm, path)?;
-    let state = match hops.as_slice() {
-        [] => State::Ready(shard),
-        [one] => State::Mpi(one.start_all_gather(shard)?),
-        _ => {
-            let path = path.clone();
-            State::Worker(background::spawn(comm, move |c| {
-                all_gather_path(c, &shard, &path)
-            })?)
-        }
-    };
-    Ok(PathPending { state })
 }
 
 #[cfg(test)]

@@ -1,11 +1,10 @@
 //! Topology-aware collectives over MPI for ZeRO-style sharding: flat all-gather /
 //! reduce-scatter / all-reduce / broadcast / all-to-all on host buffers over any group of
 //! consecutive levels (`Scope`), the same composed hop by hop along a `Path` with exactly the
-//! flat layout, quantized (ZeRO++ qwZ / qgZ) forms, blocking and non-blocking (`Pending`,
-//! `PathPending`, `Background`), byte accounting per scope and op, and fault handling.
+//! flat layout, quantized (ZeRO++ qwZ / qgZ) forms, byte accounting per scope and op, and
+//! fault handling.
 //! It deliberately knows nothing about models, tensors or Burn.
 
-pub mod background;
 pub mod bench;
 pub mod collective;
 pub mod comm;
@@ -16,19 +15,15 @@ pub mod fault;
 pub mod hier;
 pub mod padding;
 pub mod path;
-pub mod pending;
 pub mod quant;
 pub mod quantized;
 pub mod topology;
 
-pub use background::Background;
 pub use collective::Reduce;
 pub use comm::{Comm, CommConfig, Disagreement, Group, PanicPolicy, TopologySource};
 pub use counters::{Counters, Op, Role, Traffic};
 pub use element::{Bf16, Dtype, Element};
 pub use error::CommError;
-pub use hier::PathPending;
 pub use padding::ShardLayout;
 pub use path::Path;
-pub use pending::Pending;
 pub use topology::{Level, Scope, Topology};

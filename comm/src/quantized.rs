@@ -1,6 +1,6 @@
 //! ZeRO++ quantized collectives on host f32 buffers: the int8 blockwise all-gather (qwZ) and
 //! the int4 / int8 gradient reduce-scatter as a hierarchical all-to-all (qgZ), with optional
-//! error feedback, over any [`Path`]; blocking and background (`start_*`) forms. The
+//! error feedback, over any [`Path`]. The
 //! arithmetic runs on whichever [`QuantKernels`] the caller passes; this file deliberately holds
 //! only the data movement.
 //!
@@ -23,7 +23,6 @@
 //! quantizing would only add error). Each hop's all-to-all is charged to the hop's scope on the
 //! wire bytes it hands MPI (data plus scales).
 
-use crate::background::{self, Background};
 use crate::comm::{Comm, Group};
 use crate::error::CommError;
 use crate::hier::all_gather_path;
@@ -77,16 +76,6 @@ pub enum ErrorFeedback<'a> {
     /// LoCo-style compensation (arXiv 2407.04480, without its averaging): each hop adds the
     /// previous step's quantization error before quantizing and stores the new one.
     On(&'a mut Residuals),
-}
-
-/// What a background qgZ returns: this rank's averaged chunk, and the residuals handed in
-/// (updated) when error feedback was on.
-#[derive(Debug, Clone, PartialEq)]
-pub struct QuantReduced {
-    /// This rank's chunk of `ShardLayout::new(len, P, block)`, averaged over `P`.
-    pub shard: Vec<f32>,
-    /// The residuals passed to the `start_*` call, updated; `None` when feedback was off.
-    pub residuals: Option<Residuals>,
 }
 
 /// qwZ: int8 blockwise all-gather of `shard` (a whole number of blocks) over `group`; returns
@@ -146,26 +135,6 @@ pub fn all_gather_int8_hier(
         block,
         &Path::per_level(comm.topology()),
     )
-}
-
-/// Starts [`all_gather_int8_path`] on the background worker (quantizing there too), e.g. to
-/// prefetch the next unit's parameters. Refuses a bad path or shard length at once.
-pub fn start_all_gather_int8_path<K>(
-    comm: &Comm,
-    kernels: K,
-    shard: Vec<f32>,
-    block: BlockSize,
-    path: &Path,
-) -> Result<Background<Vec<f32>>, CommError>
-where
-    K: QuantKernels + Send + 'static,
-{
-    path.check(comm.topology())?;
-    check_whole_blocks(shard.len(), block)?;
-    let path = path.clone();
-    background::spawn(comm, move |c| {
-        all_gather_int8_path(c, &kernels, &shard, block, &path)
-    })
 }
 
 fn check_whole_blocks(len: usize, block: BlockSize) -> Result<(), CommError> {
@@ -335,37 +304,4 @@ fn exchange(
         .map(|w| Quantized::read_wire(q.format, block, part, w))
         .collect();
     Ok(kernels.dequantize_sum(&parts))
-}
-
-/// Starts [`reduce_scatter_quantized_path`] on the background worker (quantizing there too), e.g.
-/// to overlap the gradient reduce-scatter with the rest of the backward pass. Error feedback is
-/// on when `residuals` is `Some`; they come back updated in [`QuantReduced`]. Refuses a bad path
-/// or residuals bound to another path or format at once.
-pub fn start_reduce_scatter_quantized_path<K>(
-    comm: &Comm,
-    kernels: K,
-    grad: Vec<f32>,
-    format: QuantFormat,
-    block: BlockSize,
-    path: &Path,
-    residuals: Option<Residuals>,
-) -> Result<Background<QuantReduced>, CommError>
-where
-    K: QuantKernels + Send + 'static,
-{
-    path.check(comm.topology())?;
-    let mut residuals = residuals;
-    if let Some(r) = residuals.as_mut() {
-        r.bind(path, format)?;
-    }
-    let path = path.clone();
-    background::spawn(comm, move |c| {
-        let feedback = match residuals.as_mut() {
-            Some(r) => ErrorFeedback::On(r),
-            None => ErrorFeedback::Off,
-        };
-        let shard =
-            reduce_scatter_quantized_path(c, &kernels, &grad, format, block, &path, feedback)?;
-        Ok(QuantReduced { shard, residuals })
-    })
 }

@@ -117,6 +117,7 @@ pub fn child_comm_with(timeout: std::time::Duration) -> Comm {
         topology: TopologySource::Explicit(Topology::parse(&spec).unwrap()),
         timeout,
         panic_policy: PanicPolicy::AbortJob,
+        lanes: 2,
     })
     .expect("comm init")
 }

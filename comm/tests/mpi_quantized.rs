@@ -1,7 +1,7 @@
 //! Quantized collectives (qwZ, qgZ) under real `mpirun` at every topology: bit-exact against a
 //! sequential simulation built from the scalar reference kernels, error within the summed
 //! half-scales, error feedback exact and converging, and bytes equal to the formulas; over the
-//! world per level and over every path of every prefix group, blocking and background.
+//! world per level and over every path of every prefix group.
 
 mod common;
 
@@ -12,8 +12,7 @@ use ember_comm::quant::host::HostKernels;
 use ember_comm::quant::{BlockSize, QuantFormat, Quantized, reference};
 use ember_comm::quantized::{
     ErrorFeedback, Residuals, all_gather_int8, all_gather_int8_hier, all_gather_int8_path,
-    reduce_scatter_int4, reduce_scatter_quantized_path, start_all_gather_int8_path,
-    start_reduce_scatter_quantized_path,
+    reduce_scatter_int4, reduce_scatter_quantized_path,
 };
 use ember_comm::{Comm, Op, Path, Role, Scope, ShardLayout, Topology};
 
@@ -341,7 +340,7 @@ fn check_quantized_path(comm: &Comm, path: &Path, block: BlockSize) {
         .map(|h| (h, topo.group_size(h)))
         .collect();
 
-    // qwZ: path == flat on G bit for bit; background == blocking; bytes per hop.
+    // qwZ: path == flat on G bit for bit; bytes per hop.
     let shard = grad(rank, 32, 3);
     let flat = all_gather_int8(&g, &HostKernels, &shard, block).unwrap();
     comm.take_counters();
@@ -355,21 +354,10 @@ fn check_quantized_path(comm: &Comm, path: &Path, block: BlockSize) {
         want.push((hop, wire, d));
     }
     assert_hops(&counters, Op::AllGather, &want, &format!("qwZ {path}"));
-    let bg = start_all_gather_int8_path(comm, HostKernels, shard.clone(), block, path).unwrap();
-    assert_eq!(
-        bits(&bg.wait().unwrap()),
-        bits(&got),
-        "background qwZ {path}"
-    );
-    assert_eq!(comm.take_counters(), counters);
     assert!(all_gather_int8_path(comm, &HostKernels, &shard[..b / 2], block, path).is_err());
-    assert!(
-        start_all_gather_int8_path(comm, HostKernels, shard[..b / 2].to_vec(), block, path)
-            .is_err()
-    );
 
     // qgZ in both formats: == the simulation bit for bit, within the error bound of the exact
-    // mean over G, bytes per hop, background == blocking.
+    // mean over G, bytes per hop.
     for format in [QuantFormat::Int4, QuantFormat::Int8] {
         for n in [b * p, b * p * 3 + 5, 7] {
             let what = format!("qgZ {format:?} n={n} over {path} at {topo}");
@@ -412,29 +400,13 @@ fn check_quantized_path(comm: &Comm, path: &Path, block: BlockSize) {
                 len /= d;
             }
             assert_hops(&counters, Op::AllToAll, &want, &what);
-            let bg = start_reduce_scatter_quantized_path(
-                comm,
-                HostKernels,
-                inputs[rank].clone(),
-                format,
-                block,
-                path,
-                None,
-            )
-            .unwrap()
-            .wait()
-            .unwrap();
-            assert_eq!(bits(&bg.shard), bits(&got), "background {what}");
-            assert_eq!(bg.residuals, None);
-            assert_eq!(comm.take_counters(), counters, "background charges {what}");
         }
 
-        // Error feedback over a few steps: blocking, background and the simulation agree bit
-        // for bit, residuals included.
+        // Error feedback over a few steps: the collective and the simulation agree bit for
+        // bit, residuals included.
         let n = b * p * 2;
         let inputs: Vec<Vec<f32>> = (0..w).map(|r| grad(r, n, 5)).collect();
         let mut res = Residuals::default();
-        let mut bg_res = Some(Residuals::default());
         let mut sim_res: Vec<Vec<Vec<f32>>> = vec![vec![Vec::new(); path.hop_count()]; w];
         for step in 0..3 {
             let got = reduce_scatter_quantized_path(
@@ -446,18 +418,6 @@ fn check_quantized_path(comm: &Comm, path: &Path, block: BlockSize) {
                 path,
                 ErrorFeedback::On(&mut res),
             )
-            .unwrap();
-            let bg = start_reduce_scatter_quantized_path(
-                comm,
-                HostKernels,
-                inputs[rank].clone(),
-                format,
-                block,
-                path,
-                bg_res.take(),
-            )
-            .unwrap()
-            .wait()
             .unwrap();
             let (sim, _) = simulate_path(
                 &topo,
@@ -472,16 +432,9 @@ fn check_quantized_path(comm: &Comm, path: &Path, block: BlockSize) {
                 bits(&sim[rank]),
                 "feedback step {step} over {path}"
             );
-            assert_eq!(
-                bits(&bg.shard),
-                bits(&got),
-                "background feedback step {step}"
-            );
-            assert_eq!(bg.residuals.as_ref(), Some(&res));
             for (hop, e) in sim_res[rank].iter().enumerate() {
                 assert_eq!(bits(res.hop(hop)), bits(e), "residual of hop {hop}");
             }
-            bg_res = bg.residuals;
         }
         // Residuals are bound to their path and format.
         let other = if format == QuantFormat::Int4 {
@@ -500,18 +453,6 @@ fn check_quantized_path(comm: &Comm, path: &Path, block: BlockSize) {
         )
         .unwrap_err();
         assert!(err.to_string().contains("one Residuals per"), "{err}");
-        assert!(
-            start_reduce_scatter_quantized_path(
-                comm,
-                HostKernels,
-                inputs[rank].clone(),
-                other,
-                block,
-                path,
-                Some(res.clone())
-            )
-            .is_err()
-        );
     }
     comm.take_counters();
 }

@@ -124,6 +124,7 @@ impl ShardArgs {
             topology,
             timeout: Duration::from_secs_f64(self.comm_timeout),
             panic_policy: PanicPolicy::AbortJob,
+            ..CommConfig::default()
         })
         .map_err(|e| match &self.topology {
             Some(spec) => usage(format!("--topology {spec}: {e}")),

@@ -180,22 +180,6 @@ pub trait QuantKernels {
     fn dequantize_sum(&self, parts: &[Quantized]) -> Vec<f32>;
 }
 
-/// Shared kernels (e.g. `Arc<dyn QuantKernels + Send + Sync>`), so one set can be handed to
-/// the background forms (`quantized::start_*`), which take their kernels by value.
-impl<K: QuantKernels + ?Sized> QuantKernels for std::sync::Arc<K> {
-    fn name(&self) -> String {
-        (**self).name()
-    }
-    fn quantize(&self, x: &[f32], format: QuantFormat, block: BlockSize) -> Quantized {
-        (**self).quantize(x, format, block)
-    }
-    fn dequantize(&self, q: &Quantized) -> Vec<f32> {
-        (**self).dequantize(q)
-    }
-    fn dequantize_sum(&self, parts: &[Quantized]) -> Vec<f32> {
-        (**self).dequantize_sum(parts)
-    }
-}
 
 /// Bits that mark a non-finite f32 once the sign is masked off.
 pub(crate) const NON_FINITE_BITS: u32 = 0x7f80_0000;
