@@ -8,9 +8,7 @@ mod common;
 
 use common::*;
 use ember_comm::counters::{Counters, formula};
-use ember_comm::hier::{
-    all_gather_path, reduce_scatter_path,
-};
+use ember_comm::hier::{all_gather_path, reduce_scatter_path};
 use ember_comm::path::all_paths;
 use ember_comm::{Bf16, Comm, Element, Group, Op, Path, Reduce, Role, Scope, ShardLayout, Traffic};
 use mpi::raw::AsRaw;
@@ -477,7 +475,11 @@ fn path_collectives_equal_flat_on_their_group_at_every_topology() {
     let per_level = Path::per_level(&topo);
     let lane = comm.lane(1).unwrap();
     let want: Vec<Vec<f32>> = (0..6)
-        .map(|k| comm.world().all_gather(&f32_input(comm.rank(), 4 + k, 10)).unwrap())
+        .map(|k| {
+            comm.world()
+                .all_gather(&f32_input(comm.rank(), 4 + k, 10))
+                .unwrap()
+        })
         .collect();
     std::thread::scope(|scope| {
         let gathers = scope.spawn(|| {
@@ -499,7 +501,10 @@ fn path_collectives_equal_flat_on_their_group_at_every_topology() {
                         .sum()
                 })
                 .collect();
-            assert_eq!(sum, want, "all-reduce on {hop:?} beside another lane's gathers");
+            assert_eq!(
+                sum, want,
+                "all-reduce on {hop:?} beside another lane's gathers"
+            );
         }
         assert_eq!(gathers.join().unwrap(), want, "lane 1's gathers");
     });

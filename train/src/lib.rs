@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod checkpoint;
+pub mod cluster;
 pub mod config;
 pub mod data;
 pub mod device;

@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use cli::bench::{self, BenchCommand};
+use cli::cluster::ClusterCommand;
 use cli::inspect::{EvalArgs, ExportArgs, GenerateArgs, PrepareArgs};
 use cli::layout::{PlanArgs, ReshardArgs};
 use cli::train::TrainArgs;
@@ -43,6 +44,9 @@ enum Command {
     /// Benchmarks (training throughput, collectives)
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// An emulated cluster on this machine: network namespaces with shaped links (root)
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
 }
 
 fn main() -> ExitCode {
@@ -58,6 +62,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Train(args)) => bench::bench_train(args),
         Command::Bench(BenchCommand::Comm(args)) => bench::bench_comm(args),
         Command::Bench(BenchCommand::Shard(args)) => bench::bench_shard(args),
+        Command::Cluster(command) => cli::cluster::run(command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -180,7 +180,6 @@ pub trait QuantKernels {
     fn dequantize_sum(&self, parts: &[Quantized]) -> Vec<f32>;
 }
 
-
 /// Bits that mark a non-finite f32 once the sign is masked off.
 pub(crate) const NON_FINITE_BITS: u32 = 0x7f80_0000;
 /// The scale of a block holding a non-finite value: a quiet NaN.

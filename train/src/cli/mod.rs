@@ -1,7 +1,8 @@
-//! The commands, one file per group: `train`; `bench`; `plan` and `reshard` (`layout`);
+//! The commands, one file per group: `train`; `bench`; `cluster`; `plan` and `reshard` (`layout`);
 //! `generate`, `eval`, `prepare` and `export` (`inspect`).
 
 pub mod bench;
+pub mod cluster;
 pub mod inspect;
 pub mod layout;
 pub mod train;
