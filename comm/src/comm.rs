@@ -445,43 +445,93 @@ impl Comm {
     }
 }
 
-/// Detects nodes from shared memory and checks that node-local ranks are numbered
-/// consecutively, which the rank <-> coordinate mapping assumes.
+/// Detects the topology of a job: nodes from hostnames; GPUs from shared-memory domains where
+/// the launcher splits one host's ranks into several (an emulated cluster puts each GPU in a
+/// network namespace of its own), else from `gcds_per_gpu`, [`GCDS_PER_GPU_ENV`] or 1 GCD per
+/// GPU. Checks that every node and every GPU holds consecutive ranks, the order
+/// `mpirun --map-by slot` places them in.
 fn detect(world: &SimpleCommunicator, gcds_per_gpu: Option<usize>) -> Result<Topology, CommError> {
     let rank = world.rank();
-    let node = world.split_shared(rank);
-    let local = node.size();
-    let mut lo = 0i32;
-    let mut hi = 0i32;
-    node.all_reduce_into(&rank, &mut lo, SystemOperation::min());
-    node.all_reduce_into(&rank, &mut hi, SystemOperation::max());
+    let size = world.size() as usize;
+    // Every rank's hostname, as fixed-size records.
+    const HOST: usize = 256;
+    let mut mine = [0u8; HOST];
+    let name = mpi::environment::processor_name().unwrap_or_default();
+    let bytes = name.as_bytes();
+    mine[..bytes.len().min(HOST)].copy_from_slice(&bytes[..bytes.len().min(HOST)]);
+    let mut all = vec![0u8; HOST * size];
+    world.all_gather_into(&mine[..], &mut all[..]);
+    let hosts: Vec<&[u8]> = all.chunks_exact(HOST).collect();
+    let per_node = consecutive_runs(&hosts).ok_or_else(|| {
+        CommError::Topology(
+            "the ranks of one host are not numbered consecutively, or hosts run different \
+             numbers of ranks: launch with `mpirun --map-by slot` and the same number of ranks \
+             per host (or give the topology explicitly)"
+                .into(),
+        )
+    })?;
+    // Shared-memory domains: consecutive and of one size too.
+    let shm = world.split_shared(rank);
+    let local = shm.size() as usize;
+    let (mut lo, mut hi) = (0i32, 0i32);
+    shm.all_reduce_into(&rank, &mut lo, SystemOperation::min());
+    shm.all_reduce_into(&rank, &mut hi, SystemOperation::max());
     let mut sizes = [0i32; 2];
-    world.all_reduce_into(&local, &mut sizes[0], SystemOperation::min());
-    world.all_reduce_into(&local, &mut sizes[1], SystemOperation::max());
-    if sizes[0] != sizes[1] {
-        return Err(CommError::Topology(format!(
-            "nodes run between {} and {} ranks: start the same number on every node \
-             or give the topology explicitly",
-            sizes[0], sizes[1]
-        )));
-    }
-    if hi - lo + 1 != local || lo % local != 0 {
+    world.all_reduce_into(&(local as i32), &mut sizes[0], SystemOperation::min());
+    world.all_reduce_into(&(local as i32), &mut sizes[1], SystemOperation::max());
+    if sizes[0] != sizes[1] || (hi - lo + 1) as usize != local || lo as usize % local != 0 {
         return Err(CommError::Topology(
-            "ranks of one node are not numbered consecutively: launch with \
-             `mpirun --map-by slot` (or give the topology explicitly to simulate levels)"
+            "shared-memory domains hold different numbers of ranks, or not consecutive ones: \
+             launch with `mpirun --map-by slot` (or give the topology explicitly)"
                 .into(),
         ));
     }
-    let gcds = match gcds_per_gpu {
-        Some(g) => g,
-        None => match std::env::var(GCDS_PER_GPU_ENV) {
-            Ok(v) => v.trim().parse().map_err(|_| {
-                CommError::Topology(format!(
-                    "{GCDS_PER_GPU_ENV}=`{v}` is not a positive integer: set it to e.g. 2"
-                ))
-            })?,
-            Err(_) => 1,
-        },
+    let gcds = if local < per_node {
+        // Several memory domains under one hostname: each is a GPU.
+        local
+    } else {
+        match gcds_per_gpu {
+            Some(g) => g,
+            None => match std::env::var(GCDS_PER_GPU_ENV) {
+                Ok(v) => v.trim().parse().map_err(|_| {
+                    CommError::Topology(format!(
+                        "{GCDS_PER_GPU_ENV}=`{v}` is not a positive integer: set it to e.g. 2"
+                    ))
+                })?,
+                Err(_) => 1,
+            },
+        }
     };
-    Topology::from_counts(world.size() as usize, local as usize, gcds)
+    Topology::from_counts(size, per_node, gcds)
+}
+
+/// The length of the runs of equal consecutive entries, when they all have one length.
+fn consecutive_runs<T: PartialEq>(items: &[T]) -> Option<usize> {
+    let first = items
+        .iter()
+        .position(|x| *x != items[0])
+        .unwrap_or(items.len());
+    let ok = items.len().is_multiple_of(first)
+        && items.chunks(first).enumerate().all(|(i, run)| {
+            run.iter().all(|x| *x == run[0])
+                && items
+                    .chunks(first)
+                    .skip(i + 1)
+                    .all(|later| later[0] != run[0])
+        });
+    ok.then_some(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::consecutive_runs;
+
+    #[test]
+    fn hosts_must_hold_consecutive_runs_of_one_length() {
+        assert_eq!(consecutive_runs(&["a", "a", "b", "b"]), Some(2));
+        assert_eq!(consecutive_runs(&["a", "a", "a"]), Some(3));
+        assert_eq!(consecutive_runs(&["a", "b", "a", "b"]), None);
+        assert_eq!(consecutive_runs(&["a", "a", "b"]), None);
+        assert_eq!(consecutive_runs(&["a", "b", "c"]), Some(1));
+    }
 }

@@ -130,12 +130,26 @@ pub fn run(command: ClusterCommand) -> CliResult<()> {
             if program[0] == "ember" {
                 program[0] = exe.display().to_string();
             }
-            let status = std::process::Command::new("mpirun")
+            let mut child = std::process::Command::new("mpirun")
                 .args(c.mpirun_args(&exe))
                 .args(&a.mpi)
                 .args(&program)
-                .status()
+                .stderr(std::process::Stdio::piped())
+                .spawn()
                 .map_err(|e| anyhow::anyhow!("running mpirun: {e} (is openmpi-bin installed?)"))?;
+            // Open MPI's rsh launcher warns when an agent has exec'd before it could set the
+            // agent's process group, which is harmless; everything else passes through.
+            let stderr = child.stderr.take().expect("piped");
+            for line in
+                std::io::BufRead::lines(std::io::BufReader::new(stderr)).map_while(Result::ok)
+            {
+                if !line.contains("plm:rsh: Warning: setpgid") {
+                    eprintln!("{line}");
+                }
+            }
+            let status = child
+                .wait()
+                .map_err(|e| anyhow::anyhow!("waiting for mpirun: {e}"))?;
             if status.success() {
                 Ok(())
             } else {
