@@ -35,8 +35,8 @@
 //! graphs alive until one backward would keep every gathered parameter alive too, which is
 //! exactly what ZeRO-3 must avoid, hence one graph per unit.
 //!
-//! Gathers and reductions run on the communication thread (`worker.rs`) in schedule order;
-//! the step's closing collectives (gradient norm, loss, the parameter all-gather of `zero1` /
+//! Gathers and reductions run on two communication threads (`worker.rs`), each in schedule
+//! order on its own lane of communicators; the step's closing collectives (gradient norm, loss, the parameter all-gather of `zero1` /
 //! `zero2`) run on the caller once it has finished.
 
 use std::collections::{HashMap, HashSet};
@@ -57,7 +57,7 @@ use crate::schedule::Event;
 use crate::source::ParamSource;
 use crate::stage::{Flow, Staged, assign};
 use crate::staging;
-use crate::worker::{Done, Job, Worker};
+use crate::worker::{GATHER_LANE, Job, REDUCE_LANE, Worker, add_to};
 
 /// The hyper-parameters of one step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -585,22 +585,24 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             micro_losses: vec![0.0; accum],
             reached: HashSet::new(),
         };
+        let (gather_comm, reduce_comm) = (
+            self.comm.lane(GATHER_LANE)?,
+            self.comm.lane(REDUCE_LANE)?,
+        );
         let residuals = std::mem::take(&mut self.residuals);
-        let (comm_wait, finished) = std::thread::scope(|scope| {
+        let (finished, comm_wait) = std::thread::scope(|scope| {
             let mut worker = Worker::spawn(
                 scope,
-                self.comm,
+                &gather_comm,
+                &reduce_comm,
                 &self.plan,
                 &self.primary,
                 residuals,
                 &self.device,
             );
-            let result = self
-                .run_schedule(&schedule, micro_batches, &mut state, &mut worker)
-                .and_then(|()| drain(&mut worker, &mut state.grads));
-            let waited = worker.waited_s;
-            let finished = worker.join();
-            result.and(finished).map(|f| (waited, f))
+            let result = self.run_schedule(&schedule, micro_batches, &mut state, &mut worker);
+            let finished = worker.finish(&mut state.grads);
+            result.and(finished)
         })?;
         self.residuals = finished.residuals;
         if let Some(p) = self
@@ -630,7 +632,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
     }
 
     /// Executes the step's schedule on the training thread, handing gathers and reductions to
-    /// the communication thread as they come.
+    /// the communication threads as they come.
     fn run_schedule(
         &self,
         schedule: &[Event],
@@ -648,7 +650,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                     // the parameters.
                     if !(v.backward && self.plan.keeps_graph(v.stage)) {
                         for _ in needs {
-                            full.push(next_gathered(worker, &mut state.grads)?);
+                            full.push(worker.next_gathered(&mut state.grads)?);
                         }
                     }
                     if v.backward {
@@ -671,7 +673,6 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                 }
             }
         }
-        worker.close();
         Ok(())
     }
 
@@ -891,32 +892,6 @@ fn pieces<'u>(
     })
 }
 
-/// Receives answers until the gathered unit of the next request arrives, adding reduced
-/// shards to `grads` as they come.
-fn next_gathered(
-    worker: &mut Worker<'_>,
-    grads: &mut [Option<Tensor<1>>],
-) -> Result<Tensor<1>, ShardError> {
-    loop {
-        match worker.recv()? {
-            Some(Done::Gathered(t)) => return Ok(t),
-            Some(Done::Reduced { unit, shard }) => add_to(&mut grads[unit], shard),
-            None => return Err(worker_gone()),
-        }
-    }
-}
-
-/// Receives the remaining answers (reductions) after the last job was handed over.
-fn drain(worker: &mut Worker<'_>, grads: &mut [Option<Tensor<1>>]) -> Result<(), ShardError> {
-    while let Some(done) = worker.recv()? {
-        match done {
-            Done::Reduced { unit, shard } => add_to(&mut grads[unit], shard),
-            Done::Gathered(_) => unreachable!("every gather was received"),
-        }
-    }
-    Ok(())
-}
-
 /// Every rank learns whether every rank's `result` is `Ok`; a failure on any rank fails all
 /// of them, each naming the first failing rank and its message.
 pub(crate) fn agree<T>(comm: &Comm, result: Result<T, ShardError>) -> Result<T, ShardError> {
@@ -929,14 +904,6 @@ pub(crate) fn agree<T>(comm: &Comm, result: Result<T, ShardError>) -> Result<T, 
             message: failure.message,
         }),
     }
-}
-
-/// `acc += x`, taking `x` whole when `acc` is empty.
-fn add_to(acc: &mut Option<Tensor<1>>, x: Tensor<1>) {
-    *acc = Some(match acc.take() {
-        Some(a) => a + x,
-        None => x,
-    });
 }
 
 /// The sum of `x` over every rank (for metrics such as a validation loss).
@@ -958,8 +925,4 @@ fn flow_error(stage: usize, k: usize) -> ShardError {
         "unit {stage} of {k} returned the wrong kind of output: every unit but the last must \
          return Flow::Hidden and the last Flow::Loss"
     ))
-}
-
-fn worker_gone() -> ShardError {
-    ShardError::Model("the communication thread stopped unexpectedly".into())
 }

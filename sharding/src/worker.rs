@@ -1,9 +1,11 @@
-//! The communication thread of a step: it runs the gathers and gradient reductions the
-//! training thread hands it, one at a time in the order handed, like a dedicated
-//! communication stream, so they overlap the unit computing on the training thread. Every rank
-//! hands over the same jobs in the same order (the plan's schedule), so MPI matches them. The
-//! thread also owns the step's secondary copies (hpZ), which live from a unit's first gather of
-//! the step to the step's end, and the error-feedback residuals while the step runs.
+//! The communication threads of a step: one runs the gathers the training thread hands it, the
+//! other the gradient reductions, each in the order handed and each on its own lane of
+//! communicators (`Comm::lane`), like two communication streams. Both overlap the unit
+//! computing on the training thread, and gathers never queue behind reductions. Every rank
+//! hands over the same jobs in the same order (the plan's schedule), so MPI matches them lane
+//! by lane. The gather thread owns the step's secondary copies (hpZ), which live from a unit's
+//! first gather of the step to the step's end; the reduction thread owns the error-feedback
+//! residuals while the step runs.
 
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::{Scope, ScopedJoinHandle};
@@ -17,7 +19,7 @@ use crate::plan::Plan;
 use crate::route::{self, Residuals, Secondary};
 use crate::schedule::Source;
 
-/// A request to the communication thread.
+/// A request to the communication threads.
 pub(crate) enum Job {
     /// Gather a unit whole.
     Gather { unit: usize, source: Source },
@@ -25,13 +27,7 @@ pub(crate) enum Job {
     Reduce { unit: usize, grad: Box<Tensor<1>> },
 }
 
-/// An answer, in request order.
-pub(crate) enum Done {
-    Gathered(Tensor<1>),
-    Reduced { unit: usize, shard: Tensor<1> },
-}
-
-/// What the thread hands back when the step's jobs are done.
+/// What the threads hand back when the step's jobs are done.
 pub(crate) struct Finished {
     /// The residuals, updated.
     pub residuals: Vec<Residuals>,
@@ -39,99 +35,185 @@ pub(crate) struct Finished {
     pub secondary_bytes: u64,
 }
 
-/// The running communication thread and its two channels.
+/// The lanes the two threads issue their collectives on.
+pub(crate) const GATHER_LANE: usize = 1;
+/// See [`GATHER_LANE`].
+pub(crate) const REDUCE_LANE: usize = 2;
+
+type Reduced = Result<(usize, Tensor<1>), ShardError>;
+
+/// The running communication threads and their channels.
 pub(crate) struct Worker<'scope> {
-    jobs: Option<Sender<Job>>,
-    done: Receiver<Result<Done, ShardError>>,
-    handle: ScopedJoinHandle<'scope, Finished>,
+    gathers: Option<Sender<(usize, Source)>>,
+    reductions: Option<Sender<(usize, Tensor<1>)>>,
+    gathered: Receiver<Result<Tensor<1>, ShardError>>,
+    reduced: Receiver<Reduced>,
+    gather_thread: ScopedJoinHandle<'scope, u64>,
+    reduce_thread: ScopedJoinHandle<'scope, Vec<Residuals>>,
     /// Seconds the training thread spent waiting for answers.
     pub waited_s: f64,
 }
 
 impl<'scope> Worker<'scope> {
-    /// Starts the thread for one step over `primary` (each unit's primary partition).
+    /// Starts the threads for one step over `primary` (each unit's primary partition):
+    /// gathers on `gather_comm`, reductions on `reduce_comm` (two lanes of one `Comm`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn spawn<'env>(
         scope: &'scope Scope<'scope, 'env>,
-        comm: &'env Comm,
+        gather_comm: &'env Comm,
+        reduce_comm: &'env Comm,
         plan: &'env Plan,
         primary: &'env [Tensor<1>],
         mut residuals: Vec<Residuals>,
         device: &'env Device,
     ) -> Self {
-        let (jobs, job_rx) = channel::<Job>();
-        let (done_tx, done) = channel::<Result<Done, ShardError>>();
-        let handle = scope.spawn(move || {
+        let (gathers, gather_rx) = channel::<(usize, Source)>();
+        let (gathered_tx, gathered) = channel();
+        let gather_thread = scope.spawn(move || {
             let mut secondary: Vec<Option<Secondary>> = vec![None; plan.units.len()];
-            for job in job_rx {
-                let out = match job {
-                    Job::Gather { unit, source } => {
-                        debug_assert_eq!(
-                            source == Source::Secondary,
-                            secondary[unit].is_some(),
-                            "the schedule and the secondary copies agree"
-                        );
-                        route::gather(
-                            comm,
-                            plan,
-                            unit,
-                            &primary[unit],
-                            &mut secondary[unit],
-                            device,
-                        )
-                        .map(Done::Gathered)
-                    }
-                    Job::Reduce { unit, grad } => {
-                        route::reduce(comm, plan, unit, *grad, &mut residuals[unit], device)
-                            .map(|shard| Done::Reduced { unit, shard })
-                    }
-                };
+            for (unit, source) in gather_rx {
+                debug_assert_eq!(
+                    source == Source::Secondary,
+                    secondary[unit].is_some(),
+                    "the schedule and the secondary copies agree"
+                );
+                let out = route::gather(
+                    gather_comm,
+                    plan,
+                    unit,
+                    &primary[unit],
+                    &mut secondary[unit],
+                    device,
+                );
                 let failed = out.is_err();
-                if done_tx.send(out).is_err() || failed {
+                if gathered_tx.send(out).is_err() || failed {
                     break;
                 }
             }
-            Finished {
-                residuals,
-                secondary_bytes: secondary.iter().flatten().map(Secondary::bytes).sum(),
+            secondary.iter().flatten().map(Secondary::bytes).sum()
+        });
+        let (reductions, reduce_rx) = channel::<(usize, Tensor<1>)>();
+        let (reduced_tx, reduced) = channel::<Reduced>();
+        let reduce_thread = scope.spawn(move || {
+            for (unit, grad) in reduce_rx {
+                let out = route::reduce(
+                    reduce_comm,
+                    plan,
+                    unit,
+                    grad,
+                    &mut residuals[unit],
+                    device,
+                )
+                .map(|shard| (unit, shard));
+                let failed = out.is_err();
+                if reduced_tx.send(out).is_err() || failed {
+                    break;
+                }
             }
+            residuals
         });
         Self {
-            jobs: Some(jobs),
-            done,
-            handle,
+            gathers: Some(gathers),
+            reductions: Some(reductions),
+            gathered,
+            reduced,
+            gather_thread,
+            reduce_thread,
             waited_s: 0.0,
         }
     }
 
-    /// Hands a job over (a thread that stopped reports its error on the next receive).
+    /// Hands a job over (a thread that stopped reports its error when its answers are read).
     pub(crate) fn send(&self, job: Job) {
-        if let Some(jobs) = &self.jobs {
-            let _ = jobs.send(job);
+        match job {
+            Job::Gather { unit, source } => {
+                if let Some(g) = &self.gathers {
+                    let _ = g.send((unit, source));
+                }
+            }
+            Job::Reduce { unit, grad } => {
+                if let Some(r) = &self.reductions {
+                    let _ = r.send((unit, *grad));
+                }
+            }
         }
     }
 
-    /// The next answer, timing the wait.
-    pub(crate) fn recv(&mut self) -> Result<Option<Done>, ShardError> {
+    /// The next gathered unit (in the order the gathers were handed over), timing the wait;
+    /// reduced shards that arrived meanwhile are added to `grads`.
+    pub(crate) fn next_gathered(
+        &mut self,
+        grads: &mut [Option<Tensor<1>>],
+    ) -> Result<Tensor<1>, ShardError> {
+        self.collect_reduced(grads)?;
         let t = Instant::now();
-        let msg = self.done.recv();
+        let msg = self.gathered.recv();
         self.waited_s += t.elapsed().as_secs_f64();
         match msg {
-            Ok(done) => done.map(Some),
-            Err(_) => Ok(None),
+            Ok(gathered) => gathered,
+            // The thread stopped without an answer: a reduction failure says why.
+            Err(_) => {
+                self.collect_reduced(grads)?;
+                Err(thread_gone())
+            }
         }
     }
 
-    /// No more jobs: answers still arrive until the thread has done them all.
-    pub(crate) fn close(&mut self) {
-        self.jobs = None;
+    /// Adds the reduced shards that have arrived to `grads`, without waiting.
+    fn collect_reduced(&mut self, grads: &mut [Option<Tensor<1>>]) -> Result<(), ShardError> {
+        while let Ok(r) = self.reduced.try_recv() {
+            let (unit, shard) = r?;
+            add_to(&mut grads[unit], shard);
+        }
+        Ok(())
     }
 
-    /// Waits for the thread to end.
-    pub(crate) fn join(self) -> Result<Finished, ShardError> {
-        drop(self.jobs);
-        drop(self.done);
-        self.handle
-            .join()
-            .map_err(|_| ShardError::Model("the communication thread stopped unexpectedly".into()))
+    /// No more jobs: waits for the remaining reductions (adding them to `grads`, timing the
+    /// wait) and for both threads to end.
+    pub(crate) fn finish(
+        mut self,
+        grads: &mut [Option<Tensor<1>>],
+    ) -> Result<(Finished, f64), ShardError> {
+        self.gathers = None;
+        self.reductions = None;
+        let t = Instant::now();
+        let mut failure = None;
+        for r in self.reduced.iter() {
+            match r {
+                Ok((unit, shard)) => add_to(&mut grads[unit], shard),
+                Err(e) => failure = failure.or(Some(e)),
+            }
+        }
+        self.waited_s += t.elapsed().as_secs_f64();
+        // A gather that failed after the last visit took its answer is reported here.
+        for g in self.gathered.try_iter() {
+            if let Err(e) = g {
+                failure = failure.or(Some(e));
+            }
+        }
+        let secondary_bytes = self.gather_thread.join().map_err(|_| thread_gone())?;
+        let residuals = self.reduce_thread.join().map_err(|_| thread_gone())?;
+        match failure {
+            Some(e) => Err(e),
+            None => Ok((
+                Finished {
+                    residuals,
+                    secondary_bytes,
+                },
+                self.waited_s,
+            )),
+        }
     }
+}
+
+/// `acc += x`, taking `x` whole when `acc` is empty.
+pub(crate) fn add_to(acc: &mut Option<Tensor<1>>, x: Tensor<1>) {
+    *acc = Some(match acc.take() {
+        Some(a) => a + x,
+        None => x,
+    });
+}
+
+fn thread_gone() -> ShardError {
+    ShardError::Model("a communication thread stopped unexpectedly".into())
 }
