@@ -468,4 +468,4 @@ fn complete(requests: &mut [ffi::MPI_Request]) {
 const SPIN: Duration = Duration::from_micros(50);
 /// The first and the longest sleep between polls.
 const MIN_NAP: Duration = Duration::from_micros(20);
-const MAX_NAP: Duration = Duration::from_micros(500);
+const MAX_NAP: Duration = Duration::from_millis(1);

@@ -244,7 +244,7 @@ pub(crate) fn permute<T: Copy>(
 }
 
 /// `data` zero-padded to `layout` and permuted to hop order for `path`.
-pub(crate) fn to_hop_order<T: Copy + Default>(
+pub fn to_hop_order<T: Copy + Default>(
     topology: &Topology,
     path: &Path,
     data: &[T],
@@ -263,7 +263,7 @@ pub(crate) fn to_hop_order<T: Copy + Default>(
 }
 
 /// `gathered` (chunks of `chunk` elements in hop order for `path`) back in `G` index order.
-pub(crate) fn from_hop_order<T: Copy + Default>(
+pub fn from_hop_order<T: Copy + Default>(
     topology: &Topology,
     path: &Path,
     gathered: &[T],

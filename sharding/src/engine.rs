@@ -53,11 +53,11 @@ use crate::optim::{AdamConfig, FlatState, decay_ranges};
 use crate::params::{grads_of, load, param_shapes};
 use crate::plan::{Plan, Visit};
 use crate::route::{self, Residuals};
-use crate::schedule::Event;
+use crate::schedule::{Event, Source};
 use crate::source::ParamSource;
 use crate::stage::{Flow, Staged, assign};
 use crate::staging;
-use crate::worker::{GATHER_LANE, Job, REDUCE_LANE, Worker, add_to};
+use crate::worker::{GATHER_LANE, Job, REDUCE_LANE, Shared, Worker, add_to};
 
 /// The hyper-parameters of one step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -526,6 +526,27 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         Tensor::cat(parts, 0)
     }
 
+    /// Unit `u` whole, gathered from its primary partition on the calling thread.
+    fn gather_here(&self, u: usize) -> Result<Tensor<1>, ShardError> {
+        let no_copies = route::Secondaries::new(self.plan.units.len());
+        let (tx, rx) = std::sync::mpsc::channel();
+        route::gather_flow(
+            &self.plan,
+            self.comm.rank(),
+            u,
+            Source::Primary,
+            &self.primary[u],
+            &no_copies,
+            &self.device,
+            move |r| {
+                let _ = tx.send(r);
+            },
+        )?
+        .run_here(self.comm)?;
+        rx.recv()
+            .unwrap_or_else(|_| unreachable!("a flow run here delivers"))
+    }
+
     /// Mean loss of `batch` on this rank (forward only; every rank must call it together when
     /// parameters are partitioned, since it gathers them).
     pub fn eval_loss(&self, batch: &S::Batch) -> Result<f64, ShardError> {
@@ -538,16 +559,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             } else {
                 needs
                     .iter()
-                    .map(|&u| {
-                        route::gather_primary(
-                            self.comm,
-                            &self.plan,
-                            u,
-                            &self.primary[u],
-                            &self.device,
-                        )
-                        .map(|(full, _)| full)
-                    })
+                    .map(|&u| self.gather_here(u))
                     .collect::<Result<_, _>>()?
             };
             let module = self.module_with(&needs, full, false, false);
@@ -585,26 +597,29 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             micro_losses: vec![0.0; accum],
             reached: HashSet::new(),
         };
-        let (gather_comm, reduce_comm) = (
-            self.comm.lane(GATHER_LANE)?,
-            self.comm.lane(REDUCE_LANE)?,
-        );
-        let residuals = std::mem::take(&mut self.residuals);
-        let (finished, comm_wait) = std::thread::scope(|scope| {
-            let mut worker = Worker::spawn(
+        let (gather_comm, reduce_comm) =
+            (self.comm.lane(GATHER_LANE)?, self.comm.lane(REDUCE_LANE)?);
+        let shared = Shared::new(k, std::mem::take(&mut self.residuals));
+        let comm_wait = std::thread::scope(|scope| {
+            let mut worker = Worker::new(
                 scope,
                 &gather_comm,
                 &reduce_comm,
                 &self.plan,
                 &self.primary,
-                residuals,
+                &shared,
                 &self.device,
             );
             let result = self.run_schedule(&schedule, micro_batches, &mut state, &mut worker);
             let finished = worker.finish(&mut state.grads);
             result.and(finished)
-        })?;
-        self.residuals = finished.residuals;
+        });
+        let secondary_bytes = shared.secondaries.bytes();
+        self.residuals = shared
+            .residuals
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner());
+        let comm_wait = comm_wait?;
         if let Some(p) = self
             .plan
             .units
@@ -627,7 +642,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             traffic: self.comm.take_counters(),
             resident: memory::resident(),
             device_bytes: memory::device_bytes_in_use(&self.device),
-            secondary_bytes: finished.secondary_bytes,
+            secondary_bytes,
         })
     }
 
@@ -638,11 +653,11 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         schedule: &[Event],
         micro_batches: &[S::Batch],
         state: &mut StepState<S::Module, D>,
-        worker: &mut Worker<'_>,
+        worker: &mut Worker<'_, '_>,
     ) -> Result<(), ShardError> {
         for &event in schedule {
             match event {
-                Event::Gather { unit, source } => worker.send(Job::Gather { unit, source }),
+                Event::Gather { unit, source } => worker.send(Job::Gather { unit, source })?,
                 Event::Visit(v) => {
                     let needs = &self.plan.units[v.stage].needs;
                     let mut full = Vec::with_capacity(needs.len());
@@ -669,7 +684,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                     worker.send(Job::Reduce {
                         unit,
                         grad: Box::new(grad),
-                    });
+                    })?;
                 }
             }
         }

@@ -3,20 +3,25 @@
 //! of an MPI call (`staging`); quantization runs where the data lives (`kernels`). Everything
 //! that moves goes through `ember-comm`; this file only chooses and stages.
 //!
-//! The quantized reduction (qgZ) is `ember_comm::quantized::reduce_scatter_quantized_path`
-//! with its arithmetic on device tensors; a test checks the two agree bit for bit.
+//! Gathers and reductions are [`Flow`]s: one stage per group they move data over, so the
+//! communication threads (`worker`) can run consecutive jobs' stages on different links at
+//! once. The quantized reduction (qgZ) follows `ember_comm::quantized::
+//! reduce_scatter_quantized_path` step for step, with its arithmetic on device tensors.
 
 use burn::tensor::{DType, Device, Int, Tensor};
 use ember_comm::collective::Reduce;
-use ember_comm::hier::{all_gather_path, reduce_scatter_path};
+use ember_comm::hier::all_gather_path;
 use ember_comm::path::Path;
+use ember_comm::path::{from_hop_order, to_hop_order};
 use ember_comm::quant::{BlockSize, QuantFormat, Quantized};
+use ember_comm::{Bf16, ShardLayout};
 use ember_comm::{Comm, Group, Scope};
 
 use crate::config::{Compute, GradQuant, Span, WeightQuant};
 use crate::error::ShardError;
 use crate::kernels;
-use crate::plan::{Levels, Plan};
+use crate::plan::{Levels, Plan, levels_of};
+use crate::schedule::Source;
 use crate::staging;
 
 /// The communicator scope of a group of levels.
@@ -28,20 +33,10 @@ pub(crate) fn scope(comm: &Comm, levels: Levels) -> Scope {
 }
 
 /// The optimizer group's path: the gradient hops (parameter gathers run it outermost first).
-fn path(comm: &Comm, plan: &Plan) -> Result<Path, ShardError> {
+fn path_of(plan: &Plan) -> Result<Path, ShardError> {
     let mut bounds = vec![0];
     bounds.extend(plan.config.grad_hops.iter().map(|s| s.0));
-    Ok(Path::new(comm.topology(), &bounds)?)
-}
-
-/// Whether `path`'s group is this rank alone, so its collectives would only copy.
-fn alone(plan: &Plan, path: &Path) -> bool {
-    Levels {
-        lo: 0,
-        hi: path.hi(),
-    }
-    .size(&plan.topology)
-        == 1
+    Ok(Path::new(&plan.topology, &bounds)?)
 }
 
 fn dtype(plan: &Plan) -> DType {
@@ -103,18 +98,6 @@ fn gather_plain_path(
     })
 }
 
-/// An unquantized all-gather over one group in the tensor's dtype (f32 or bf16).
-fn gather_plain_group(
-    group: &Group,
-    shard: Tensor<1>,
-    device: &Device,
-) -> Result<Tensor<1>, ShardError> {
-    Ok(match shard.dtype() {
-        DType::BF16 => staging::from_bf16(&group.all_gather(&staging::to_bf16(shard))?, device),
-        _ => staging::from_f32(group.all_gather(&staging::to_f32(shard))?, device),
-    })
-}
-
 /// The whole unit from wire forms of int8 shards of `shard_len` elements laid end to end.
 fn dequantize_wires(plan: &Plan, wires: &[u8], shard_len: usize, device: &Device) -> Tensor<1> {
     let block = plan.block();
@@ -130,92 +113,302 @@ fn dequantize_wires(plan: &Plan, wires: &[u8], shard_len: usize, device: &Device
     }
 }
 
-/// Unit `u` whole (compute dtype), gathered from its primary partition `shard`, with the
-/// gathered int8 wire bytes when weights are quantized (the secondary copy is cut from them).
-pub(crate) fn gather_primary(
-    comm: &Comm,
-    plan: &Plan,
-    u: usize,
-    shard: &Tensor<1>,
-    device: &Device,
-) -> Result<(Tensor<1>, Option<Vec<u8>>), ShardError> {
-    let path = path(comm, plan)?;
-    let (full, wires) = match plan.config.quantize_weights {
-        // A group of one owns the whole unit: nothing to gather, nothing to copy.
-        WeightQuant::Off if alone(plan, &path) => (shard.clone(), None),
-        WeightQuant::Off => (gather_plain_path(comm, shard.clone(), &path, device)?, None),
-        WeightQuant::Int8 => {
-            let x = match shard.dtype() {
-                DType::F32 => shard.clone(),
-                _ => shard.clone().cast(DType::F32),
-            };
-            let q = kernels::quantize(x, QuantFormat::Int8, plan.block());
-            let mut wire = Vec::with_capacity(Quantized::wire_bytes(q.format, q.block, q.len));
-            q.write_wire(&mut wire);
-            let gathered = all_gather_path(comm, &wire, &path)?;
-            let full = dequantize_wires(plan, &gathered, q.len, device);
-            (full, Some(gathered))
-        }
-    };
-    check_len(plan, u, full.dims()[0])?;
-    Ok((full, wires))
+/// What a job hands from one stage to the next.
+pub(crate) enum Carry {
+    /// Nothing yet (the first stage starts from the job's own inputs).
+    Empty,
+    /// A device tensor (boxed: the host variants are three words).
+    Tensor(Box<Tensor<1>>),
+    /// Host f32 values.
+    F32(Vec<f32>),
+    /// Host bf16 values.
+    Bf16(Vec<Bf16>),
+    /// Host bytes (int8 wire forms).
+    Bytes(Vec<u8>),
 }
 
-/// Unit `u` whole for a step's visit: from the secondary copy when it exists; otherwise from
-/// the primary, cutting this rank's secondary copy out of the result when one is configured
-/// and `keep` says this gather starts it.
-pub(crate) fn gather(
-    comm: &Comm,
+/// One stage of a job: a collective on one group, run by that group's thread.
+pub(crate) type StageFn<'e> =
+    Box<dyn FnOnce(&Comm, Carry) -> Result<Carry, ShardError> + Send + 'e>;
+/// A job's last step, after its last collective: local work and delivering the result.
+pub(crate) type FinishFn<'e> = Box<dyn FnOnce(Carry) -> Result<(), ShardError> + Send + 'e>;
+
+/// A gather or a reduction as a chain of collectives, one per group, so that consecutive jobs
+/// overlap on different links (a unit's inner hop while the next unit's outer hop runs).
+pub(crate) struct Flow<'e> {
+    /// Each stage's group and work, in order.
+    pub stages: Vec<(Levels, StageFn<'e>)>,
+    /// What follows the last stage (or everything, when nothing moves).
+    pub finish: FinishFn<'e>,
+}
+
+impl<'e> Flow<'e> {
+    /// Runs every stage and the finish on the calling thread, over `comm`'s groups.
+    pub(crate) fn run_here(self, comm: &Comm) -> Result<(), ShardError> {
+        let mut carry = Carry::Empty;
+        for (_, stage) in self.stages {
+            carry = stage(comm, carry)?;
+        }
+        (self.finish)(carry)
+    }
+}
+
+/// The secondary copies of a step, unit by unit, with a signal for when one is cut: a later
+/// gather from a copy may reach its group's thread before the thread of the gather that cuts
+/// it has finished.
+#[derive(Debug, Default)]
+pub(crate) struct Secondaries {
+    slots: std::sync::Mutex<Vec<Option<Secondary>>>,
+    cut: std::sync::Condvar,
+}
+
+impl Secondaries {
+    pub(crate) fn new(units: usize) -> Self {
+        Self {
+            slots: std::sync::Mutex::new(vec![None; units]),
+            cut: std::sync::Condvar::new(),
+        }
+    }
+
+    fn put(&self, u: usize, copy: Secondary) {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())[u] = Some(copy);
+        self.cut.notify_all();
+    }
+
+    /// Unit `u`'s copy, waiting until it is cut.
+    fn get(&self, u: usize) -> Secondary {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(c) = &slots[u] {
+                return c.clone();
+            }
+            slots = self.cut.wait(slots).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Bytes of every copy cut so far.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.slots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .flatten()
+            .map(Secondary::bytes)
+            .sum()
+    }
+}
+
+/// The groups, outermost first, that a gather from the primary partition moves data over.
+fn gather_hops(plan: &Plan) -> Vec<Levels> {
+    let mut hops: Vec<Levels> = plan
+        .hops()
+        .into_iter()
+        .filter(|h| h.size(&plan.topology) > 1)
+        .collect();
+    hops.reverse();
+    hops
+}
+
+/// An all-gather of whatever host buffer `carry` holds over `group`.
+fn all_gather_carry(comm: &Comm, group: Levels, carry: Carry) -> Result<Carry, ShardError> {
+    let g = comm.try_group(scope(comm, group))?;
+    Ok(match carry {
+        Carry::F32(v) => Carry::F32(g.all_gather(&v)?),
+        Carry::Bf16(v) => Carry::Bf16(g.all_gather(&v)?),
+        Carry::Bytes(v) => Carry::Bytes(g.all_gather(&v)?),
+        Carry::Empty | Carry::Tensor(_) => unreachable!("stages carry host buffers"),
+    })
+}
+
+/// A unit's shard in the compute dtype as host values for a plain gather.
+fn host_values(shard: Tensor<1>) -> Carry {
+    match shard.dtype() {
+        DType::BF16 => Carry::Bf16(staging::to_bf16(shard)),
+        _ => Carry::F32(staging::to_f32(shard)),
+    }
+}
+
+/// A gathered host buffer back on the device, in the G index order of `path` (`chunk`
+/// elements per rank; the gather concatenated in hop order when more than one hop moved data).
+fn plain_from_host(
+    plan: &Plan,
+    path: &Path,
+    carry: Carry,
+    chunk: usize,
+    hops: usize,
+    device: &Device,
+) -> Tensor<1> {
+    match carry {
+        Carry::F32(v) if hops > 1 => {
+            staging::from_f32(from_hop_order(&plan.topology, path, &v, chunk), device)
+        }
+        Carry::F32(v) => staging::from_f32(v, device),
+        Carry::Bf16(v) if hops > 1 => {
+            staging::from_bf16(&from_hop_order(&plan.topology, path, &v, chunk), device)
+        }
+        Carry::Bf16(v) => staging::from_bf16(&v, device),
+        Carry::Tensor(t) => *t,
+        Carry::Empty | Carry::Bytes(_) => unreachable!("a plain gather carries values"),
+    }
+}
+
+/// This rank's secondary copy of unit `u` at `span`, cut from the gathered unit: the int8 blocks
+/// of the primary shards it covers, exactly as they arrived (`wires`, in G index order), or
+/// its slice of the values.
+fn cut_secondary(
     plan: &Plan,
     u: usize,
-    primary: &Tensor<1>,
-    secondary: &mut Option<Secondary>,
+    span: Span,
+    rank: usize,
+    full: &Tensor<1>,
+    wires: Option<Vec<u8>>,
     device: &Device,
-) -> Result<Tensor<1>, ShardError> {
-    let Some(span) = plan.config.secondary else {
-        return Ok(gather_primary(comm, plan, u, primary, device)?.0);
-    };
-    let group_size = span.group_size(comm.topology());
-    if let Some(copy) = secondary.as_ref() {
-        let full = match copy {
-            Secondary::Plain(t) if group_size == 1 => t.clone(),
-            Secondary::Plain(t) => {
-                let group = comm.group(scope(comm, plan.group(span)));
-                gather_plain_group(&group, t.clone(), device)?
-            }
-            Secondary::Int8 { words, bytes } => {
-                let mine = staging::bytes_from_device(words.clone(), *bytes);
-                let wires = if group_size == 1 {
-                    mine
-                } else {
-                    comm.group(scope(comm, plan.group(span)))
-                        .all_gather(&mine)?
-                };
-                dequantize_wires(plan, &wires, plan.shard_len(u, plan.config.params), device)
-            }
-        };
-        check_len(plan, u, full.dims()[0])?;
-        return Ok(full);
-    }
-    let (full, wires) = gather_primary(comm, plan, u, primary, device)?;
-    let range = plan.shard_range(u, span, comm.rank());
-    *secondary = Some(match wires {
+) -> Secondary {
+    let range = plan.shard_range(u, span, rank);
+    match wires {
         None => Secondary::Plain(detached(full.clone().slice(range))),
         Some(wires) => {
             // The secondary slice covers primary shards [i k, (i + 1) k) of the gather.
             let per = wires.len() / plan.params_group_size();
-            let k = plan.shard_len(u, span) / plan.shard_len(u, plan.config.params);
-            let first = range.start / plan.shard_len(u, plan.config.params);
+            let primary_len = plan.shard_len(u, plan.config.params);
+            let k = plan.shard_len(u, span) / primary_len;
+            let first = range.start / primary_len;
             let mine = &wires[first * per..(first + k) * per];
             Secondary::Int8 {
                 words: staging::bytes_to_device(mine, device),
                 bytes: mine.len(),
             }
         }
-    });
-    Ok(full)
+    }
 }
 
+/// Unit `u` whole (compute dtype) as a [`Flow`]: from the secondary copy (`source`
+/// `Secondary`), or from the primary partition over the gradient path's hops, outermost
+/// first, int8 if configured, cutting this rank's secondary copy out of the result when
+/// `source` says this gather starts it. `deliver` gets the unit.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gather_flow<'e>(
+    plan: &'e Plan,
+    rank: usize,
+    u: usize,
+    source: Source,
+    primary: &'e Tensor<1>,
+    secondaries: &'e Secondaries,
+    device: &'e Device,
+    deliver: impl FnOnce(Result<Tensor<1>, ShardError>) + Send + 'e,
+) -> Result<Flow<'e>, ShardError> {
+    let path = path_of(plan)?;
+    if source == Source::Secondary {
+        let span = plan
+            .config
+            .secondary
+            .expect("the schedule gathers from a secondary copy only when one is configured");
+        let group = plan.group(span);
+        let moves = group.size(&plan.topology) > 1;
+        let shard_len = plan.shard_len(u, plan.config.params);
+        let take = move |comm: Option<&Comm>| -> Result<Carry, ShardError> {
+            let copy = secondaries.get(u);
+            Ok(match (copy, comm) {
+                (Secondary::Plain(t), None) => Carry::Tensor(Box::new(t)),
+                (Secondary::Plain(t), Some(c)) => all_gather_carry(c, group, host_values(t))?,
+                (Secondary::Int8 { words, bytes }, comm) => {
+                    let mine = staging::bytes_from_device(words, bytes);
+                    match comm {
+                        None => Carry::Bytes(mine),
+                        Some(c) => all_gather_carry(c, group, Carry::Bytes(mine))?,
+                    }
+                }
+            })
+        };
+        let finish = move |carry: Carry| {
+            let full = match carry {
+                Carry::Bytes(wires) => dequantize_wires(plan, &wires, shard_len, device),
+                other => plain_from_host(plan, &path, other, 0, 1, device),
+            };
+            deliver(check_len(plan, u, full.dims()[0]).map(|()| full));
+            Ok(())
+        };
+        return Ok(if moves {
+            Flow {
+                stages: vec![(group, Box::new(move |c, _| take(Some(c))))],
+                finish: Box::new(finish),
+            }
+        } else {
+            Flow {
+                stages: Vec::new(),
+                finish: Box::new(move |_| finish(take(None)?)),
+            }
+        });
+    }
+    let hops = gather_hops(plan);
+    let live = hops.len();
+    let keep = (source == Source::PrimaryToSecondary)
+        .then_some(plan.config.secondary)
+        .flatten();
+    let quantized = plan.config.quantize_weights == WeightQuant::Int8;
+    let shard_len = plan.shard_len(u, plan.config.params);
+    // The first stage starts from the shard: its host values, or its int8 wire form.
+    let start = move || -> Carry {
+        if quantized {
+            let x = match primary.dtype() {
+                DType::F32 => primary.clone(),
+                _ => primary.clone().cast(DType::F32),
+            };
+            let q = kernels::quantize(x, QuantFormat::Int8, plan.block());
+            let mut wire = Vec::with_capacity(Quantized::wire_bytes(q.format, q.block, q.len));
+            q.write_wire(&mut wire);
+            Carry::Bytes(wire)
+        } else {
+            host_values(primary.clone())
+        }
+    };
+    let finish = move |carry: Carry| -> Result<(), ShardError> {
+        let carry = match carry {
+            Carry::Empty if quantized => start(),
+            Carry::Empty => Carry::Tensor(Box::new(primary.clone())),
+            other => other,
+        };
+        let (full, wires) = match carry {
+            Carry::Bytes(gathered) => {
+                let per = gathered.len() / plan.params_group_size();
+                let gathered = if live > 1 {
+                    from_hop_order(&plan.topology, &path, &gathered, per)
+                } else {
+                    gathered
+                };
+                let full = dequantize_wires(plan, &gathered, shard_len, device);
+                (full, Some(gathered))
+            }
+            other => (
+                plain_from_host(plan, &path, other, shard_len, live, device),
+                None,
+            ),
+        };
+        if let Err(e) = check_len(plan, u, full.dims()[0]) {
+            deliver(Err(e));
+            return Ok(());
+        }
+        if let Some(span) = keep {
+            secondaries.put(u, cut_secondary(plan, u, span, rank, &full, wires, device));
+        }
+        deliver(Ok(full));
+        Ok(())
+    };
+    let mut stages: Vec<(Levels, StageFn<'e>)> = Vec::with_capacity(live);
+    for (i, &hop) in hops.iter().enumerate() {
+        stages.push((
+            hop,
+            Box::new(move |c: &Comm, carry: Carry| {
+                let carry = if i == 0 { start() } else { carry };
+                all_gather_carry(c, hop, carry)
+            }),
+        ));
+    }
+    Ok(Flow {
+        stages,
+        finish: Box::new(finish),
+    })
+}
 /// Error-feedback residuals of one unit's quantized reduction, one per hop, on the device.
 #[derive(Debug, Clone, Default)]
 pub struct Residuals {
@@ -224,148 +417,211 @@ pub struct Residuals {
 }
 
 /// Unit `u`'s gradient (whole, this rank's, f32) reduced to this rank's optimizer shard,
-/// averaged over the world.
-pub(crate) fn reduce(
-    comm: &Comm,
-    plan: &Plan,
+/// averaged over the world, as a [`Flow`]: an all-reduce over the world when optimizer state
+/// is replicated; else a reduce-scatter over the gradient path's hops, innermost first (qgZ's
+/// int4 / int8 all-to-all per hop when gradients are quantized, with the residuals of
+/// `residuals[u]`), then an all-reduce across the levels the optimizer state is replicated
+/// over. `deliver` gets the shard.
+pub(crate) fn reduce_flow<'e>(
+    plan: &'e Plan,
     u: usize,
     grad: Tensor<1>,
-    residuals: &mut Residuals,
-    device: &Device,
-) -> Result<Tensor<1>, ShardError> {
+    residuals: &'e std::sync::Mutex<Vec<Residuals>>,
+    device: &'e Device,
+    deliver: impl FnOnce(Result<Tensor<1>, ShardError>) + Send + 'e,
+) -> Result<Flow<'e>, ShardError> {
     let cfg = &plan.config;
-    let world = plan.topology.world_size();
+    let depth = plan.topology.depth();
+    let world = Levels { lo: 0, hi: depth };
+    let world_size = plan.topology.world_size();
+    let mut stages: Vec<(Levels, StageFn<'e>)> = Vec::new();
     if cfg.optimizer == Span(0) {
-        if world == 1 {
-            return Ok(grad);
+        if world_size == 1 {
+            return Ok(Flow {
+                stages,
+                finish: Box::new(move |_| {
+                    deliver(Ok(grad));
+                    Ok(())
+                }),
+            });
         }
-        let sum = comm
-            .world()
-            .all_reduce(&staging::to_f32(grad), Reduce::Sum)?;
-        return Ok(staging::from_f32(sum, device) / world as f32);
+        stages.push((
+            world,
+            Box::new(move |c: &Comm, _| {
+                let g = c.try_group(scope(c, world))?;
+                Ok(Carry::F32(
+                    g.all_reduce(&staging::to_f32(grad), Reduce::Sum)?,
+                ))
+            }),
+        ));
+        return Ok(Flow {
+            stages,
+            finish: Box::new(move |carry| {
+                let Carry::F32(sum) = carry else {
+                    unreachable!("the all-reduce carries values")
+                };
+                deliver(Ok(staging::from_f32(sum, device) / world_size as f32));
+                Ok(())
+            }),
+        });
     }
-    let path = path(comm, plan)?;
-    let shard = match cfg.quantize_grads {
-        // A group of one owns the whole unit, and its mean over one rank is itself.
-        GradQuant::Off if alone(plan, &path) => grad,
-        GradQuant::Off => staging::from_f32(
-            reduce_scatter_path(comm, &staging::to_f32(grad), &path, Reduce::Mean)?,
-            device,
-        ),
-        GradQuant::Int8 => reduce_scatter_quantized(
-            comm,
-            grad,
-            QuantFormat::Int8,
-            plan.block(),
-            &path,
-            cfg.error_feedback.then_some(residuals),
-            device,
-        )?,
-        GradQuant::Int4 => reduce_scatter_quantized(
-            comm,
-            grad,
-            QuantFormat::Int4,
-            plan.block(),
-            &path,
-            cfg.error_feedback.then_some(residuals),
-            device,
-        )?,
-    };
-    let expect = plan.shard_len(u, cfg.optimizer);
-    if shard.dims()[0] != expect {
-        return Err(ShardError::Units(format!(
-            "unit `{}`: reduced shard of {} elements, expected {expect}",
-            plan.units[u].name,
-            shard.dims()[0]
-        )));
-    }
-    let across = Levels {
-        lo: cfg.optimizer.0,
-        hi: plan.topology.depth(),
-    };
-    let g = across.size(&plan.topology);
-    if g == 1 {
-        return Ok(shard);
-    }
-    let sum = comm
-        .group(scope(comm, across))
-        .all_reduce(&staging::to_f32(shard), Reduce::Sum)?;
-    Ok(staging::from_f32(sum, device) / g as f32)
-}
-
-/// qgZ on device tensors: the hierarchical quantized all-to-all reduce-scatter over `path`'s
-/// group `G` of `P` ranks, averaged over `P`, with optional error feedback. `grad`'s length is
-/// a multiple of `P` blocks (the plan pads every unit so). Returns this rank's chunk: the
-/// layout of a flat mean reduce-scatter on `G`.
-pub(crate) fn reduce_scatter_quantized(
-    comm: &Comm,
-    grad: Tensor<1>,
-    format: QuantFormat,
-    block: BlockSize,
-    path: &Path,
-    mut residuals: Option<&mut Residuals>,
-    device: &Device,
-) -> Result<Tensor<1>, ShardError> {
-    let topology = comm.topology();
-    path.check(topology)?;
+    let path = path_of(plan)?;
+    let topology = &plan.topology;
     let p = topology.group_size(path.group(topology));
+    let path_hops = path.hops(topology);
+    let live: Vec<(usize, Levels)> = path_hops
+        .iter()
+        .enumerate()
+        .map(|(k, &h)| (k, levels_of(h, depth)))
+        .filter(|(_, h)| h.size(topology) > 1)
+        .collect();
+    let format = match cfg.quantize_grads {
+        GradQuant::Off => None,
+        GradQuant::Int8 => Some(QuantFormat::Int8),
+        GradQuant::Int4 => Some(QuantFormat::Int4),
+    };
     let n = grad.dims()[0];
-    if !n.is_multiple_of(p * block.get()) {
+    let block = plan.block();
+    if format.is_some() && !n.is_multiple_of(p * block.get()) {
         return Err(ShardError::Units(format!(
             "a quantized reduction of {n} elements over {p} ranks needs a multiple of {} \
              (whole blocks per rank)",
             p * block.get()
         )));
     }
-    if n == 0 {
-        return Ok(grad);
-    }
-    // Hop order: chunk r of the natural order goes to position chunk_position(r).
-    let chunk = n / p;
-    let mut at_position = vec![0; p];
-    for r in 0..p {
-        at_position[path.chunk_position(topology, r)] = r;
-    }
-    let mut buf = if at_position.iter().enumerate().all(|(i, &r)| i == r) {
-        grad
-    } else {
-        Tensor::cat(
-            at_position
-                .iter()
-                .map(|&r| grad.clone().slice(r * chunk..(r + 1) * chunk))
-                .collect(),
-            0,
-        )
+    let feedback = cfg.error_feedback;
+    let hop_count = path_hops.len();
+    // The whole gradient in hop order, so each hop hands member m its part m.
+    let path_for_order = path.clone();
+    let hop_ordered = move |grad: Tensor<1>| -> Tensor<1> {
+        let chunk = n / p;
+        let mut at_position = vec![0; p];
+        for r in 0..p {
+            at_position[path_for_order.chunk_position(topology, r)] = r;
+        }
+        if at_position.iter().enumerate().all(|(i, &r)| i == r) {
+            grad
+        } else {
+            Tensor::cat(
+                at_position
+                    .iter()
+                    .map(|&r| grad.clone().slice(r * chunk..(r + 1) * chunk))
+                    .collect(),
+                0,
+            )
+        }
     };
-    let hops = path.hops(topology);
-    if let Some(r) = residuals.as_deref_mut() {
-        r.per_hop.resize(hops.len(), None);
+    let mut grad = Some(grad);
+    for (i, &(k, hop)) in live.iter().enumerate() {
+        let first = (i == 0).then(|| grad.take().expect("one first stage"));
+        let hop_ordered = hop_ordered.clone();
+        let path = path.clone();
+        let stage: StageFn<'e> = match format {
+            None => Box::new(move |c: &Comm, carry: Carry| {
+                let buf = match (first, carry) {
+                    (Some(g), _) => {
+                        let layout = ShardLayout::new(n, p, 1);
+                        to_hop_order(topology, &path, &staging::to_f32(g), layout)
+                    }
+                    (None, Carry::F32(v)) => v,
+                    _ => unreachable!("an f32 reduce-scatter carries values"),
+                };
+                let g = c.try_group(scope(c, hop))?;
+                let mut out = vec![0.0f32; buf.len() / g.size()];
+                g.reduce_scatter_into(&buf, &mut out, Reduce::Sum)?;
+                Ok(Carry::F32(out))
+            }),
+            Some(format) => Box::new(move |c: &Comm, carry: Carry| {
+                let mut buf = match (first, carry) {
+                    (Some(g), _) => hop_ordered(g),
+                    (None, Carry::Tensor(t)) => *t,
+                    _ => unreachable!("qgZ carries a device tensor"),
+                };
+                let group = c.try_group(scope(c, hop))?;
+                if feedback {
+                    let mut all = residuals.lock().unwrap_or_else(|e| e.into_inner());
+                    let r = &mut all[u].per_hop;
+                    r.resize(hop_count, None);
+                    if let Some(e) = &r[k] {
+                        if e.dims() != buf.dims() {
+                            return Err(ShardError::Units(format!(
+                                "error-feedback residual of {} elements for a buffer of {}",
+                                e.dims()[0],
+                                buf.dims()[0]
+                            )));
+                        }
+                        buf = buf + e.clone();
+                    }
+                }
+                let q = kernels::quantize(buf.clone(), format, block);
+                if feedback {
+                    let back = kernels::dequantize_sum(std::slice::from_ref(&q), device);
+                    residuals.lock().unwrap_or_else(|e| e.into_inner())[u].per_hop[k] =
+                        Some(buf - back);
+                }
+                Ok(Carry::Tensor(Box::new(exchange(&group, &q, block, device)?)))
+            }),
+        };
+        stages.push((hop, stage));
     }
-    for (hop, scope) in hops.into_iter().enumerate() {
-        let group = comm.try_group(scope)?;
-        if group.size() == 1 {
-            continue;
+    let across = Levels {
+        lo: cfg.optimizer.0,
+        hi: depth,
+    };
+    let g_across = across.size(topology);
+    let expect = plan.shard_len(u, cfg.optimizer);
+    let name = plan.units[u].name.clone();
+    // After the path: this rank's shard, averaged over the path's group.
+    let shard_of = move |carry: Carry, first: Option<Tensor<1>>| -> Tensor<1> {
+        match (carry, first) {
+            // A group of one owns the whole unit, and its mean over one rank is itself.
+            (_, Some(g)) => g,
+            (Carry::F32(v), None) => staging::from_f32(v, device) / p as f32,
+            (Carry::Tensor(t), None) => *t / p as f32,
+            _ => unreachable!("the path's last stage carries the shard"),
         }
-        if let Some(r) = residuals.as_deref_mut()
-            && let Some(e) = &r.per_hop[hop]
-        {
-            if e.dims() != buf.dims() {
-                return Err(ShardError::Units(format!(
-                    "error-feedback residual of {} elements for a buffer of {}",
-                    e.dims()[0],
-                    buf.dims()[0]
-                )));
-            }
-            buf = buf + e.clone();
+    };
+    let check = move |shard: &Tensor<1>| -> Result<(), ShardError> {
+        if shard.dims()[0] != expect {
+            return Err(ShardError::Units(format!(
+                "unit `{name}`: reduced shard of {} elements, expected {expect}",
+                shard.dims()[0]
+            )));
         }
-        let q = kernels::quantize(buf.clone(), format, block);
-        if let Some(r) = residuals.as_deref_mut() {
-            let back = kernels::dequantize_sum(std::slice::from_ref(&q), device);
-            r.per_hop[hop] = Some(buf - back);
-        }
-        buf = exchange(&group, &q, block, device)?;
+        Ok(())
+    };
+    let leftover = grad;
+    if g_across > 1 {
+        stages.push((
+            across,
+            Box::new(move |c: &Comm, carry: Carry| {
+                let shard = shard_of(carry, leftover);
+                check(&shard)?;
+                let g = c.try_group(scope(c, across))?;
+                Ok(Carry::F32(
+                    g.all_reduce(&staging::to_f32(shard), Reduce::Sum)?,
+                ))
+            }),
+        ));
+        return Ok(Flow {
+            stages,
+            finish: Box::new(move |carry| {
+                let Carry::F32(sum) = carry else {
+                    unreachable!("the all-reduce carries values")
+                };
+                deliver(Ok(staging::from_f32(sum, device) / g_across as f32));
+                Ok(())
+            }),
+        });
     }
-    Ok(buf / p as f32)
+    Ok(Flow {
+        stages,
+        finish: Box::new(move |carry| {
+            let shard = shard_of(carry, leftover);
+            deliver(check(&shard).map(|()| shard));
+            Ok(())
+        }),
+    })
 }
 
 /// One qgZ hop: all-to-all the group's parts of `q`, dequantize and sum what arrives.
@@ -407,7 +663,7 @@ pub(crate) fn all_gather_params(
     shard: Tensor<1>,
     device: &Device,
 ) -> Result<Tensor<1>, ShardError> {
-    gather_plain_path(comm, shard, &path(comm, plan)?, device)
+    gather_plain_path(comm, shard, &path_of(plan)?, device)
 }
 
 /// Refuses to start when ranks hold other units, other shapes or another initial source

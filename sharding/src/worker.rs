@@ -1,12 +1,19 @@
-//! The communication threads of a step: one runs the gathers the training thread hands it, the
-//! other the gradient reductions, each in the order handed and each on its own lane of
-//! communicators (`Comm::lane`), like two communication streams. Both overlap the unit
-//! computing on the training thread, and gathers never queue behind reductions. Every rank
-//! hands over the same jobs in the same order (the plan's schedule), so MPI matches them lane
-//! by lane. The gather thread owns the step's secondary copies (hpZ), which live from a unit's
-//! first gather of the step to the step's end; the reduction thread owns the error-feedback
-//! residuals while the step runs.
+//! The communication threads of a step. Every gather and reduction is a chain of collectives,
+//! one per group (`route::Flow`: a unit's hops, outermost first for a gather, innermost first
+//! for a reduction); each group has a thread of its own on each of two lanes of communicators
+//! (`Comm::lane`), one lane for gathers and one for reductions. A job runs its first stage on
+//! its first group's thread, then moves on to the next group's thread, so while one unit
+//! crosses the node uplink the unit before it can cross the GPU links: consecutive jobs
+//! overlap on different links, and all of them overlap the unit computing on the training
+//! thread.
+//!
+//! Every rank hands over the same jobs in the same order (the plan's schedule), and each
+//! thread runs its stages in that order (a sequence number per thread, fixed when the job is
+//! handed over), so MPI matches them group by group whatever the timing. Gathered units come
+//! back to the training thread in the order it asked for them.
 
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::{Scope, ScopedJoinHandle};
 use std::time::Instant;
@@ -15,8 +22,8 @@ use burn::tensor::{Device, Tensor};
 use ember_comm::Comm;
 
 use crate::error::ShardError;
-use crate::plan::Plan;
-use crate::route::{self, Residuals, Secondary};
+use crate::plan::{Levels, Plan};
+use crate::route::{self, Carry, FinishFn, Flow, Residuals, Secondaries, StageFn};
 use crate::schedule::Source;
 
 /// A request to the communication threads.
@@ -27,116 +34,190 @@ pub(crate) enum Job {
     Reduce { unit: usize, grad: Box<Tensor<1>> },
 }
 
-/// What the threads hand back when the step's jobs are done.
-pub(crate) struct Finished {
-    /// The residuals, updated.
-    pub residuals: Vec<Residuals>,
-    /// Bytes of the secondary copies at the step's end (their peak: they only grow).
-    pub secondary_bytes: u64,
+/// The lane gathers run on (lane 0 is the training thread's).
+pub(crate) const GATHER_LANE: usize = 1;
+/// The lane reductions run on.
+pub(crate) const REDUCE_LANE: usize = 2;
+
+/// A job's stage as it travels: its place in its group's order, what the previous stage
+/// produced, and what follows.
+struct Msg<'e> {
+    seq: u64,
+    carry: Carry,
+    stage: StageFn<'e>,
+    rest: VecDeque<Next<'e>>,
+    finish: FinishFn<'e>,
 }
 
-/// The lanes the two threads issue their collectives on.
-pub(crate) const GATHER_LANE: usize = 1;
-/// See [`GATHER_LANE`].
-pub(crate) const REDUCE_LANE: usize = 2;
+/// A later stage, with the thread and the place in its order it was given when handed over.
+struct Next<'e> {
+    to: Sender<Msg<'e>>,
+    seq: u64,
+    stage: StageFn<'e>,
+}
+
+/// One group's thread on one lane: its queue and the sequence number of its next stage.
+struct Thread<'e> {
+    to: Sender<Msg<'e>>,
+    next_seq: u64,
+}
 
 type Reduced = Result<(usize, Tensor<1>), ShardError>;
 
-/// The running communication threads and their channels.
-pub(crate) struct Worker<'scope> {
-    gathers: Option<Sender<(usize, Source)>>,
-    reductions: Option<Sender<(usize, Tensor<1>)>>,
-    gathered: Receiver<Result<Tensor<1>, ShardError>>,
+/// The running communication threads of one step.
+pub(crate) struct Worker<'scope, 'env> {
+    scope: &'scope Scope<'scope, 'env>,
+    gather_comm: &'env Comm,
+    reduce_comm: &'env Comm,
+    plan: &'env Plan,
+    primary: &'env [Tensor<1>],
+    secondaries: &'env Secondaries,
+    residuals: &'env Mutex<Vec<Residuals>>,
+    device: &'env Device,
+    threads: HashMap<(usize, Levels), Thread<'env>>,
+    handles: Vec<ScopedJoinHandle<'scope, ()>>,
+    /// Gathers in the order handed over, each with its own answer.
+    gathered: VecDeque<Receiver<Result<Tensor<1>, ShardError>>>,
+    reduced_tx: Sender<Reduced>,
     reduced: Receiver<Reduced>,
-    gather_thread: ScopedJoinHandle<'scope, u64>,
-    reduce_thread: ScopedJoinHandle<'scope, Vec<Residuals>>,
+    failures_tx: Sender<ShardError>,
+    failures: Receiver<ShardError>,
     /// Seconds the training thread spent waiting for answers.
     pub waited_s: f64,
 }
 
-impl<'scope> Worker<'scope> {
-    /// Starts the threads for one step over `primary` (each unit's primary partition):
-    /// gathers on `gather_comm`, reductions on `reduce_comm` (two lanes of one `Comm`).
+/// The state a step's communication threads share with the training thread.
+pub(crate) struct Shared {
+    /// The secondary copies cut this step.
+    pub secondaries: Secondaries,
+    /// Error-feedback residuals, per unit.
+    pub residuals: Mutex<Vec<Residuals>>,
+}
+
+impl Shared {
+    pub(crate) fn new(units: usize, residuals: Vec<Residuals>) -> Self {
+        Self {
+            secondaries: Secondaries::new(units),
+            residuals: Mutex::new(residuals),
+        }
+    }
+}
+
+impl<'scope, 'env> Worker<'scope, 'env> {
+    /// Ready to start threads in `scope` as jobs need them: gathers of `primary` (each unit's
+    /// primary partition) on `gather_comm`, reductions on `reduce_comm` (two lanes of one
+    /// `Comm`).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn spawn<'env>(
+    pub(crate) fn new(
         scope: &'scope Scope<'scope, 'env>,
         gather_comm: &'env Comm,
         reduce_comm: &'env Comm,
         plan: &'env Plan,
         primary: &'env [Tensor<1>],
-        mut residuals: Vec<Residuals>,
+        shared: &'env Shared,
         device: &'env Device,
     ) -> Self {
-        let (gathers, gather_rx) = channel::<(usize, Source)>();
-        let (gathered_tx, gathered) = channel();
-        let gather_thread = scope.spawn(move || {
-            let mut secondary: Vec<Option<Secondary>> = vec![None; plan.units.len()];
-            for (unit, source) in gather_rx {
-                debug_assert_eq!(
-                    source == Source::Secondary,
-                    secondary[unit].is_some(),
-                    "the schedule and the secondary copies agree"
-                );
-                let out = route::gather(
-                    gather_comm,
-                    plan,
-                    unit,
-                    &primary[unit],
-                    &mut secondary[unit],
-                    device,
-                );
-                let failed = out.is_err();
-                if gathered_tx.send(out).is_err() || failed {
-                    break;
-                }
-            }
-            secondary.iter().flatten().map(Secondary::bytes).sum()
-        });
-        let (reductions, reduce_rx) = channel::<(usize, Tensor<1>)>();
-        let (reduced_tx, reduced) = channel::<Reduced>();
-        let reduce_thread = scope.spawn(move || {
-            for (unit, grad) in reduce_rx {
-                let out = route::reduce(
-                    reduce_comm,
-                    plan,
-                    unit,
-                    grad,
-                    &mut residuals[unit],
-                    device,
-                )
-                .map(|shard| (unit, shard));
-                let failed = out.is_err();
-                if reduced_tx.send(out).is_err() || failed {
-                    break;
-                }
-            }
-            residuals
-        });
+        let (reduced_tx, reduced) = channel();
+        let (failures_tx, failures) = channel();
         Self {
-            gathers: Some(gathers),
-            reductions: Some(reductions),
-            gathered,
+            scope,
+            gather_comm,
+            reduce_comm,
+            plan,
+            primary,
+            secondaries: &shared.secondaries,
+            residuals: &shared.residuals,
+            device,
+            threads: HashMap::new(),
+            handles: Vec::new(),
+            gathered: VecDeque::new(),
+            reduced_tx,
             reduced,
-            gather_thread,
-            reduce_thread,
+            failures_tx,
+            failures,
             waited_s: 0.0,
         }
     }
 
-    /// Hands a job over (a thread that stopped reports its error when its answers are read).
-    pub(crate) fn send(&self, job: Job) {
-        match job {
+    /// Hands a job over. Its stages are queued on their groups' threads at once, each with its
+    /// place in that thread's order; a job that moves nothing finishes here.
+    pub(crate) fn send(&mut self, job: Job) -> Result<(), ShardError> {
+        let (lane, flow) = match job {
             Job::Gather { unit, source } => {
-                if let Some(g) = &self.gathers {
-                    let _ = g.send((unit, source));
-                }
+                let (tx, rx) = channel();
+                self.gathered.push_back(rx);
+                let flow = route::gather_flow(
+                    self.plan,
+                    self.gather_comm.rank(),
+                    unit,
+                    source,
+                    &self.primary[unit],
+                    self.secondaries,
+                    self.device,
+                    move |r| {
+                        let _ = tx.send(r);
+                    },
+                )?;
+                (GATHER_LANE, flow)
             }
             Job::Reduce { unit, grad } => {
-                if let Some(r) = &self.reductions {
-                    let _ = r.send((unit, *grad));
+                let tx = self.reduced_tx.clone();
+                let flow = route::reduce_flow(
+                    self.plan,
+                    unit,
+                    *grad,
+                    self.residuals,
+                    self.device,
+                    move |r| {
+                        let _ = tx.send(r.map(|shard| (unit, shard)));
+                    },
+                )?;
+                (REDUCE_LANE, flow)
+            }
+        };
+        let Flow { stages, finish } = flow;
+        let mut rest: VecDeque<Next<'env>> = stages
+            .into_iter()
+            .map(|(group, stage)| {
+                let thread = self.thread(lane, group);
+                let seq = thread.next_seq;
+                thread.next_seq += 1;
+                Next {
+                    to: thread.to.clone(),
+                    seq,
+                    stage,
                 }
+            })
+            .collect();
+        match rest.pop_front() {
+            None => finish(Carry::Empty),
+            Some(first) => {
+                let _ = first.to.send(Msg {
+                    seq: first.seq,
+                    carry: Carry::Empty,
+                    stage: first.stage,
+                    rest,
+                    finish,
+                });
+                Ok(())
             }
         }
+    }
+
+    /// The thread of `group` on `lane`, started on first use.
+    fn thread(&mut self, lane: usize, group: Levels) -> &mut Thread<'env> {
+        let comm = if lane == GATHER_LANE {
+            self.gather_comm
+        } else {
+            self.reduce_comm
+        };
+        let (scope, failures, handles) = (self.scope, &self.failures_tx, &mut self.handles);
+        self.threads.entry((lane, group)).or_insert_with(|| {
+            let (to, rx) = channel::<Msg<'env>>();
+            let failures = failures.clone();
+            handles.push(scope.spawn(move || run_stages(comm, rx, failures)));
+            Thread { to, next_seq: 0 }
+        })
     }
 
     /// The next gathered unit (in the order the gathers were handed over), timing the wait;
@@ -146,16 +227,17 @@ impl<'scope> Worker<'scope> {
         grads: &mut [Option<Tensor<1>>],
     ) -> Result<Tensor<1>, ShardError> {
         self.collect_reduced(grads)?;
+        let rx = self
+            .gathered
+            .pop_front()
+            .expect("the schedule gathers a unit before a visit takes it");
         let t = Instant::now();
-        let msg = self.gathered.recv();
+        let msg = rx.recv();
         self.waited_s += t.elapsed().as_secs_f64();
         match msg {
             Ok(gathered) => gathered,
-            // The thread stopped without an answer: a reduction failure says why.
-            Err(_) => {
-                self.collect_reduced(grads)?;
-                Err(thread_gone())
-            }
+            // The job was dropped by a thread that failed: its error says why.
+            Err(_) => Err(self.failure()),
         }
     }
 
@@ -168,40 +250,82 @@ impl<'scope> Worker<'scope> {
         Ok(())
     }
 
+    /// The first failure a thread reported (waiting for it if it is on its way).
+    fn failure(&self) -> ShardError {
+        self.failures
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .unwrap_or_else(|_| thread_gone())
+    }
+
     /// No more jobs: waits for the remaining reductions (adding them to `grads`, timing the
-    /// wait) and for both threads to end.
-    pub(crate) fn finish(
-        mut self,
-        grads: &mut [Option<Tensor<1>>],
-    ) -> Result<(Finished, f64), ShardError> {
-        self.gathers = None;
-        self.reductions = None;
+    /// wait) and for every thread to end.
+    pub(crate) fn finish(self, grads: &mut [Option<Tensor<1>>]) -> Result<f64, ShardError> {
+        let Worker {
+            threads,
+            handles,
+            reduced_tx,
+            reduced,
+            failures_tx,
+            failures,
+            mut waited_s,
+            ..
+        } = self;
+        // Threads end once every job queued on them is done and no sender is left.
+        drop(threads);
+        drop(reduced_tx);
+        drop(failures_tx);
         let t = Instant::now();
         let mut failure = None;
-        for r in self.reduced.iter() {
+        for r in reduced.iter() {
             match r {
                 Ok((unit, shard)) => add_to(&mut grads[unit], shard),
                 Err(e) => failure = failure.or(Some(e)),
             }
         }
-        self.waited_s += t.elapsed().as_secs_f64();
-        // A gather that failed after the last visit took its answer is reported here.
-        for g in self.gathered.try_iter() {
-            if let Err(e) = g {
-                failure = failure.or(Some(e));
-            }
+        waited_s += t.elapsed().as_secs_f64();
+        for h in handles {
+            h.join().map_err(|_| thread_gone())?;
         }
-        let secondary_bytes = self.gather_thread.join().map_err(|_| thread_gone())?;
-        let residuals = self.reduce_thread.join().map_err(|_| thread_gone())?;
-        match failure {
-            Some(e) => Err(e),
-            None => Ok((
-                Finished {
-                    residuals,
-                    secondary_bytes,
-                },
-                self.waited_s,
-            )),
+        if let Some(e) = failures.try_iter().next().or(failure) {
+            return Err(e);
+        }
+        Ok(waited_s)
+    }
+}
+
+/// A group thread's loop: runs the stages handed to it in their sequence order, passing each
+/// job on to its next stage's thread or finishing it. Stops at the first failure, reporting it.
+fn run_stages<'e>(comm: &Comm, rx: Receiver<Msg<'e>>, failures: Sender<ShardError>) {
+    let mut waiting: BTreeMap<u64, Msg<'e>> = BTreeMap::new();
+    let mut next = 0u64;
+    for msg in rx {
+        waiting.insert(msg.seq, msg);
+        while let Some(m) = waiting.remove(&next) {
+            next += 1;
+            let Msg {
+                carry,
+                stage,
+                mut rest,
+                finish,
+                ..
+            } = m;
+            let done = stage(comm, carry).and_then(|carry| match rest.pop_front() {
+                Some(n) => {
+                    let _ = n.to.send(Msg {
+                        seq: n.seq,
+                        carry,
+                        stage: n.stage,
+                        rest,
+                        finish,
+                    });
+                    Ok(())
+                }
+                None => finish(carry),
+            });
+            if let Err(e) = done {
+                let _ = failures.send(e);
+                return;
+            }
         }
     }
 }
