@@ -479,7 +479,10 @@ fn detect(world: &SimpleCommunicator, gcds_per_gpu: Option<usize>) -> Result<Top
     let mut sizes = [0i32; 2];
     world.all_reduce_into(&(local as i32), &mut sizes[0], SystemOperation::min());
     world.all_reduce_into(&(local as i32), &mut sizes[1], SystemOperation::max());
-    if sizes[0] != sizes[1] || (hi - lo + 1) as usize != local || !(lo as usize).is_multiple_of(local) {
+    if sizes[0] != sizes[1]
+        || (hi - lo + 1) as usize != local
+        || !(lo as usize).is_multiple_of(local)
+    {
         return Err(CommError::Topology(
             "shared-memory domains hold different numbers of ranks, or not consecutive ones: \
              launch with `mpirun --map-by slot` (or give the topology explicitly)"

@@ -115,6 +115,9 @@ pub struct StepReport {
     pub device_bytes: Option<u64>,
     /// Bytes of the secondary copies held during the step.
     pub secondary_bytes: u64,
+    /// What ran when on this rank, seconds into the step: the training thread's visits and
+    /// every stage of a gather or reduction (the plan's replay names them alike).
+    pub timeline: Vec<crate::simulate::Span>,
 }
 
 /// One rank's optimizer state for one unit: the element range of the unit's padded flat
@@ -599,7 +602,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         };
         let (gather_comm, reduce_comm) =
             (self.comm.lane(GATHER_LANE)?, self.comm.lane(REDUCE_LANE)?);
-        let shared = Shared::new(k, std::mem::take(&mut self.residuals));
+        let shared = Shared::new(k, std::mem::take(&mut self.residuals), start);
         let comm_wait = std::thread::scope(|scope| {
             let mut worker = Worker::new(
                 scope,
@@ -610,11 +613,13 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                 &shared,
                 &self.device,
             );
-            let result = self.run_schedule(&schedule, micro_batches, &mut state, &mut worker);
+            let result =
+                self.run_schedule(&schedule, micro_batches, &mut state, &mut worker, &shared);
             let finished = worker.finish(&mut state.grads);
             result.and(finished)
         });
         let secondary_bytes = shared.secondaries.bytes();
+        let timeline = std::mem::take(&mut *shared.spans.lock().unwrap_or_else(|e| e.into_inner()));
         self.residuals = shared
             .residuals
             .into_inner()
@@ -632,17 +637,17 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                 p.name
             )));
         }
-        let t = Instant::now();
-        let (loss, grad_norm) = self.finish_step(state, hyper)?;
+        let (loss, grad_norm, closing_s) = self.finish_step(state, hyper)?;
         Ok(StepReport {
             loss,
             grad_norm,
-            comm_wait_s: comm_wait + t.elapsed().as_secs_f64(),
+            comm_wait_s: comm_wait + closing_s,
             step_s: start.elapsed().as_secs_f64(),
             traffic: self.comm.take_counters(),
             resident: memory::resident(),
             device_bytes: memory::device_bytes_in_use(&self.device),
             secondary_bytes,
+            timeline,
         })
     }
 
@@ -654,6 +659,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         micro_batches: &[S::Batch],
         state: &mut StepState<S::Module, D>,
         worker: &mut Worker<'_, '_>,
+        shared: &Shared,
     ) -> Result<(), ShardError> {
         for &event in schedule {
             match event {
@@ -668,14 +674,19 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                             full.push(worker.next_gathered(&mut state.grads)?);
                         }
                     }
+                    let t = Instant::now();
                     if v.backward {
                         self.backward_visit(v, full, &micro_batches[v.micro], state)?;
                     } else {
                         self.forward_visit(v, full, &micro_batches[v.micro], state)?;
                     }
+                    let dir = if v.backward { 'b' } else { 'f' };
+                    shared.record(format!("visit {dir}{}", v.stage), t);
                 }
                 Event::Whole { micro } => {
-                    self.whole_micro_batch(micro, &micro_batches[micro], state)?
+                    let t = Instant::now();
+                    self.whole_micro_batch(micro, &micro_batches[micro], state)?;
+                    shared.record(format!("whole {micro}"), t);
                 }
                 Event::Reduce { unit } => {
                     let grad = state.work[unit]
@@ -819,12 +830,13 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
 
     /// The step's end on every rank: gradients averaged over micro-batches, the global norm
     /// over the optimizer group, clipping, AdamW on the master shards, the primary rebuilt.
-    /// Returns the step's mean loss over the world and the norm.
+    /// Returns the step's mean loss over the world, the norm and the seconds its collectives
+    /// took.
     fn finish_step(
         &mut self,
         state: StepState<S::Module, D>,
         hyper: &StepHyper,
-    ) -> Result<(f64, f64), ShardError> {
+    ) -> Result<(f64, f64, f64), ShardError> {
         let accum = state.micro_losses.len();
         let inv = 1.0 / accum as f64;
         let mut grads: Vec<Tensor<1>> = state
@@ -838,11 +850,13 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             .map(|g| scalar((g.clone() * g.clone()).sum()))
             .sum();
         let cfg = &self.plan.config;
+        let closing = Instant::now();
         let sq = route::sum_over(self.comm, self.plan.group(cfg.optimizer), sq as f32)? as f64;
         let local_loss = state.micro_losses.iter().sum::<f64>() * inv;
         let world = self.plan.group(Span(self.plan.topology.depth()));
         let loss = route::sum_over(self.comm, world, local_loss as f32)? as f64
             / self.plan.topology.world_size() as f64;
+        let mut closing_s = closing.elapsed().as_secs_f64();
         let norm = sq.sqrt();
         if !loss.is_finite() || !norm.is_finite() {
             return Err(ShardError::Diverged { loss, norm });
@@ -861,9 +875,13 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                 .update(&hyper.adam, self.adam_step, hyper.lr, g);
             // At once, unit by unit: a primary that shares the old master would otherwise
             // keep every old master alive until the last unit is updated.
+            let gather = Instant::now();
             self.primary[u] = self.primary_of(u)?;
+            if cfg.params != cfg.optimizer {
+                closing_s += gather.elapsed().as_secs_f64();
+            }
         }
-        Ok((loss, norm))
+        Ok((loss, norm, closing_s))
     }
 
     /// Builds the primary parameter partition from the f32 masters.

@@ -189,6 +189,9 @@ pub struct Plan {
     /// What each unit's computation keeps alive per micro-batch (zeros unless given with
     /// [`Plan::with_activations`]).
     pub activations: Vec<ActivationBytes>,
+    /// Each unit's forward FLOPs per micro-batch on one rank (zeros unless given with
+    /// [`Plan::with_flops`]); its backward is taken as twice that, as for matrix products.
+    pub flops: Vec<f64>,
 }
 
 impl Plan {
@@ -248,6 +251,7 @@ impl Plan {
         }
         Ok(Self {
             activations: vec![ActivationBytes::default(); out.len()],
+            flops: vec![0.0; out.len()],
             config,
             topology,
             units: out,
@@ -268,6 +272,20 @@ impl Plan {
             )));
         }
         self.activations = activations;
+        Ok(self)
+    }
+
+    /// The same plan with each unit's forward FLOPs per micro-batch on one rank, for the
+    /// step-time prediction (`simulate`).
+    pub fn with_flops(mut self, flops: Vec<f64>) -> Result<Self, ShardError> {
+        if flops.len() != self.units.len() {
+            return Err(ShardError::Units(format!(
+                "{} FLOP counts for {} units",
+                flops.len(),
+                self.units.len()
+            )));
+        }
+        self.flops = flops;
         Ok(self)
     }
 
@@ -335,22 +353,33 @@ impl Plan {
         out
     }
 
-    /// The traffic of one gather of unit `u` from the primary partition.
-    pub(crate) fn gather_primary_traffic(&self, u: usize, table: &mut TrafficTable) {
+    /// The collectives of one gather of unit `u` from the primary partition, in the order
+    /// they run (outermost hop first; each hop multiplies what every rank holds by its group's
+    /// size).
+    pub fn gather_primary_collectives(&self, u: usize) -> Vec<Collective> {
         let c = self.config.compute.bytes();
         let shard = self.shard_len(u, self.config.params);
         let mut per_rank = match self.config.quantize_weights {
             WeightQuant::Off => shard * c,
             WeightQuant::Int8 => Quantized::wire_bytes(QuantFormat::Int8, self.block(), shard),
         };
-        // Outermost hop first: each hop multiplies what every rank holds by its group size.
+        let mut out = Vec::new();
         for hop in self.hops().into_iter().rev() {
             let g = hop.size(&self.topology);
             if g > 1 {
-                add(table, hop, Op::AllGather, (per_rank * g) as u64, g);
+                out.push(Collective::new(hop, Op::AllGather, (per_rank * g) as u64));
                 per_rank *= g;
             }
         }
+        if self.config.quantize_weights == WeightQuant::Int8
+            && let Some(last) = out.len().checked_sub(1)
+        {
+            // The shard is quantized before the first hop, the whole unit dequantized after
+            // the last (half a round trip each).
+            out[0].quant_elements += shard as f64 / 2.0;
+            out[last].quant_elements += self.units[u].padded as f64 / 2.0;
+        }
+        out
     }
 
     /// Bytes one rank holds of unit `u`'s secondary copy at `span`: int8 blocks (the bytes the
@@ -363,29 +392,36 @@ impl Plan {
         }
     }
 
-    /// The traffic of one gather of unit `u` from a secondary partition at `span`.
-    pub(crate) fn gather_secondary_traffic(&self, u: usize, span: Span, table: &mut TrafficTable) {
+    /// The collectives of one gather of unit `u` from a secondary partition at `span`.
+    pub fn gather_secondary_collectives(&self, u: usize, span: Span) -> Vec<Collective> {
         let g = span.group_size(&self.topology);
         if g > 1 {
             let bytes = self.secondary_bytes(u, span) * g;
-            add(table, self.group(span), Op::AllGather, bytes as u64, g);
+            let c = Collective::new(self.group(span), Op::AllGather, bytes as u64);
+            vec![match self.config.quantize_weights {
+                WeightQuant::Off => c,
+                // The whole unit is dequantized after it.
+                WeightQuant::Int8 => c.quantizing(self.units[u].padded as f64 / 2.0),
+            }]
+        } else {
+            Vec::new()
         }
     }
 
-    /// The traffic of reducing unit `u`'s gradient once.
-    pub(crate) fn reduce_traffic(&self, u: usize, table: &mut TrafficTable) {
+    /// The collectives of reducing unit `u`'s gradient once, in the order they run.
+    pub fn reduce_collectives(&self, u: usize) -> Vec<Collective> {
         let padded = self.units[u].padded;
         let world = Levels {
             lo: 0,
             hi: self.topology.depth(),
         };
         let o = self.config.optimizer;
+        let mut out = Vec::new();
         if o == Span(0) {
-            let w = world.size(&self.topology);
-            if w > 1 {
-                add(table, world, Op::AllReduce, (padded * 4) as u64, w);
+            if world.size(&self.topology) > 1 {
+                out.push(Collective::new(world, Op::AllReduce, (padded * 4) as u64));
             }
-            return;
+            return out;
         }
         let mut len = padded;
         for hop in self.hops() {
@@ -399,10 +435,14 @@ impl Plan {
                 GradQuant::Int4 => Some(QuantFormat::Int4),
             };
             match format {
-                None => add(table, hop, Op::ReduceScatter, (len * 4) as u64, g),
+                None => out.push(Collective::new(hop, Op::ReduceScatter, (len * 4) as u64)),
                 Some(f) => {
                     let part = Quantized::wire_bytes(f, self.block(), len / g);
-                    add(table, hop, Op::AllToAll, (part * g) as u64, g);
+                    // The hop's buffer is quantized, and as much arrives to dequantize.
+                    out.push(
+                        Collective::new(hop, Op::AllToAll, (part * g) as u64)
+                            .quantizing(len as f64),
+                    );
                 }
             }
             len /= g;
@@ -411,10 +451,10 @@ impl Plan {
             lo: o.0,
             hi: self.topology.depth(),
         };
-        let g = across.size(&self.topology);
-        if g > 1 {
-            add(table, across, Op::AllReduce, (len * 4) as u64, g);
+        if across.size(&self.topology) > 1 {
+            out.push(Collective::new(across, Op::AllReduce, (len * 4) as u64));
         }
+        out
     }
 
     pub(crate) fn block(&self) -> BlockSize {
@@ -422,10 +462,49 @@ impl Plan {
     }
 }
 
-/// Charges one collective to `table` by the comm crate's formula (the one its counters use;
-/// a 4-byte scalar all-reduce over more than 4 ranks rounds to 0 bytes there too).
-pub(crate) fn add(table: &mut TrafficTable, group: Levels, op: Op, bytes: u64, g: usize) {
-    *table.entry((group, op)).or_default() += formula(op, bytes, g, Role::Member);
+/// One collective a rank takes part in, as every member of every group of its kind runs it at
+/// once: its group of levels, its op and its payload (`n` of the comm crate's formulas: the
+/// output of an all-gather, the input of a reduce-scatter or all-to-all, the buffer of an
+/// all-reduce).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Collective {
+    /// The group it runs over.
+    pub group: Levels,
+    /// The operation.
+    pub op: Op,
+    /// Payload bytes.
+    pub bytes: u64,
+    /// Elements this rank quantizes or dequantizes around it, counted in round trips (a
+    /// quantization and a dequantization make one).
+    pub quant_elements: f64,
+}
+
+impl Collective {
+    /// A collective of `op` over `group` on `bytes` of plain payload.
+    pub fn new(group: Levels, op: Op, bytes: u64) -> Self {
+        Self {
+            group,
+            op,
+            bytes,
+            quant_elements: 0.0,
+        }
+    }
+
+    /// The same collective with `elements` quantization round trips around it.
+    pub fn quantizing(self, elements: f64) -> Self {
+        Self {
+            quant_elements: elements,
+            ..self
+        }
+    }
+
+    /// Charges it to `table` by the comm crate's formula (the one its counters use; a 4-byte
+    /// scalar all-reduce over more than 4 ranks rounds to 0 bytes there too).
+    pub(crate) fn charge(&self, topology: &Topology, table: &mut TrafficTable) {
+        let g = self.group.size(topology);
+        *table.entry((self.group, self.op)).or_default() +=
+            formula(self.op, self.bytes, g, Role::Member);
+    }
 }
 
 #[cfg(test)]

@@ -559,7 +559,9 @@ pub(crate) fn reduce_flow<'e>(
                     residuals.lock().unwrap_or_else(|e| e.into_inner())[u].per_hop[k] =
                         Some(buf - back);
                 }
-                Ok(Carry::Tensor(Box::new(exchange(&group, &q, block, device)?)))
+                Ok(Carry::Tensor(Box::new(exchange(
+                    &group, &q, block, device,
+                )?)))
             }),
         };
         stages.push((hop, stage));

@@ -7,7 +7,7 @@
 use serde::Serialize;
 
 use crate::config::{Compute, GradQuant, Recompute, Span, WeightQuant};
-use crate::plan::{Memory, Plan, TrafficTable, Visit, add};
+use crate::plan::{Collective, Memory, Plan, TrafficTable, Visit};
 use ember_comm::counters::Op;
 use ember_comm::quant::{QuantFormat, Quantized};
 
@@ -116,25 +116,25 @@ impl Plan {
         out
     }
 
-    /// Bytes one rank moves per (group, op) in one optimizer step: the schedule's gathers and
-    /// reductions, then the step's closing collectives (the gradient norm over the optimizer
-    /// group, the loss over the world, and the parameter all-gather after the update when
-    /// parameters are replicated but optimizer state is not).
-    pub fn traffic(&self, grad_accum: usize) -> TrafficTable {
-        let mut t = TrafficTable::new();
-        let cfg = &self.config;
-        for event in self.schedule(grad_accum) {
-            match event {
-                Event::Gather { unit, source } => match (source, cfg.secondary) {
-                    (Source::Secondary, Some(span)) => {
-                        self.gather_secondary_traffic(unit, span, &mut t)
-                    }
-                    _ => self.gather_primary_traffic(unit, &mut t),
-                },
-                Event::Reduce { unit } => self.reduce_traffic(unit, &mut t),
-                Event::Visit(_) | Event::Whole { .. } => {}
-            }
+    /// The collectives of one event of the schedule, in the order they run (none for visits).
+    pub fn collectives(&self, event: Event) -> Vec<Collective> {
+        match event {
+            Event::Gather { unit, source } => match (source, self.config.secondary) {
+                (Source::Secondary, Some(span)) => self.gather_secondary_collectives(unit, span),
+                _ => self.gather_primary_collectives(unit),
+            },
+            Event::Reduce { unit } => self.reduce_collectives(unit),
+            Event::Visit(_) | Event::Whole { .. } => Vec::new(),
         }
+    }
+
+    /// The collectives the calling thread runs after the schedule: the parameter all-gather
+    /// after the update when parameters are replicated but optimizer state is not (outermost
+    /// hop first), then the gradient norm over the optimizer group and the step's loss over
+    /// the world (one f32 each).
+    pub fn closing_collectives(&self) -> Vec<Collective> {
+        let cfg = &self.config;
+        let mut out = Vec::new();
         if cfg.params == Span(0) && cfg.optimizer != Span(0) {
             // Replicated parameters are rebuilt from the updated master shards.
             let c = cfg.compute.bytes();
@@ -143,7 +143,7 @@ impl Plan {
                 for hop in self.hops().into_iter().rev() {
                     let g = hop.size(&self.topology);
                     if g > 1 {
-                        add(&mut t, hop, Op::AllGather, (per_rank * g) as u64, g);
+                        out.push(Collective::new(hop, Op::AllGather, (per_rank * g) as u64));
                         per_rank *= g;
                     }
                 }
@@ -153,10 +153,24 @@ impl Plan {
             self.group(cfg.optimizer),
             self.group(Span(self.topology.depth())),
         ] {
-            let g = group.size(&self.topology);
-            if g > 1 {
-                add(&mut t, group, Op::AllReduce, 4, g);
+            if group.size(&self.topology) > 1 {
+                out.push(Collective::new(group, Op::AllReduce, 4));
             }
+        }
+        out
+    }
+
+    /// Bytes one rank moves per (group, op) in one optimizer step: the schedule's gathers and
+    /// reductions, then the step's closing collectives.
+    pub fn traffic(&self, grad_accum: usize) -> TrafficTable {
+        let mut t = TrafficTable::new();
+        let events = self.schedule(grad_accum);
+        for c in events
+            .iter()
+            .flat_map(|&e| self.collectives(e))
+            .chain(self.closing_collectives())
+        {
+            c.charge(&self.topology, &mut t);
         }
         t
     }

@@ -25,6 +25,7 @@ use crate::error::ShardError;
 use crate::plan::{Levels, Plan};
 use crate::route::{self, Carry, FinishFn, Flow, Residuals, Secondaries, StageFn};
 use crate::schedule::Source;
+use crate::simulate::Span;
 
 /// A request to the communication threads.
 pub(crate) enum Job {
@@ -43,6 +44,7 @@ pub(crate) const REDUCE_LANE: usize = 2;
 /// produced, and what follows.
 struct Msg<'e> {
     seq: u64,
+    name: String,
     carry: Carry,
     stage: StageFn<'e>,
     rest: VecDeque<Next<'e>>,
@@ -53,6 +55,7 @@ struct Msg<'e> {
 struct Next<'e> {
     to: Sender<Msg<'e>>,
     seq: u64,
+    name: String,
     stage: StageFn<'e>,
 }
 
@@ -73,6 +76,7 @@ pub(crate) struct Worker<'scope, 'env> {
     primary: &'env [Tensor<1>],
     secondaries: &'env Secondaries,
     residuals: &'env Mutex<Vec<Residuals>>,
+    shared: &'env Shared,
     device: &'env Device,
     threads: HashMap<(usize, Levels), Thread<'env>>,
     handles: Vec<ScopedJoinHandle<'scope, ()>>,
@@ -92,14 +96,32 @@ pub(crate) struct Shared {
     pub secondaries: Secondaries,
     /// Error-feedback residuals, per unit.
     pub residuals: Mutex<Vec<Residuals>>,
+    /// When the step started, and what ran when (the training thread's visits, every stage).
+    pub clock: Instant,
+    pub spans: Mutex<Vec<Span>>,
 }
 
 impl Shared {
-    pub(crate) fn new(units: usize, residuals: Vec<Residuals>) -> Self {
+    pub(crate) fn new(units: usize, residuals: Vec<Residuals>, clock: Instant) -> Self {
         Self {
             secondaries: Secondaries::new(units),
             residuals: Mutex::new(residuals),
+            clock,
+            spans: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Records `what` as running from `start` until now.
+    pub(crate) fn record(&self, what: String, start: Instant) {
+        let span = Span {
+            what,
+            start: start.duration_since(self.clock).as_secs_f64(),
+            end: self.clock.elapsed().as_secs_f64(),
+        };
+        self.spans
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(span);
     }
 }
 
@@ -127,6 +149,7 @@ impl<'scope, 'env> Worker<'scope, 'env> {
             primary,
             secondaries: &shared.secondaries,
             residuals: &shared.residuals,
+            shared,
             device,
             threads: HashMap::new(),
             handles: Vec::new(),
@@ -142,6 +165,10 @@ impl<'scope, 'env> Worker<'scope, 'env> {
     /// Hands a job over. Its stages are queued on their groups' threads at once, each with its
     /// place in that thread's order; a job that moves nothing finishes here.
     pub(crate) fn send(&mut self, job: Job) -> Result<(), ShardError> {
+        let (kind, unit) = match &job {
+            Job::Gather { unit, .. } => ("gather", *unit),
+            Job::Reduce { unit, .. } => ("reduce", *unit),
+        };
         let (lane, flow) = match job {
             Job::Gather { unit, source } => {
                 let (tx, rx) = channel();
@@ -179,12 +206,14 @@ impl<'scope, 'env> Worker<'scope, 'env> {
         let mut rest: VecDeque<Next<'env>> = stages
             .into_iter()
             .map(|(group, stage)| {
+                let name = format!("{kind} {unit} {}", group.name(&self.plan.topology));
                 let thread = self.thread(lane, group);
                 let seq = thread.next_seq;
                 thread.next_seq += 1;
                 Next {
                     to: thread.to.clone(),
                     seq,
+                    name,
                     stage,
                 }
             })
@@ -194,6 +223,7 @@ impl<'scope, 'env> Worker<'scope, 'env> {
             Some(first) => {
                 let _ = first.to.send(Msg {
                     seq: first.seq,
+                    name: first.name,
                     carry: Carry::Empty,
                     stage: first.stage,
                     rest,
@@ -212,10 +242,11 @@ impl<'scope, 'env> Worker<'scope, 'env> {
             self.reduce_comm
         };
         let (scope, failures, handles) = (self.scope, &self.failures_tx, &mut self.handles);
+        let shared = self.shared;
         self.threads.entry((lane, group)).or_insert_with(|| {
             let (to, rx) = channel::<Msg<'env>>();
             let failures = failures.clone();
-            handles.push(scope.spawn(move || run_stages(comm, rx, failures)));
+            handles.push(scope.spawn(move || run_stages(comm, rx, failures, shared)));
             Thread { to, next_seq: 0 }
         })
     }
@@ -295,7 +326,13 @@ impl<'scope, 'env> Worker<'scope, 'env> {
 
 /// A group thread's loop: runs the stages handed to it in their sequence order, passing each
 /// job on to its next stage's thread or finishing it. Stops at the first failure, reporting it.
-fn run_stages<'e>(comm: &Comm, rx: Receiver<Msg<'e>>, failures: Sender<ShardError>) {
+fn run_stages<'e>(
+    comm: &Comm,
+    rx: Receiver<Msg<'e>>,
+    failures: Sender<ShardError>,
+    shared: &Shared,
+) {
+    raise_priority();
     let mut waiting: BTreeMap<u64, Msg<'e>> = BTreeMap::new();
     let mut next = 0u64;
     for msg in rx {
@@ -303,16 +340,21 @@ fn run_stages<'e>(comm: &Comm, rx: Receiver<Msg<'e>>, failures: Sender<ShardErro
         while let Some(m) = waiting.remove(&next) {
             next += 1;
             let Msg {
+                name,
                 carry,
                 stage,
                 mut rest,
                 finish,
                 ..
             } = m;
-            let done = stage(comm, carry).and_then(|carry| match rest.pop_front() {
+            let start = Instant::now();
+            let done = stage(comm, carry);
+            shared.record(name, start);
+            let done = done.and_then(|carry| match rest.pop_front() {
                 Some(n) => {
                     let _ = n.to.send(Msg {
                         seq: n.seq,
+                        name: n.name,
                         carry,
                         stage: n.stage,
                         rest,
@@ -341,3 +383,19 @@ pub(crate) fn add_to(acc: &mut Option<Tensor<1>>, x: Tensor<1>) {
 fn thread_gone() -> ShardError {
     ShardError::Model("a communication thread stopped unexpectedly".into())
 }
+
+/// Lets this thread run before compute threads when it wakes: a collective's step waits for
+/// its slowest member to poll, and on cores shared by many ranks a poll otherwise waits behind
+/// their compute for a scheduler time slice. Best effort: without the privilege to lower the
+/// nice value (root or CAP_SYS_NICE), the thread keeps the default priority.
+fn raise_priority() {
+    // SAFETY: gettid and setpriority have no memory preconditions; they only act on this
+    // thread's scheduling.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, COMM_NICE);
+    }
+}
+
+/// The nice value of the communication threads.
+const COMM_NICE: i32 = -10;

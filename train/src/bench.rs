@@ -15,9 +15,11 @@ use crate::device::peak_flops;
 use crate::error::CliResult;
 use crate::gpt_run::{GptRun, run_plan, traffic_by_name};
 use crate::host_memory::rss_peaks;
+use crate::planning::estimate;
 use crate::run_loop::{self, Output, Stepped};
 use crate::setup::{Purpose, RunArgs, RunSetup};
 use crate::shard_args::ShardArgs;
+use ember_sharding::profile::Profile;
 
 /// One benchmark result.
 #[derive(Debug, Clone, Serialize)]
@@ -145,8 +147,26 @@ pub struct ShardBench {
     pub block_size: usize,
     /// Timed steps.
     pub steps: u64,
+    /// What units with partitioned parameters keep for backward (`unit` or `none`).
+    pub recompute: String,
     /// Median step time, ms (the slowest rank's: every step ends in a collective).
     pub step_ms_median: f64,
+    /// The fastest and slowest timed step, ms.
+    pub step_ms_range: (f64, f64),
+    /// `ember plan`'s step time on the profile given (`--profile`, or the emulated cluster's),
+    /// ms.
+    pub step_ms_predicted: Option<f64>,
+    /// `ember plan`'s share of the step spent waiting on communication.
+    pub comm_wait_predicted: Option<f64>,
+    /// Bytes per step over all links of each level (both directions), measured from the
+    /// emulated cluster's interface counters (GPU links and node uplinks), when run on one.
+    pub link_bytes_measured: Option<BTreeMap<String, f64>>,
+    /// The same, predicted by `ember plan` (payload only: no TCP/IP headers).
+    pub link_bytes_predicted: Option<BTreeMap<String, f64>>,
+    /// What ran when in rank 0's last timed step.
+    pub timeline: Vec<ember_sharding::simulate::Span>,
+    /// The same in `ember plan`'s replay of the step.
+    pub timeline_predicted: Vec<ember_sharding::simulate::Span>,
     /// Median step time over the `ddp` preset's, when `ddp` was measured first.
     pub vs_ddp: Option<f64>,
     /// Job-wide training tokens per second at the median step.
@@ -169,6 +189,7 @@ pub struct ShardBench {
 
 /// Times `steps` sharded training steps (after `warmup`) of each sharding preset in `shards`
 /// on the model `base` describes; every rank must call it.
+#[allow(clippy::too_many_arguments)]
 pub fn bench_shard(
     comm: &Comm,
     shard_flags: &ShardArgs,
@@ -176,24 +197,58 @@ pub fn bench_shard(
     base: &TrainOverrides,
     steps: u64,
     warmup: u64,
+    profile: Option<&Profile>,
 ) -> CliResult<Vec<ShardBench>> {
     let topology = comm.topology().clone();
     let world = topology.world_size();
     let mut setup = bench_setup(comm, base.clone(), steps + warmup)?;
     let config = setup.config.clone();
+    let warm = TrainConfig {
+        max_iters: warmup,
+        ..config.clone()
+    };
+    // On an emulated cluster, rank 0 reads its links' counters around the timed steps.
+    let cluster = match std::env::var(crate::cluster::CLUSTER_ENV) {
+        Ok(path) if comm.rank() == 0 => {
+            Some(crate::cluster::Cluster::load(std::path::Path::new(&path))?)
+        }
+        _ => None,
+    };
     let mut out: Vec<ShardBench> = Vec::new();
     for shard in shards {
         let flags = ShardArgs {
             shard: Some(shard.clone()),
             ..shard_flags.clone()
         };
-        let shard_config = flags.resolve(&topology, config.dtype)?;
-        let plan_memory =
-            run_plan(&config, &topology, shard_config.clone())?.memory(config.grad_accum);
+        let mut shard_config = flags.resolve(&topology, config.dtype)?;
+        if shard_flags.recompute.is_none() {
+            setup.choose_recompute(comm, &mut shard_config)?;
+        }
+        let plan = run_plan(&config, &topology, shard_config.clone())?;
+        let plan_memory = plan.memory(config.grad_accum);
+        let predicted = profile.map(|p| estimate(&plan, config.grad_accum, p));
         // Each preset's peak is its own: the previous preset's memory is freed by now.
         ember_sharding::memory::reset_peak();
-        let mut run = GptRun::start(comm, &mut setup, shard_config)?;
-        let (stepped, _) = run_loop::run(&mut run, &config, 0, 0, Output::Quiet)?;
+        let mut run = GptRun::start(comm, &mut setup, shard_config.clone())?;
+        let (mut stepped, _) = run_loop::run(&mut run, &warm, 0, 0, Output::Quiet)?;
+        comm.barrier();
+        let before = cluster.as_ref().map(|c| c.link_bytes()).transpose()?;
+        let tokens = warmup * config.tokens_per_step() as u64;
+        let (timed, _) = run_loop::run(&mut run, &config, warmup, tokens, Output::Quiet)?;
+        comm.barrier();
+        let after = cluster.as_ref().map(|c| c.link_bytes()).transpose()?;
+        stepped.extend(timed);
+        let link_bytes_measured = before.zip(after).map(|(b, a)| {
+            let d = b.delta(&a);
+            let per_step = |x: u64| x as f64 / steps as f64;
+            BTreeMap::from([
+                (topology.levels()[1].name.clone(), per_step(d.gpu_total())),
+                (
+                    topology.levels()[2].name.clone(),
+                    per_step(d.uplink_total()),
+                ),
+            ])
+        });
         let times = step_times(&stepped, warmup);
         let mut waits: Vec<f64> = stepped[warmup as usize..]
             .iter()
@@ -203,9 +258,9 @@ pub fn bench_shard(
         let last = run.last_report().expect("at least one step");
         let median = times[times.len() / 2];
         let step_ms = median * 1e3;
-        let predicted = run.sharded().plan().traffic(config.grad_accum);
+        let traffic = run.sharded().plan().traffic(config.grad_accum);
         let depth = topology.depth();
-        let bytes_predicted = predicted
+        let bytes_predicted = traffic
             .iter()
             .filter(|(_, t)| t.sent > 0)
             .map(|((g, op), t)| (format!("{}/{}", g.name(&topology), op.name()), t.sent))
@@ -221,6 +276,7 @@ pub fn bench_shard(
             .find(|r| r.shard == "ddp")
             .map(|d| step_ms / d.step_ms_median);
         let bytes_sent = traffic_by_name(comm, &last.traffic);
+        let timeline = last.timeline.clone();
         drop(run);
         out.push(ShardBench {
             shard: shard.clone(),
@@ -230,7 +286,25 @@ pub fn bench_shard(
             batch_size: config.batch_size,
             block_size: config.block_size,
             steps,
+            recompute: format!("{:?}", shard_config.recompute).to_lowercase(),
             step_ms_median: step_ms,
+            step_ms_range: (times[0] * 1e3, times[times.len() - 1] * 1e3),
+            step_ms_predicted: predicted.as_ref().map(|e| e.step_s * 1e3),
+            comm_wait_predicted: predicted
+                .as_ref()
+                .map(|e| e.comm_wait_s / e.step_s.max(1e-12)),
+            link_bytes_predicted: predicted.as_ref().map(|e| {
+                e.link_bytes
+                    .iter()
+                    .skip(1)
+                    .map(|(n, b)| (n.clone(), *b))
+                    .collect()
+            }),
+            link_bytes_measured,
+            timeline,
+            timeline_predicted: predicted
+                .as_ref()
+                .map_or(Vec::new(), |e| e.timeline.clone()),
             vs_ddp,
             tokens_per_s: config.tokens_per_step() as f64 / median,
             comm_wait_frac: waits[waits.len() / 2],

@@ -81,9 +81,31 @@ pub struct Cluster {
     pub rtt_us: BTreeMap<String, f64>,
     /// Probed TCP throughput of one stream across one GPU link and across one uplink, Mbit/s.
     pub probed_mbit: BTreeMap<String, f64>,
-    /// Measured sustained TFLOP/s of one rank when every rank computes (see
-    /// [`measure_rank_tflops`]).
+    /// The compute and CPU costs measured on this machine (see [`calibrate`]).
+    pub measured: Measured,
+    /// Each tier's links as MPI moves data over them (see [`probe_links`]).
+    #[serde(default)]
+    pub mpi: Option<MpiProbe>,
+}
+
+/// Each tier's links measured through ember's collectives under `mpirun`: the rate of the
+/// busiest link while every group of the tier's GPUs or nodes exchanges at once, and the
+/// latency of a small exchange.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MpiProbe {
+    /// GB/s per direction of one link of each level from the GPU level out, by level name.
+    pub link_gbps: Vec<(String, f64)>,
+    /// One-way microseconds of a small exchange across each level, by level name.
+    pub latency_us: Vec<(String, f64)>,
+}
+
+/// What `up` measures of this machine's compute and CPU, for the profile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Measured {
+    /// Sustained TFLOP/s of one rank when every rank computes.
     pub rank_tflops: f64,
+    /// The CPU costs of communication and of the engine's bookkeeping.
+    pub cpu: ember_sharding::profile::CpuProfile,
     /// What the compute rate was measured on.
     pub calibration: String,
 }
@@ -341,9 +363,7 @@ pub fn up(spec: &ClusterSpec, calibration: &Calibration) -> Result<Cluster> {
         bail!("ember cluster up needs root (network namespaces and tc): run it as root");
     }
     down(&spec.prefix)?;
-    let ranks = topology.world_size();
-    let rank_tflops = measure_rank_tflops(calibration, ranks)?;
-    match build(spec, &topology, rank_tflops, calibration.describe(ranks)) {
+    match build(spec, &topology, calibration) {
         Ok(c) => Ok(c),
         Err(e) => {
             let _ = down(&spec.prefix);
@@ -357,11 +377,12 @@ fn unsafe_geteuid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-/// `tbf` at `mbit` on `dev` (in namespace `ns` when given). The bucket holds a few
-/// milliseconds of traffic, the queue 50 ms: enough for TCP to fill the link.
+/// `tbf` at `mbit` on `dev` (in namespace `ns` when given). The bucket holds 2 ms of traffic,
+/// the queue 50 ms. Measured: a 5 ms queue let four TCP flows fill a link both ways, but MPI's
+/// bursts then lost packets to it, and retransmission timeouts made ember's steps 1.5x slower.
 fn shape(ns: Option<&str>, dev: &str, mbit: f64) -> Result<()> {
     let rate = format!("{}kbit", (mbit * 1000.0).round() as u64);
-    let burst = format!("{}", ((mbit * 1e6 / 8.0 * 0.002) as u64).max(16 * 1024));
+    let burst = format!("{}", ((mbit * 1e6 / 8.0 * 0.002) as u64).max(128 * 1024));
     let mut args: Vec<&str> = Vec::new();
     if let Some(ns) = ns {
         args.extend(["-n", ns]);
@@ -373,12 +394,7 @@ fn shape(ns: Option<&str>, dev: &str, mbit: f64) -> Result<()> {
     run("tc", &args)
 }
 
-fn build(
-    spec: &ClusterSpec,
-    topology: &Topology,
-    rank_tflops: f64,
-    calibration: String,
-) -> Result<Cluster> {
+fn build(spec: &ClusterSpec, topology: &Topology, calibration: &Calibration) -> Result<Cluster> {
     let p = &spec.prefix;
     let dims = topology.dims();
     let (nodes, gpus_per_node) = (dims[2], dims[1]);
@@ -450,33 +466,71 @@ fn build(
         dir: dir.clone(),
         rtt_us: BTreeMap::new(),
         probed_mbit: BTreeMap::new(),
-        rank_tflops,
-        calibration,
+        mpi: None,
+        measured: Measured {
+            rank_tflops: 0.0,
+            cpu: ember_sharding::profile::CpuProfile {
+                cores_per_rank: 0.0,
+                message_byte_s: Vec::new(),
+                copy_byte_s: 0.0,
+                quant_element_s: 0.0,
+                visit_param_s: 0.0,
+                optimizer_element_s: 0.0,
+            },
+            calibration: String::new(),
+        },
     };
-    probe(&mut cluster)?;
+    let tcp_byte_s = probe(&mut cluster)?;
+    cluster.measured = calibrate(calibration, topology, tcp_byte_s)?;
     let state = serde_json::to_string_pretty(&cluster)?;
     std::fs::write(dir.join("cluster.json"), state)?;
-    std::fs::write(dir.join("profile.toml"), profile_toml(&cluster))?;
+    cluster.mpi = Some(probe_through_mpi(&cluster)?);
+    let state = serde_json::to_string_pretty(&cluster)?;
+    std::fs::write(dir.join("cluster.json"), state)?;
+    std::fs::write(dir.join("profile.toml"), profile_toml(&cluster)?)?;
     Ok(cluster)
 }
 
 /// Measures TCP round trips and one stream's throughput between GPU namespaces: over a GPU
 /// link (two GPUs of node 0) and over the uplinks (GPU 0 of nodes 0 and 1), where they exist.
-fn probe(c: &mut Cluster) -> Result<()> {
+/// Returns the CPU time spent per byte streamed (both ends and the TCP/IP stack), per tier.
+fn probe(c: &mut Cluster) -> Result<BTreeMap<String, f64>> {
     let first = &c.gpus[0];
     let same_node = c
         .gpus
         .iter()
         .find(|g| g.node == 0 && g.namespace != first.namespace);
     let other_node = c.gpus.iter().find(|g| g.node == 1);
+    let mut cpu = BTreeMap::new();
     for (tier, peer) in [("gpu", same_node), ("node", other_node)] {
         let Some(peer) = peer else { continue };
-        let (rtt, mbit) = probe_pair(first, peer)
+        let p = probe_pair(first, peer)
             .with_context(|| format!("probing {} <-> {}", first.namespace, peer.namespace))?;
-        c.rtt_us.insert(tier.to_string(), rtt);
-        c.probed_mbit.insert(tier.to_string(), mbit);
+        c.rtt_us.insert(tier.to_string(), p.rtt_us);
+        c.probed_mbit.insert(tier.to_string(), p.mbit);
+        cpu.insert(tier.to_string(), p.cpu_byte_s);
     }
-    Ok(())
+    Ok(cpu)
+}
+
+/// What one probe measured.
+struct Probe {
+    rtt_us: f64,
+    mbit: f64,
+    cpu_byte_s: f64,
+}
+
+/// CPU time this process has used so far, seconds (user and system, every thread): the probe's
+/// two ends, and the kernel's network path, which runs in the sending and receiving threads.
+fn busy_cpu_s() -> f64 {
+    // SAFETY: getrusage writes one `rusage` into the zeroed value it is handed.
+    let usage = unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut u);
+        u
+    };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(usage.ru_utime) + tv(usage.ru_stime)
 }
 
 /// Enters network namespace `ns` on the calling thread only.
@@ -492,11 +546,11 @@ fn enter_namespace(ns: &str) -> Result<()> {
     Ok(())
 }
 
-/// Round trip (microseconds, median of 200 one-byte echoes) and one stream's throughput
-/// (Mbit/s, 2 MB) from `a` to `b`.
-fn probe_pair(a: &Gpu, b: &Gpu) -> Result<(f64, f64)> {
+/// Round trip (microseconds, median of 200 one-byte echoes), one stream's throughput (Mbit/s,
+/// 8 MB) from `a` to `b`, and the machine's CPU time per byte of it.
+fn probe_pair(a: &Gpu, b: &Gpu) -> Result<Probe> {
     const PORT: u16 = 47_123;
-    const BYTES: usize = 2 << 20;
+    const BYTES: usize = 8 << 20;
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let server_ns = b.namespace.clone();
     let server = std::thread::spawn(move || -> Result<()> {
@@ -527,7 +581,7 @@ fn probe_pair(a: &Gpu, b: &Gpu) -> Result<(f64, f64)> {
         .map_err(|_| anyhow!("the probe server in {} did not start", b.namespace))?;
     let client_ns = a.namespace.clone();
     let addr: SocketAddr = format!("{}:{PORT}", b.address).parse()?;
-    let client = std::thread::spawn(move || -> Result<(f64, f64)> {
+    let client = std::thread::spawn(move || -> Result<Probe> {
         enter_namespace(&client_ns)?;
         let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(10))?;
         s.set_nodelay(true)?;
@@ -541,11 +595,15 @@ fn probe_pair(a: &Gpu, b: &Gpu) -> Result<(f64, f64)> {
         }
         rtts.sort_by(f64::total_cmp);
         let payload = vec![0u8; BYTES];
-        let t = Instant::now();
+        let (t, cpu) = (Instant::now(), busy_cpu_s());
         s.write_all(&payload)?;
         s.read_exact(&mut byte)?;
         let mbit = BYTES as f64 * 8.0 / t.elapsed().as_secs_f64() / 1e6;
-        Ok((rtts[100], mbit))
+        Ok(Probe {
+            rtt_us: rtts[100],
+            mbit,
+            cpu_byte_s: (busy_cpu_s() - cpu).max(0.0) / BYTES as f64,
+        })
     });
     let result = client
         .join()
@@ -558,110 +616,355 @@ fn probe_pair(a: &Gpu, b: &Gpu) -> Result<(f64, f64)> {
 
 /// The link profile of the cluster, for `ember plan --profile`.
 ///
-/// Link rates are the shaped rates (per direction); latencies are half the probed round trips;
-/// the GCD level is shared memory inside one namespace.
-pub fn profile_toml(c: &Cluster) -> String {
+/// Link rates and latencies are what ember's own collectives reach over each tier under MPI
+/// ([`probe_links`]); the GCD level is shared memory inside one namespace, at the measured copy
+/// rate. Compute and CPU costs are measured (`calibrate`).
+pub fn profile_toml(c: &Cluster) -> Result<String> {
+    let rate = |tier: &str, shaped: f64| c.probed_mbit.get(tier).copied().unwrap_or(shaped);
     let gbps = |mbit: f64| mbit / 8.0 / 1000.0;
     let lat = |tier: &str| c.rtt_us.get(tier).map_or(50.0, |r| r / 2.0);
     let dims = c.topology().dims();
-    format!(
-        "# The emulated cluster `{prefix}` ({topo}), written by `ember cluster up`.\n\
-         name = \"emulated-{prefix}\"\n\
-         # GB/s one rank gets on each level's links when all ranks send at once.\n\
-         level_gbps = [[\"gcd\", {shm:?}], [\"gpu\", {gpu_rank:?}], [\"node\", {node_rank:?}]]\n\
-         # Each level's link, per direction: a GPU's link is shared by its {gcds} GCD rank(s),\n\
-         # a node's uplink by its {per_node} rank(s).\n\
-         link_gbps = [[\"gcd\", {shm:?}], [\"gpu\", {gpu:?}], [\"node\", {node:?}]]\n\
-         # One-way latency of a message over each level's links (half the probed TCP round \
-         trip).\n\
-         latency_us = [[\"gcd\", 5.0], [\"gpu\", {lat_gpu:.1}], [\"node\", {lat_node:.1}]]\n\
-         # Compute of one rank when all ranks compute: {calibration}.\n\
-         rank_tflops = {rank_tflops:.6}\n\
-         peak_tflops = {rank_tflops:.6}\n\
-         mfu = 1.0\n",
-        calibration = c.calibration,
-        rank_tflops = c.rank_tflops,
-        prefix = c.spec.prefix,
-        topo = c.spec.topology,
-        shm = SHM_GBPS,
-        gcds = dims[0],
-        per_node = dims[0] * dims[1],
-        gpu = gbps(c.spec.gpu_link_mbit),
-        node = gbps(c.spec.uplink_mbit),
-        gpu_rank = gbps(c.spec.gpu_link_mbit) / dims[0] as f64,
-        node_rank = gbps(c.spec.uplink_mbit) / (dims[0] * dims[1]) as f64,
-        lat_gpu = lat("gpu"),
-        lat_node = lat("node"),
-    )
+    let m = &c.measured;
+    let shm = 1e-9 / m.cpu.copy_byte_s;
+    let mpi = |level: &str, field: fn(&MpiProbe) -> &Vec<(String, f64)>| {
+        c.mpi
+            .as_ref()
+            .and_then(|m| field(m).iter().find(|l| l.0 == level).map(|l| l.1))
+    };
+    let gpu = mpi("gpu", |m| &m.link_gbps).unwrap_or(gbps(rate("gpu", c.spec.gpu_link_mbit)));
+    let node = mpi("node", |m| &m.link_gbps).unwrap_or(gbps(rate("node", c.spec.uplink_mbit)));
+    let lat = |tier: &str| mpi(tier, |m| &m.latency_us).unwrap_or(lat(tier));
+    #[derive(Serialize)]
+    struct File<'a> {
+        name: String,
+        level_gbps: Vec<(String, f64)>,
+        link_gbps: Vec<(String, f64)>,
+        latency_us: Vec<(String, f64)>,
+        rank_tflops: f64,
+        peak_tflops: f64,
+        mfu: f64,
+        cpu: &'a ember_sharding::profile::CpuProfile,
+    }
+    let names = ["gcd", "gpu", "node"].map(String::from);
+    let file = File {
+        name: format!("emulated-{}", c.spec.prefix),
+        level_gbps: names
+            .iter()
+            .cloned()
+            .zip([shm, gpu / dims[0] as f64, node / (dims[0] * dims[1]) as f64])
+            .collect(),
+        link_gbps: names.iter().cloned().zip([shm, gpu, node]).collect(),
+        latency_us: names
+            .iter()
+            .cloned()
+            .zip([5.0, lat("gpu"), lat("node")])
+            .collect(),
+        rank_tflops: m.rank_tflops,
+        peak_tflops: m.rank_tflops,
+        mfu: 1.0,
+        cpu: &m.cpu,
+    };
+    Ok(format!(
+        "# The emulated cluster `{}` ({}), written by `ember cluster up`: links as probed, \
+         compute and CPU costs as measured ({}).\n{}",
+        c.spec.prefix,
+        c.spec.topology,
+        m.calibration,
+        toml::to_string(&file)?
+    ))
 }
 
-/// The model step `up` times to measure the compute rate of one rank.
+/// The model whose training steps `up` times to measure the engine's compute.
 #[derive(Debug, Clone)]
 pub struct Calibration {
     /// The model.
     pub model: ember_model::GptConfig,
-    /// Its preset's name, for the record.
+    /// Its preset's name (the calibration runs `ember bench shard --preset` with it).
     pub preset: String,
-    /// Sequences per step (of the model's block size).
-    pub sequences: usize,
-}
-
-impl Calibration {
-    fn describe(&self, ranks: usize) -> String {
-        format!(
-            "a {} forward + backward of {} x {} tokens on one thread, times {} core(s) / {ranks} \
-             ranks",
-            self.preset,
-            self.sequences,
-            self.model.block_size,
-            cores()
-        )
-    }
 }
 
 fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// The sustained model TFLOP/s of one rank of `ranks` on this machine: a training step's
-/// forward and backward of `c` timed on one thread (the median of 5 after 2 warm-ups), times
-/// the cores each rank gets when all compute (at most one).
-pub fn measure_rank_tflops(c: &Calibration, ranks: usize) -> Result<f64> {
-    use burn::tensor::{Device, Int, Tensor, TensorData};
+/// Measures what the profile needs of this machine for `topology`'s ranks on its cores:
+///
+/// - the engine's compute: two single-process runs of `ember bench shard --shards zero3
+///   --recompute none` on one thread (the calibration model at 1 and 4 sequences), whose step
+///   times give the seconds per FLOP and per parameter a visit computes;
+/// - the optimizer step, copies and quantization: timed here on one thread;
+/// - the TCP/IP stack: `tcp_byte_s`, the CPU per byte of the probes.
+///
+/// Each rank gets the machine's cores over its ranks.
+pub fn calibrate(
+    c: &Calibration,
+    topology: &Topology,
+    tcp_byte_s: BTreeMap<String, f64>,
+) -> Result<Measured> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build()
         .context("starting a one-thread pool")?;
-    let t = c.model.block_size;
-    let tokens = c.sequences * t;
-    let secs = pool.install(|| {
-        let device = Device::flex().autodiff();
-        let model = c.model.init(&device);
-        let ids = |salt: i64| -> Tensor<2, Int> {
-            let v: Vec<i64> = (0..tokens as i64)
-                .map(|i| (i * 7 + salt) % c.model.vocab_size as i64)
-                .collect();
-            Tensor::from_data(TensorData::new(v, [c.sequences, t]), &device)
-        };
-        let mut times: Vec<f64> = (0..7)
-            .map(|i| {
-                let start = Instant::now();
-                let (_, loss) = model.forward_loss(ids(i), ids(i + 1), None);
-                drop(loss.backward());
-                start.elapsed().as_secs_f64()
-            })
-            .skip(2)
-            .collect();
-        times.sort_by(f64::total_cmp);
-        times[times.len() / 2]
-    });
-    let flops = c.model.train_flops_per_token(t) * tokens as f64;
-    let share = (cores() as f64 / ranks as f64).min(1.0);
-    Ok(flops / secs * share / 1e12)
+    let (copy_byte_s, quant_element_s, optimizer_element_s) = pool.install(kernel_costs);
+    let (flop_s, visit_param_s) = engine_costs(c, optimizer_element_s)?;
+    let cores_per_rank = (cores() as f64 / topology.world_size() as f64).min(1.0);
+    let tcp = |tier: &str| tcp_byte_s.get(tier).copied().unwrap_or(0.0);
+    Ok(Measured {
+        rank_tflops: cores_per_rank / flop_s / 1e12,
+        cpu: ember_sharding::profile::CpuProfile {
+            cores_per_rank,
+            // A shared-memory message is copied out and in.
+            message_byte_s: vec![
+                ("gcd".into(), 2.0 * copy_byte_s),
+                ("gpu".into(), tcp("gpu")),
+                ("node".into(), tcp("node")),
+            ],
+            copy_byte_s,
+            quant_element_s,
+            visit_param_s,
+            optimizer_element_s,
+        },
+        calibration: format!(
+            "{} at 1 and 4 x {} tokens on one thread; {} core(s) / {} ranks",
+            c.preset,
+            c.model.block_size,
+            cores(),
+            topology.world_size()
+        ),
+    })
 }
 
-/// Shared-memory bandwidth assumed for the GCD level of an emulated cluster, GB/s.
-const SHM_GBPS: f64 = 2.0;
+/// Seconds per byte copied, per byte of int8 quantized and dequantized, and per AdamW element,
+/// on the calling thread.
+fn kernel_costs() -> (f64, f64, f64) {
+    use burn::tensor::{Device, Tensor, TensorData};
+    use ember_comm::quant::host::HostKernels;
+    use ember_comm::quant::{BlockSize, QuantFormat, QuantKernels};
+    const N: usize = 1 << 22;
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let src: Vec<f32> = (0..N).map(|i| (i % 977) as f32 * 1e-3).collect();
+    let mut dst = vec![0.0f32; N];
+    let copy = median(
+        (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                dst.copy_from_slice(std::hint::black_box(&src));
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    ) / (4 * N) as f64;
+    let block = BlockSize::new(ember_sharding::config::DEFAULT_QUANT_BLOCK).expect("valid");
+    let quant = median(
+        (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                let q = HostKernels.quantize(&src, QuantFormat::Int8, block);
+                std::hint::black_box(HostKernels.dequantize(&q));
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    ) / N as f64;
+    let device = Device::flex();
+    let tensor = |v: Vec<f32>| Tensor::<1>::from_data(TensorData::new(v, [N]), &device);
+    let mut state =
+        ember_sharding::FlatState::new(tensor(src.clone()), std::iter::once(0..N).collect());
+    let adam = ember_sharding::AdamConfig {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let optimizer = median(
+        (1..=5)
+            .map(|step| {
+                let grad = tensor(src.clone());
+                let t = Instant::now();
+                state.update(&adam, step, 1e-3, grad);
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    ) / N as f64;
+    (copy, quant, optimizer)
+}
+
+/// Seconds per FLOP and per parameter a visit computes, fitted to two single-process, one-thread
+/// runs of the engine on the calibration model (1 and 4 sequences).
+fn engine_costs(c: &Calibration, optimizer_element_s: f64) -> Result<(f64, f64)> {
+    use ember_sharding::schedule::Event;
+    let exe = std::env::current_exe().context("locating this binary")?;
+    let one = Topology::parse("1").expect("valid");
+    let mut points = Vec::new();
+    for batch in [1usize, 4] {
+        let out = Command::new(&exe)
+            .args(["bench", "shard", "--shards", "zero3", "--recompute", "none"])
+            .args(["--preset", &c.preset, "--topology", "1", "--json"])
+            .args([
+                "--batch-size",
+                &batch.to_string(),
+                "--steps",
+                "4",
+                "--warmup",
+                "2",
+            ])
+            .env("RAYON_NUM_THREADS", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .env_remove(CLUSTER_ENV)
+            .output()
+            .context("running the calibration step")?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let row: serde_json::Value = text
+            .lines()
+            .find_map(|l| serde_json::from_str(l).ok())
+            .ok_or_else(|| {
+                anyhow!(
+                    "the calibration step printed no result: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )
+            })?;
+        let step_s = row["step_ms_median"].as_f64().unwrap_or(f64::NAN) / 1e3;
+        let mut shard = ember_sharding::ShardConfig::preset("zero3", 3).expect("a preset");
+        shard.recompute = ember_sharding::Recompute::None;
+        let plan = crate::planning::gpt_plan(
+            &c.model,
+            &one,
+            shard,
+            batch,
+            1,
+            c.model.block_size,
+            crate::config::DeviceKind::Flex,
+        )?;
+        let (mut flops, mut params) = (0.0, 0.0);
+        for e in plan.schedule(1) {
+            if let Event::Visit(v) = e {
+                let f = plan.flops[v.stage];
+                flops += match (v.backward, plan.keeps_graph(v.stage)) {
+                    (false, _) => f,
+                    (true, true) => 2.0 * f,
+                    (true, false) => 3.0 * f,
+                };
+                params += plan.units[v.stage]
+                    .needs
+                    .iter()
+                    .map(|&u| plan.units[u].numel as f64)
+                    .sum::<f64>();
+            }
+        }
+        let optimizer = plan.numel() as f64 * optimizer_element_s;
+        points.push((flops, params, step_s - optimizer));
+    }
+    // step = flops x a + params x b, at two batch sizes (the parameters are the same).
+    let ((f1, p1, t1), (f4, _, t4)) = (points[0], points[1]);
+    let a = (t4 - t1) / (f4 - f1);
+    let b = ((t1 - f1 * a) / p1).max(0.0);
+    if !(a.is_finite() && a > 0.0) {
+        bail!("the calibration steps took {t1:.4} s and {t4:.4} s: no compute rate fits them");
+    }
+    Ok((a, b))
+}
+
+/// Runs [`probe_links`] on every rank of the cluster through `mpirun` and reads what rank 0
+/// wrote.
+fn probe_through_mpi(c: &Cluster) -> Result<MpiProbe> {
+    let exe = std::env::current_exe().context("locating this binary")?;
+    let out = c.dir.join("mpi-probe.json");
+    let _ = std::fs::remove_file(&out);
+    let status = Command::new("mpirun")
+        .args(c.mpirun_args(&exe))
+        .args(["-x", "RAYON_NUM_THREADS=1"])
+        .arg(&exe)
+        .args(["cluster", "probe", "--out"])
+        .arg(&out)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .context("running mpirun for the link probe (is openmpi-bin installed?)")?;
+    if !status.success() {
+        bail!("the link probe under mpirun failed ({status})");
+    }
+    let text =
+        std::fs::read_to_string(&out).with_context(|| format!("reading {}", out.display()))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// The link probe every rank runs: for each level from the GPU out, the ranks under one link of
+/// the level above (a node's, or the world) all-gather in ember's ring, whose every step sends
+/// one block over each of the level's links, as the collectives of a step do back to back. The
+/// rate is the busiest link's bytes (by `ember_sharding::network`, the algorithm the
+/// collectives run) over the median time of 3 gathers (after 4 warm-ups) until every rank is
+/// done; the latency is a 1-byte gather's time per step.
+/// Rank 0 writes the result to `out`.
+pub fn probe_links(out: &Path) -> Result<()> {
+    use ember_comm::{Comm, CommConfig, Op, Scope};
+    use ember_sharding::network::Network;
+    use ember_sharding::plan::{Collective, Levels};
+    const PER_RANK: usize = 1 << 19;
+    let comm = Comm::init(CommConfig::default())?;
+    let t = comm.topology().clone();
+    let mut unit = ember_sharding::profile::Profile::frontier();
+    unit.link_gbps = Some(t.levels().iter().map(|l| (l.name.clone(), 1.0)).collect());
+    let mut net = Network::new(&t, &unit);
+    let mut probe = MpiProbe {
+        link_gbps: Vec::new(),
+        latency_us: Vec::new(),
+    };
+    for level in 1..t.depth() {
+        let group = comm.try_group(Scope::Within(level))?;
+        let g = group.size();
+        if g < 2 {
+            continue;
+        }
+        // Each rank times its gather from a common start; the slowest rank's time counts
+        // (flows sharing a link finish unevenly).
+        let median = |bytes: usize| -> Result<f64> {
+            let data = vec![1u8; bytes];
+            let mut times = Vec::new();
+            // Warm-ups first: fresh TCP connections start slow.
+            for i in 0..7 {
+                comm.barrier();
+                let start = Instant::now();
+                group.all_gather(&data)?;
+                let mine = start.elapsed().as_secs_f64();
+                let all = comm.world().all_gather(&mine.to_le_bytes())?;
+                let slowest = all
+                    .chunks_exact(8)
+                    .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+                    .fold(0.0, f64::max);
+                if i >= 4 {
+                    times.push(slowest);
+                }
+            }
+            times.sort_by(f64::total_cmp);
+            Ok(times[times.len() / 2])
+        };
+        let latency = median(1)? / (g - 1) as f64;
+        let seconds = median(PER_RANK)?;
+        let busiest = net
+            .cost(&Collective::new(
+                Levels {
+                    lo: 0,
+                    hi: level + 1,
+                },
+                Op::AllGather,
+                (PER_RANK * g) as u64,
+            ))
+            .busy_s[level];
+        let name = t.levels()[level].name.clone();
+        // `busiest` is seconds at 1 GB/s: the busiest link's gigabytes.
+        probe.link_gbps.push((name.clone(), busiest / seconds));
+        probe.latency_us.push((name, latency * 1e6));
+    }
+    if comm.rank() == 0 {
+        std::fs::write(out, serde_json::to_string(&probe)?)
+            .with_context(|| format!("writing {}", out.display()))?;
+    }
+    Ok(())
+}
 
 /// The rsh agent: runs `command` (one shell command line, as `ssh` would) in the namespace of
 /// the GPU whose address is `host`, under the node's hostname, with scratch directories of its

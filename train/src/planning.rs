@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use crate::config::DeviceKind;
 use crate::error::{CliResult, usage};
-use crate::stages::{gpt_activations, gpt_units};
+use crate::stages::{gpt_activations, gpt_flops, gpt_units};
 
 /// One row of the traffic table.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -29,21 +29,24 @@ pub struct TrafficRow {
     pub received: u64,
 }
 
-/// Step-time estimate from a profile.
+/// Step-time estimate from a profile: the engine's step replayed on its links and compute
+/// rate (`ember_sharding::simulate`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Estimate {
     /// Profile name.
     pub profile: String,
     /// Model FLOPs one rank computes per step, with the unit-boundary recompute.
     pub flops_per_rank: f64,
-    /// Seconds of compute at the profile's sustained rate.
+    /// The predicted step, seconds.
+    pub step_s: f64,
+    /// Of which the training thread waits on communication (as runs report it).
+    pub comm_wait_s: f64,
+    /// Of which it computes (visits and the optimizer step).
     pub compute_s: f64,
-    /// Seconds of communication, each group's bytes at its slowest link, one after another.
-    pub comm_s: f64,
-    /// Compute then communication, no overlap.
-    pub step_s_serial: f64,
-    /// Perfect overlap: the larger of the two.
-    pub step_s_overlapped: f64,
+    /// Bytes per step over all links of each level, both directions, by level name.
+    pub link_bytes: Vec<(String, f64)>,
+    /// What ran when in the replayed step (visits, and the stages of gathers and reductions).
+    pub timeline: Vec<ember_sharding::simulate::Span>,
 }
 
 /// Everything `ember plan` prints.
@@ -112,7 +115,8 @@ pub fn gpt_plan(
     let elem = shard.compute.bytes();
     let fused = device == DeviceKind::Flex && shard.compute == ember_sharding::Compute::F32;
     Plan::new(gpt_units(model), shard, topology.clone())?
-        .with_activations(gpt_activations(model, per_rank, block_size, elem, fused))
+        .with_activations(gpt_activations(model, per_rank, block_size, elem, fused))?
+        .with_flops(gpt_flops(model, per_rank, block_size))
 }
 
 /// The report for `model` sharded per `shard` over `topology`.
@@ -159,18 +163,7 @@ pub fn report(
             received: t.received,
         })
         .collect();
-    let tokens_per_rank = (batch_size / world * model.block_size) as f64;
-    // With partitioned parameters the unit-boundary recompute repeats the forward (a third of
-    // 6N + 12LdT) of every unit but the last: 4/3 of the model FLOPs, less the head's share,
-    // which is not modelled. Replicated parameters run one graph, without recompute.
-    let recompute = if plan.config.params == ember_sharding::Span(0) {
-        1.0
-    } else {
-        4.0 / 3.0
-    };
-    let flops = tokens_per_rank * model.train_flops_per_token(model.block_size) * recompute;
-    let compute_s = profile.compute_seconds(flops);
-    let comm_s = profile.comm_seconds(&table);
+    let estimate = estimate(&plan, grad_accum, profile);
     Ok(PlanReport {
         model: preset.to_string(),
         params: model.num_params(),
@@ -183,15 +176,58 @@ pub fn report(
         memory_total: memory.total(),
         memory,
         traffic,
-        estimate: Estimate {
-            profile: profile.name.clone(),
-            flops_per_rank: flops,
-            compute_s,
-            comm_s,
-            step_s_serial: compute_s + comm_s,
-            step_s_overlapped: compute_s.max(comm_s),
-        },
+        estimate,
     })
+}
+
+/// The step of `plan` (with its FLOPs) replayed on `profile`'s machine.
+pub fn estimate(plan: &Plan, grad_accum: usize, profile: &Profile) -> Estimate {
+    let timeline = ember_sharding::simulate::simulate(plan, grad_accum, profile);
+    let schedule = plan.schedule(grad_accum);
+    let flops = schedule.iter().map(|e| match *e {
+        ember_sharding::schedule::Event::Visit(v) if !v.backward => plan.flops[v.stage],
+        ember_sharding::schedule::Event::Visit(v) if plan.keeps_graph(v.stage) => {
+            2.0 * plan.flops[v.stage]
+        }
+        ember_sharding::schedule::Event::Visit(v) => 3.0 * plan.flops[v.stage],
+        ember_sharding::schedule::Event::Whole { .. } => 3.0 * plan.flops.iter().sum::<f64>(),
+        _ => 0.0,
+    });
+    Estimate {
+        profile: profile.name.clone(),
+        flops_per_rank: flops.sum(),
+        step_s: timeline.step_s,
+        comm_wait_s: timeline.comm_wait_s,
+        compute_s: timeline.compute_s,
+        link_bytes: plan
+            .topology
+            .levels()
+            .iter()
+            .map(|l| l.name.clone())
+            .zip(timeline.link_bytes)
+            .collect(),
+        timeline: timeline.spans,
+    }
+}
+
+/// The replayed step's timeline as a table: what ran, from when to when (milliseconds).
+pub fn render_timeline(e: &Estimate) -> String {
+    let mut spans = e.timeline.clone();
+    spans.sort_by(|a, b| a.start.total_cmp(&b.start));
+    let mut out = format!(
+        "{:<28} {:>10} {:>10} {:>10}\n",
+        "what", "start ms", "end ms", "ms"
+    );
+    for s in spans {
+        out += &format!(
+            "{:<28} {:>10.1} {:>10.1} {:>10.1}\n",
+            s.what,
+            s.start * 1e3,
+            s.end * 1e3,
+            (s.end - s.start) * 1e3
+        );
+    }
+    out
 }
 
 /// The report as a human-readable table.
@@ -239,23 +275,30 @@ pub fn render(r: &PlanReport, profile: &Profile) -> String {
         );
     }
     let e = &r.estimate;
-    let links: Vec<String> = profile
-        .level_gbps
-        .iter()
-        .map(|(n, g)| format!("{n} {g} GB/s"))
+    let links: Vec<String> = (0..profile.level_gbps.len())
+        .map(|l| {
+            let name = &profile.level_gbps[l].0;
+            let t = Topology::parse(&r.topology).ok();
+            let rate = t.map_or(f64::NAN, |t| profile.link_rate(l, &t) / 1e9);
+            format!("{name} {rate:.4} GB/s")
+        })
         .collect();
     out += &format!(
-        "\nestimate ({}: {}; {} TFLOP/s peak at an assumed MFU of {}):\n  compute {:.4} s + \
-         communication {:.4} s = {:.4} s per step without overlap, {:.4} s with full overlap\n",
+        "\nestimate ({}: links {}; {:.3} TFLOP/s per rank):\n  {:.4} s per step: compute \
+         {:.4} s, waiting on communication {:.4} s ({:.0}%)\n",
         e.profile,
         links.join(", "),
-        profile.peak_tflops,
-        profile.mfu,
+        profile.compute_rate() / 1e12,
+        e.step_s,
         e.compute_s,
-        e.comm_s,
-        e.step_s_serial,
-        e.step_s_overlapped
+        e.comm_wait_s,
+        100.0 * e.comm_wait_s / e.step_s.max(1e-12)
     );
+    out += "  bytes over each level's links per step, all ranks, both directions:";
+    for (name, b) in &e.link_bytes {
+        out += &format!(" {name} {:.0}", b);
+    }
+    out += "\n";
     out
 }
 

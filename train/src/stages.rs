@@ -205,6 +205,19 @@ pub fn gpt_activations(
     out
 }
 
+/// Each unit's forward FLOPs for `batch` sequences of `block` tokens, consistent with the
+/// `6 N + 12 L d T` training count (forward a third of it): a block's matrix products
+/// (`2 x 12 d^2` per token) and attention (`4 d T`), the head's logits (`2 d V`); the embedding
+/// is a lookup.
+pub fn gpt_flops(config: &GptConfig, batch: usize, block: usize) -> Vec<f64> {
+    let tokens = (batch * block) as f64;
+    let (d, t, v) = (config.n_embd as f64, block as f64, config.vocab_size as f64);
+    let mut out = vec![0.0];
+    out.extend((0..config.n_layer).map(|_| tokens * (24.0 * d * d + 4.0 * d * t)));
+    out.push(tokens * 2.0 * d * v);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,6 +6,7 @@ use clap::{Args, Subcommand};
 use ember_train::bench;
 use ember_train::config::TrainOverrides;
 use ember_train::error::{CliResult, usage};
+use ember_train::planning::load_profile;
 use ember_train::shard_args::ShardArgs;
 use ember_train::units::parse_size;
 
@@ -39,6 +40,13 @@ pub struct BenchShardArgs {
     /// One JSON object per line instead of a table
     #[arg(long)]
     pub json: bool,
+    /// Print `ember plan`'s prediction on this link profile (`frontier` or a file) beside
+    /// each measurement [default: the emulated cluster's, when run on one]
+    #[arg(long)]
+    pub profile: Option<String>,
+    /// Also print what ran when in rank 0's last step, beside `ember plan`'s replay
+    #[arg(long)]
+    pub timeline: bool,
     #[command(flatten)]
     pub settings: TrainOverrides,
     #[command(flatten)]
@@ -163,6 +171,24 @@ pub fn bench_shard(args: BenchShardArgs) -> CliResult<()> {
         return Err(usage("ember bench shard takes --shards LIST, not --shard"));
     }
     let comm = args.shard.init_comm()?;
+    let profile = match (
+        &args.profile,
+        std::env::var(ember_train::cluster::CLUSTER_ENV),
+    ) {
+        (Some(spec), _) => Some(load_profile(spec)?),
+        (None, Ok(state)) => {
+            let dir = std::path::Path::new(&state)
+                .parent()
+                .map(|d| d.join("profile.toml"))
+                .unwrap_or_default();
+            Some(load_profile(&dir.display().to_string())?)
+        }
+        (None, Err(_)) => None,
+    };
+    if let Some(p) = &profile {
+        p.validate(comm.topology().depth())
+            .map_err(|e| usage(format!("--profile: {e}")))?;
+    }
     let results = bench::bench_shard(
         &comm,
         &args.shard,
@@ -170,6 +196,7 @@ pub fn bench_shard(args: BenchShardArgs) -> CliResult<()> {
         &args.settings,
         args.steps,
         args.warmup,
+        profile.as_ref(),
     )?;
     if comm.rank() != 0 {
         return Ok(());
@@ -180,30 +207,89 @@ pub fn bench_shard(args: BenchShardArgs) -> CliResult<()> {
             continue;
         }
         println!(
-            "{:<7} {} on {} ({} ranks), batch {} x {}: {:>9.1} ms/step{} {:>7.0} tok/s, comm \
-             wait {:>3.0}%, outermost level {} B/step, peak resident memory {:.1} MB on the \
-             largest rank (plan {:.1} MB)",
+            "{:<7} {} on {} ({} ranks), batch {} x {}, recompute {}: {:>9.1} ms/step ({:.1}-{:.1}){}{} \
+             {:>7.0} tok/s, comm wait {:>3.0}%{}, outermost level {} B/step, peak resident \
+             memory {:.1} MB on the largest rank (plan {:.1} MB)",
             r.shard,
             r.model,
             r.topology,
             r.ranks,
             r.batch_size,
             r.block_size,
+            r.recompute,
             r.step_ms_median,
+            r.step_ms_range.0,
+            r.step_ms_range.1,
+            r.step_ms_predicted.map_or(String::new(), |p| format!(
+                ", plan {p:.1} ({:.2}x)",
+                p / r.step_ms_median
+            )),
             r.vs_ddp
                 .map_or(String::new(), |x| format!(" ({x:.2}x ddp)")),
             r.tokens_per_s,
             100.0 * r.comm_wait_frac,
+            r.comm_wait_predicted
+                .map_or(String::new(), |w| format!(" (plan {:.0}%)", 100.0 * w)),
             r.outermost_bytes,
             r.rss_peak_bytes.iter().copied().max().unwrap_or(0) as f64 / 1e6,
             r.plan_bytes as f64 / 1e6
         );
+        if let Some(m) = &r.link_bytes_measured {
+            for (level, bytes) in m {
+                let p = r
+                    .link_bytes_predicted
+                    .as_ref()
+                    .and_then(|p| p.get(level))
+                    .copied();
+                println!(
+                    "          {level} links: {bytes:>12.0} B/step measured on the interfaces{}",
+                    p.map_or(String::new(), |p| format!(
+                        ", plan {p:.0} of payload (measured {:.3}x)",
+                        bytes / p.max(1.0)
+                    ))
+                );
+            }
+        }
         for (k, v) in &r.bytes_sent {
             let p = r.bytes_predicted.get(k).copied().unwrap_or(0);
             println!("          {k:<28} {v:>12} B sent (plan {p})");
         }
+        if args.timeline {
+            print_timelines(&r.timeline, &r.timeline_predicted);
+        }
     }
     Ok(())
+}
+
+/// The measured and the predicted step side by side, by start time (milliseconds).
+fn print_timelines(
+    measured: &[ember_sharding::simulate::Span],
+    predicted: &[ember_sharding::simulate::Span],
+) {
+    let sorted = |v: &[ember_sharding::simulate::Span]| {
+        let mut v = v.to_vec();
+        v.sort_by(|a, b| a.start.total_cmp(&b.start));
+        v
+    };
+    let (m, p) = (sorted(measured), sorted(predicted));
+    println!(
+        "          {:<24} {:>9} {:>9}   {:<24} {:>9} {:>9}",
+        "measured", "start ms", "ms", "plan", "start ms", "ms"
+    );
+    for i in 0..m.len().max(p.len()) {
+        let cell = |v: &[ember_sharding::simulate::Span]| {
+            v.get(i)
+                .map_or(format!("{:<24} {:>9} {:>9}", "", "", ""), |s| {
+                    format!(
+                        "{:<24} {:>9.1} {:>9.1}",
+                        s.what,
+                        s.start * 1e3,
+                        (s.end - s.start) * 1e3
+                    )
+                })
+        };
+        println!("          {}   {}", cell(&m), cell(&p));
+    }
 }
 
 pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {

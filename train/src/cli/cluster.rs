@@ -24,6 +24,16 @@ pub enum ClusterCommand {
     /// The rsh agent mpirun calls: runs COMMAND in the namespace of HOST
     #[command(hide = true)]
     Rsh(RshArgs),
+    /// Measures each tier's links through MPI (run under mpirun on the cluster; `up` runs it)
+    #[command(hide = true)]
+    Probe(ProbeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ProbeArgs {
+    /// Where rank 0 writes the measurements (JSON)
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 #[derive(Debug, Args)]
@@ -50,9 +60,6 @@ pub struct UpArgs {
     /// Model preset whose forward and backward measure one rank's compute rate
     #[arg(long, default_value = "small-cpu")]
     pub calibrate: String,
-    /// Sequences per calibration step
-    #[arg(long, default_value_t = 2)]
-    pub calibrate_sequences: usize,
 }
 
 #[derive(Debug, Args)]
@@ -85,9 +92,6 @@ pub fn run(command: ClusterCommand) -> CliResult<()> {
         ClusterCommand::Up(a) => {
             let model = GptConfig::preset(&a.calibrate)
                 .ok_or_else(|| usage(format!("--calibrate {}: not a model preset", a.calibrate)))?;
-            if a.calibrate_sequences == 0 {
-                return Err(usage("--calibrate-sequences must be at least 1"));
-            }
             let spec = ClusterSpec {
                 prefix: a.prefix,
                 topology: a.topology,
@@ -98,7 +102,6 @@ pub fn run(command: ClusterCommand) -> CliResult<()> {
             let calibration = Calibration {
                 model,
                 preset: a.calibrate,
-                sequences: a.calibrate_sequences,
             };
             let c = cluster::up(&spec, &calibration)?;
             print_up(&c);
@@ -156,6 +159,7 @@ pub fn run(command: ClusterCommand) -> CliResult<()> {
                 Err(anyhow::anyhow!("the job failed ({status})").into())
             }
         }
+        ClusterCommand::Probe(a) => cluster::probe_links(&a.out).map_err(Into::into),
         ClusterCommand::Rsh(a) => {
             let status = cluster::rsh(&a.prefix, &a.host, &a.command)?;
             std::process::exit(status.code().unwrap_or(1));
@@ -178,10 +182,25 @@ fn print_up(c: &Cluster) {
             c.probed_mbit.get(tier).copied().unwrap_or(f64::NAN)
         );
     }
+    let m = &c.measured;
     eprintln!(
-        "[ember]   one rank computes {:.2} GFLOP/s ({})",
-        c.rank_tflops * 1e3,
-        c.calibration
+        "[ember]   one rank computes {:.2} GFLOP/s on {:.2} core(s); per visit {:.2} ns per \
+         parameter, AdamW {:.2} ns per element, copies {:.3} ns/B, int8 round trip {:.3} ns per element, \
+         TCP/IP {} ({})",
+        m.rank_tflops * 1e3,
+        m.cpu.cores_per_rank,
+        m.cpu.visit_param_s * 1e9,
+        m.cpu.optimizer_element_s * 1e9,
+        m.cpu.copy_byte_s * 1e9,
+        m.cpu.quant_element_s * 1e9,
+        m.cpu
+            .message_byte_s
+            .iter()
+            .skip(1)
+            .map(|(n, s)| format!("{n} {:.2} ns/B", s * 1e9))
+            .collect::<Vec<_>>()
+            .join(", "),
+        m.calibration
     );
     let profile: PathBuf = c.dir.join("profile.toml");
     eprintln!("[ember]   profile: {}", profile.display());

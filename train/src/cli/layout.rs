@@ -17,9 +17,13 @@ pub struct PlanArgs {
     #[arg(long)]
     pub json: bool,
     /// Link bandwidths and compute rate: `frontier`, or a TOML/JSON file with name,
-    /// level_gbps (innermost first), peak_tflops and mfu
+    /// level_gbps (innermost first), peak_tflops and mfu, and optionally link_gbps,
+    /// latency_us, rank_tflops and [cpu] (`ember cluster up` writes one)
     #[arg(long, default_value = "frontier")]
     pub profile: String,
+    /// Also print the replayed step: when each visit and each collective stage ran
+    #[arg(long)]
+    pub timeline: bool,
     #[command(flatten)]
     pub settings: TrainOverrides,
     #[command(flatten)]
@@ -66,6 +70,12 @@ pub fn plan_cmd(args: PlanArgs) -> CliResult<()> {
         );
     } else {
         print!("{}", ember_train::planning::render(&report, &profile));
+        if args.timeline {
+            print!(
+                "\n{}",
+                ember_train::planning::render_timeline(&report.estimate)
+            );
+        }
     }
     Ok(())
 }
