@@ -34,6 +34,7 @@ use crate::comm::Group;
 use crate::counters::{Op, Role, Traffic, formula};
 use crate::element::Element;
 use crate::error::CommError;
+use crate::fault::Armed;
 use crate::padding::{ShardLayout, pad_zeros};
 use crate::topology::Scope;
 
@@ -118,18 +119,29 @@ impl<'c> Group<'c> {
             "recv must be group size x send",
         )?;
         mpi_count(s)?;
+        self.ring_all_gather(Op::AllGather, send, recv)
+    }
+
+    /// The ring of [`Group::all_gather_into`] (lengths checked), charged and watched as `op`.
+    fn ring_all_gather<T: Element>(
+        &self,
+        op: Op,
+        send: &[T],
+        recv: &mut [T],
+    ) -> Result<(), CommError> {
+        let s = send.len();
         let (g, i) = (self.size, self.index);
         recv[i * s..(i + 1) * s].copy_from_slice(send);
         if g == 1 || s == 0 {
             return Ok(());
         }
-        let _armed = self.comm.arm(Op::AllGather, self.scope);
+        let armed = self.comm.arm(op, self.scope);
         let (right, left) = ((i + 1) % g, (i + g - 1) % g);
         for k in 0..g - 1 {
             let out = (i + g - k) % g;
             let into = (i + 2 * g - k - 1) % g;
             let (send_block, recv_block) = two_blocks(recv, s, out, into);
-            self.send_recv(Op::AllGather, send_block, right, recv_block, left)?;
+            self.send_recv(&armed, op, send_block, right, recv_block, left)?;
         }
         Ok(())
     }
@@ -166,28 +178,41 @@ impl<'c> Group<'c> {
             // Refuse before moving anything, so an error leaves the ranks in step.
             T::divide(&mut [], 1)?;
         }
+        self.ring_reduce_scatter(Op::ReduceScatter, send, recv)?;
+        if reduce == Reduce::Mean {
+            T::divide(recv, self.size)?;
+        }
+        Ok(())
+    }
+
+    /// The ring of [`Group::reduce_scatter_into`] (lengths checked, a sum), charged and
+    /// watched as `op`.
+    fn ring_reduce_scatter<T: Element>(
+        &self,
+        op: Op,
+        send: &[T],
+        recv: &mut [T],
+    ) -> Result<(), CommError> {
+        let s = recv.len();
         let (g, i) = (self.size, self.index);
         let block = |c: usize| &send[c * s..(c + 1) * s];
         if g == 1 || s == 0 {
             recv.copy_from_slice(block(i));
-        } else {
-            let _armed = self.comm.arm(Op::ReduceScatter, self.scope);
-            let (right, left) = ((i + 1) % g, (i + g - 1) % g);
-            // The partial sum this rank forwards, and the one it receives.
-            let mut partial = block((i + g - 1) % g).to_vec();
-            let mut incoming = vec![T::default(); s];
-            for k in 0..g - 1 {
-                self.send_recv(Op::ReduceScatter, &partial, right, &mut incoming, left)?;
-                // `incoming` is block (i - k - 2)'s sum over the k + 1 members before this one.
-                let c = (i + 2 * g - k - 2) % g;
-                std::mem::swap(&mut partial, &mut incoming);
-                T::add_into(&mut partial, block(c));
-            }
-            recv.copy_from_slice(&partial);
+            return Ok(());
         }
-        if reduce == Reduce::Mean {
-            T::divide(recv, self.size)?;
+        let armed = self.comm.arm(op, self.scope);
+        let (right, left) = ((i + 1) % g, (i + g - 1) % g);
+        // The partial sum this rank forwards, and the one it receives.
+        let mut partial = block((i + g - 1) % g).to_vec();
+        let mut incoming = vec![T::default(); s];
+        for k in 0..g - 1 {
+            self.send_recv(&armed, op, &partial, right, &mut incoming, left)?;
+            // `incoming` is block (i - k - 2)'s sum over the k + 1 members before this one.
+            let c = (i + 2 * g - k - 2) % g;
+            std::mem::swap(&mut partial, &mut incoming);
+            T::add_into(&mut partial, block(c));
         }
+        recv.copy_from_slice(&partial);
         Ok(())
     }
 
@@ -229,18 +254,19 @@ impl<'c> Group<'c> {
             recv.copy_from_slice(send);
         } else if bytes_of::<T>(send.len()) >= RING_ALL_REDUCE_BYTES {
             let layout = ShardLayout::new(send.len(), g, 1);
-            let padded;
-            let whole = if layout.padded() == send.len() {
-                send
-            } else {
-                padded = pad_zeros(send, layout.padded());
-                &padded
-            };
             let mut shard = vec![T::default(); layout.shard];
-            self.reduce_scatter_into(whole, &mut shard, Reduce::Sum)?;
-            let mut out = vec![T::default(); layout.padded()];
-            self.all_gather_into(&shard, &mut out)?;
-            recv.copy_from_slice(&out[..send.len()]);
+            if layout.padded() == send.len() {
+                // The gather writes straight into `recv`: no whole-buffer copy.
+                self.ring_reduce_scatter(Op::AllReduce, send, &mut shard)?;
+                self.ring_all_gather(Op::AllReduce, &shard, recv)?;
+            } else {
+                let padded = pad_zeros(send, layout.padded());
+                self.ring_reduce_scatter(Op::AllReduce, &padded, &mut shard)?;
+                drop(padded);
+                let mut out = vec![T::default(); layout.padded()];
+                self.ring_all_gather(Op::AllReduce, &shard, &mut out)?;
+                recv.copy_from_slice(&out[..send.len()]);
+            }
         } else {
             self.charge(Op::AllReduce, bytes_of::<T>(send.len()), Role::Member);
             let _armed = self.comm.arm(Op::AllReduce, self.scope);
@@ -335,10 +361,11 @@ impl<'c> Group<'c> {
         if g == 1 || c == 0 {
             return Ok(());
         }
-        let _armed = self.comm.arm(Op::AllToAll, self.scope);
+        let armed = self.comm.arm(Op::AllToAll, self.scope);
         for k in 1..g {
             let (to, from) = ((i + k) % g, (i + g - k) % g);
             self.send_recv(
+                &armed,
                 Op::AllToAll,
                 &send[to * c..(to + 1) * c],
                 to,
@@ -350,9 +377,11 @@ impl<'c> Group<'c> {
     }
 
     /// One step of a collective: sends `send` to group index `to` and receives `recv` from
-    /// `from` at once, charging `op` the bytes handed to MPI.
+    /// `from` at once, charging `op` the bytes handed to MPI; `armed` names the two for the
+    /// timeout.
     fn send_recv<T: Element>(
         &self,
+        armed: &Armed<'_>,
         op: Op,
         send: &[T],
         to: usize,
@@ -360,6 +389,9 @@ impl<'c> Group<'c> {
         from: usize,
     ) -> Result<(), CommError> {
         let (n_send, n_recv) = (mpi_count(send.len())?, mpi_count(recv.len())?);
+        let topology = self.comm.topology();
+        let world = |index| topology.member(self.scope, self.comm.rank(), index);
+        armed.waiting_on(&[world(to), world(from)]);
         self.comm.charge(
             self.scope,
             op,

@@ -22,7 +22,16 @@ pub const PANIC_EXIT_CODE: i32 = 101;
 
 /// Aborts every rank of the job. Safe to call from any thread: we initialise MPI with
 /// `MPI_THREAD_MULTIPLE` (see `comm`), and `MPI_Abort` does not return.
+///
+/// `MPI_Abort` asks the launcher to end the job, which it cannot do for ranks it can no longer
+/// reach (a network cut off between them): this rank then ends itself after
+/// [`ABORT_GRACE`], so every rank still ends on its own watchdog.
 pub fn abort_job(code: i32) -> ! {
+    std::thread::spawn(move || {
+        std::thread::sleep(ABORT_GRACE);
+        // SAFETY: _exit ends the process at once; nothing is left to run on its behalf.
+        unsafe { libc::_exit(code) }
+    });
     // SAFETY: MPI is initialised while a `Comm` exists, which is the only time this is called.
     unsafe {
         ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code);
@@ -30,6 +39,9 @@ pub fn abort_job(code: i32) -> ! {
     // MPI_Abort should not return; if a broken MPI lets it, make sure the job still ends.
     std::process::exit(code)
 }
+
+/// How long a rank waits for `MPI_Abort` to end it before it ends itself.
+pub const ABORT_GRACE: Duration = Duration::from_secs(3);
 
 /// Installs a panic hook that prints the usual message, names this rank and aborts the job,
 /// so the other ranks do not wait forever in their next collective. The hook only aborts while
@@ -54,6 +66,8 @@ struct Waiting {
     op: Op,
     scope: Scope,
     since: Instant,
+    /// World ranks it is waiting on right now, when known (a step of one of our collectives).
+    peers: Vec<usize>,
 }
 
 #[derive(Debug)]
@@ -102,9 +116,19 @@ impl Watchdog {
                             .cloned()
                     };
                     if let Some(w) = overdue {
+                        let peers = if w.peers.is_empty() {
+                            String::new()
+                        } else {
+                            let names: Vec<String> =
+                                w.peers.iter().map(|r| r.to_string()).collect();
+                            format!(
+                                " for rank(s) {} (a failed rank, or a link to it down)",
+                                names.join(", ")
+                            )
+                        };
                         eprintln!(
                             "ember-comm: rank {rank}: {} on level {} waited longer than the \
-                             collective timeout of {} s; aborting the MPI job",
+                             collective timeout of {} s{peers}; aborting the MPI job",
                             w.op.name(),
                             topology.scope_name(w.scope),
                             timeout.as_secs_f64()
@@ -127,6 +151,7 @@ impl Watchdog {
             op,
             scope,
             since: Instant::now(),
+            peers: Vec::new(),
         });
         let slot = match slots.iter().position(Option::is_none) {
             Some(i) => {
@@ -141,6 +166,17 @@ impl Watchdog {
         Armed {
             shared: &self.shared,
             slot,
+        }
+    }
+}
+
+impl Armed<'_> {
+    /// Names the world ranks the collective is waiting on now (for the timeout's message).
+    pub fn waiting_on(&self, peers: &[usize]) {
+        let mut slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = slots[self.slot].as_mut() {
+            w.peers.clear();
+            w.peers.extend_from_slice(peers);
         }
     }
 }

@@ -294,6 +294,12 @@ impl Topology {
         (rank - index * stride, index)
     }
 
+    /// World rank of the member with index `index` of the group `scope` that contains `rank`.
+    pub fn member(&self, scope: Scope, rank: usize, index: usize) -> usize {
+        let (color, _) = self.color_and_index(scope, rank);
+        color + index * self.stride(self.bounds(scope).0)
+    }
+
     /// World ranks of the group `scope` that contains `rank`, in index order.
     pub fn members(&self, scope: Scope, rank: usize) -> Vec<usize> {
         let (color, _) = self.color_and_index(scope, rank);
@@ -349,6 +355,19 @@ impl fmt::Display for Topology {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_member_is_found_by_its_index() {
+        let t = Topology::parse("2x2x2").unwrap();
+        for scope in t.scopes() {
+            for rank in 0..8 {
+                let members = t.members(scope, rank);
+                for (i, &m) in members.iter().enumerate() {
+                    assert_eq!(t.member(scope, rank, i), m, "{scope:?} {rank} {i}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn parse_is_outermost_first_and_pads_inner_levels() {

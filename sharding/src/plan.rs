@@ -146,7 +146,8 @@ pub struct Memory {
     /// autodiff graph being built), from the units' [`ActivationBytes`].
     pub activations_peak: u64,
     /// Largest sum, at one moment of the step, of gathered units, gradient buffers on their
-    /// way to the reduction, their staging copies and activations.
+    /// way to the reduction, their staging copies and activations, plus the staging each
+    /// communication thread's heap keeps for reuse.
     pub working_peak: u64,
 }
 
