@@ -17,7 +17,8 @@
 //! | reduce-scatter into blocks of `s` | ring, `g - 1` steps | `(g - 1) s` on each edge `i -> i + 1` |
 //! | all-to-all of blocks of `c` | pairwise, step `k`: `i -> i + k` | `c` on each ordered pair |
 //! | all-reduce, >= 64 KiB | ring reduce-scatter + ring all-gather | `2 (g - 1) / g` of the buffer |
-//! | all-reduce < 64 KiB, broadcast | MPI's (latency-bound) | - |
+//! | all-reduce < 64 KiB | recursive doubling (ring all-gather off powers of two) | latency-bound |
+//! | broadcast | MPI's | - |
 //!
 //! Every wait polls MPI without holding a core (see [`complete`]): on a machine whose cores
 //! the ranks share, a busy-polling wait takes the compute's time.
@@ -237,7 +238,7 @@ impl<'c> Group<'c> {
     ///
     /// Buffers of at least [`RING_ALL_REDUCE_BYTES`] run as a ring reduce-scatter then a ring
     /// all-gather (`2 (g - 1) / g` of the buffer over every edge); smaller ones, where
-    /// latency dominates, use MPI's own all-reduce.
+    /// latency dominates, by recursive doubling.
     pub fn all_reduce_into<T: Element>(
         &self,
         send: &[T],
@@ -245,7 +246,7 @@ impl<'c> Group<'c> {
         reduce: Reduce,
     ) -> Result<(), CommError> {
         self.check_len("all_reduce", recv.len(), send.len(), "recv must match send")?;
-        let count = mpi_count(send.len())?;
+        mpi_count(send.len())?;
         if reduce == Reduce::Mean {
             T::divide(&mut [], 1)?;
         }
@@ -268,26 +269,56 @@ impl<'c> Group<'c> {
                 recv.copy_from_slice(&out[..send.len()]);
             }
         } else {
+            // Latency-bound: charged by the formula, as the plan counts it.
             self.charge(Op::AllReduce, bytes_of::<T>(send.len()), Role::Member);
-            let _armed = self.comm.arm(Op::AllReduce, self.scope);
-            let mut request = null_request();
-            // SAFETY: both buffers are valid for `count` elements of the datatype given and
-            // outlive the request, which completes before this function returns.
-            unsafe {
-                ffi::MPI_Iallreduce(
-                    send.as_ptr() as *const c_void,
-                    recv.as_mut_ptr() as *mut c_void,
-                    count,
-                    T::mpi_datatype(),
-                    self.comm.sum_op::<T>(),
-                    self.raw,
-                    &mut request,
-                );
-            }
-            complete(&mut [request]);
+            self.small_all_reduce(send, recv)?;
         }
         if reduce == Reduce::Mean {
             T::divide(recv, self.size)?;
+        }
+        Ok(())
+    }
+
+    /// A sum of small buffers in as few steps as the group allows: recursive doubling
+    /// (partners at distance 1, 2, 4, ... exchange their partial sums, `log2 g` steps) when the
+    /// group size is a power of two, else a ring all-gather of every buffer and a sum in index
+    /// order. Each pair adds the lower index's partial sum first, so every member ends with the
+    /// same bits. Charges nothing itself.
+    fn small_all_reduce<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<(), CommError> {
+        let (g, i, n) = (self.size, self.index, send.len());
+        let armed = self.comm.arm(Op::AllReduce, self.scope);
+        if g.is_power_of_two() {
+            recv.copy_from_slice(send);
+            let mut mine = vec![T::default(); n];
+            let mut theirs = vec![T::default(); n];
+            let mut d = 1;
+            while d < g {
+                let partner = i ^ d;
+                mine.copy_from_slice(recv);
+                self.exchange(&armed, &mine, partner, &mut theirs, partner)?;
+                let (first, second) = if i < partner {
+                    (&mine, &theirs)
+                } else {
+                    (&theirs, &mine)
+                };
+                recv.copy_from_slice(first);
+                T::add_into(recv, second);
+                d *= 2;
+            }
+        } else {
+            let mut all = vec![T::default(); n * g];
+            all[i * n..(i + 1) * n].copy_from_slice(send);
+            let (right, left) = ((i + 1) % g, (i + g - 1) % g);
+            for k in 0..g - 1 {
+                let out = (i + g - k) % g;
+                let into = (i + 2 * g - k - 1) % g;
+                let (send_block, recv_block) = two_blocks(&mut all, n, out, into);
+                self.exchange(&armed, send_block, right, recv_block, left)?;
+            }
+            recv.copy_from_slice(&all[..n]);
+            for c in 1..g {
+                T::add_into(recv, &all[c * n..(c + 1) * n]);
+            }
         }
         Ok(())
     }
@@ -388,10 +419,6 @@ impl<'c> Group<'c> {
         recv: &mut [T],
         from: usize,
     ) -> Result<(), CommError> {
-        let (n_send, n_recv) = (mpi_count(send.len())?, mpi_count(recv.len())?);
-        let topology = self.comm.topology();
-        let world = |index| topology.member(self.scope, self.comm.rank(), index);
-        armed.waiting_on(&[world(to), world(from)]);
         self.comm.charge(
             self.scope,
             op,
@@ -400,6 +427,27 @@ impl<'c> Group<'c> {
                 received: bytes_of::<T>(recv.len()),
             },
         );
+        self.exchange(armed, send, to, recv, from)
+    }
+
+    /// Sends `send` to group index `to` and receives `recv` from `from` at once, charging
+    /// nothing; `armed` names the two for the timeout.
+    fn exchange<T: Element>(
+        &self,
+        armed: &Armed<'_>,
+        send: &[T],
+        to: usize,
+        recv: &mut [T],
+        from: usize,
+    ) -> Result<(), CommError> {
+        let (n_send, n_recv) = (mpi_count(send.len())?, mpi_count(recv.len())?);
+        let topology = self.comm.topology();
+        let world = |index| topology.member(self.scope, self.comm.rank(), index);
+        if to == from {
+            armed.waiting_on(&[world(to)]);
+        } else {
+            armed.waiting_on(&[world(to), world(from)]);
+        }
         let mut requests = [null_request(); 2];
         // SAFETY: both buffers are valid for their counts of the datatype given, do not
         // overlap, and outlive the requests, which complete before this function returns.
@@ -443,7 +491,7 @@ impl<'c> Group<'c> {
 /// MPI keeps messages between two ranks in order, so one tag matches them all.
 const STEP_TAG: i32 = 0x656d;
 
-/// All-reduces of at least this many bytes run as our ring; smaller ones use MPI's.
+/// All-reduces of at least this many bytes run as a ring; smaller ones by recursive doubling.
 pub const RING_ALL_REDUCE_BYTES: u64 = 64 * 1024;
 
 /// `MPI_REQUEST_NULL`, for a request slot MPI fills in.

@@ -18,14 +18,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use mpi::collective::{CommunicatorCollectives, SystemOperation, UnsafeUserOperation};
+use mpi::collective::{CommunicatorCollectives, SystemOperation};
 use mpi::environment::{Threading, Universe};
 use mpi::ffi;
 use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 
 use crate::counters::{Counters, Op, Traffic};
-use crate::element::{Dtype, Element, bf16_sum};
 use crate::error::CommError;
 use crate::fault::{Armed, Watchdog, install_panic_hook};
 use crate::topology::{Scope, Topology};
@@ -125,7 +124,6 @@ pub(crate) struct Core {
     // `universe` finalises MPI.
     /// Per lane, one communicator per level range; lane 0's world is `world` itself.
     lanes: Vec<BTreeMap<(usize, usize), SimpleCommunicator>>,
-    bf16_sum: UnsafeUserOperation,
     watchdog: Watchdog,
     // True while the panic hook may call MPI_Abort; cleared before MPI is finalised.
     panic_hook_live: Option<Arc<AtomicBool>>,
@@ -250,9 +248,6 @@ impl Comm {
             }
             lanes[0].insert(bounds, split);
         }
-        // SAFETY: `bf16_sum` reads and writes exactly `len` u16 values, never panics, and is
-        // commutative and associative up to rounding (as MPI_SUM on floats is).
-        let bf16_sum = unsafe { UnsafeUserOperation::commutative(bf16_sum) };
         let panic_hook_live = match config.panic_policy {
             PanicPolicy::AbortJob => Some(install_panic_hook(rank)),
             PanicPolicy::KeepHook => None,
@@ -260,7 +255,6 @@ impl Comm {
         Ok(Self {
             core: Arc::new(Core {
                 lanes,
-                bf16_sum,
                 watchdog: Watchdog::start(rank, &topology, config.timeout),
                 panic_hook_live,
                 counters: Mutex::new(Counters::default()),
@@ -422,14 +416,6 @@ impl Comm {
     /// Runtime of MPI's wall clock, identical in meaning on every rank.
     pub fn wtime(&self) -> f64 {
         mpi::time()
-    }
-
-    /// The element-wise sum for `T` (MPI_SUM, or our bf16 operation).
-    pub(crate) fn sum_op<T: Element>(&self) -> ffi::MPI_Op {
-        match T::DTYPE {
-            Dtype::Bf16 => self.core.bf16_sum.as_raw(),
-            Dtype::F32 | Dtype::U8 | Dtype::I8 => SystemOperation::sum().as_raw(),
-        }
     }
 
     pub(crate) fn charge(&self, scope: Scope, op: Op, traffic: Traffic) {

@@ -16,8 +16,8 @@
 //! | all-to-all | input bytes | `n (g-1) / g` | same | pairwise exchange |
 //! | broadcast | buffer bytes | root `n (g-1)`, others 0 | root 0, others `n` | linear |
 //!
-//! All-reduces under 64 KiB and broadcasts run MPI's own algorithm, whose wire we cannot see;
-//! they are charged by [`formula`], the same table. Quantized collectives are charged for the
+//! Broadcasts run MPI's own algorithm, whose wire we cannot see, and all-reduces under 64 KiB
+//! are latency-bound; both are charged by [`formula`], the same table. Quantized collectives are charged for the
 //! quantized bytes they hand to MPI (data plus scales). A group of one is charged nothing.
 
 use std::collections::BTreeMap;

@@ -1,8 +1,6 @@
 //! The element types collectives carry (f32, bf16, u8, i8) and how each maps onto MPI.
-//! bf16 travels as its 16 raw bits because MPI has no bf16 type; its sum is a user operation
-//! that adds in f32 and rounds back. This file deliberately holds no communicator logic.
-
-use std::ffi::{c_int, c_void};
+//! bf16 travels as its 16 raw bits because MPI has no bf16 type; our reductions add it in f32
+//! and round back. This file deliberately holds no communicator logic.
 
 use mpi::ffi;
 
@@ -141,30 +139,6 @@ impl Element for i8 {
         acc.iter_mut()
             .zip(x)
             .for_each(|(a, b)| *a = a.wrapping_add(*b));
-    }
-}
-
-/// The MPI user function behind the bf16 sum: `inout[i] = bf16(f32(in[i]) + f32(inout[i]))`.
-///
-/// # Safety
-/// MPI calls it with two valid arrays of `*len` u16 values.
-pub(crate) unsafe extern "C" fn bf16_sum(
-    invec: *mut c_void,
-    inoutvec: *mut c_void,
-    len: *mut c_int,
-    _datatype: *mut ffi::MPI_Datatype,
-) {
-    // SAFETY: MPI guarantees both buffers hold `*len` elements of the datatype we registered
-    // the operation with (u16), and that they don't overlap.
-    let (a, b) = unsafe {
-        let n = *len as usize;
-        (
-            std::slice::from_raw_parts(invec as *const Bf16, n),
-            std::slice::from_raw_parts_mut(inoutvec as *mut Bf16, n),
-        )
-    };
-    for (x, y) in a.iter().zip(b.iter_mut()) {
-        *y = Bf16::from_f32(x.to_f32() + y.to_f32());
     }
 }
 

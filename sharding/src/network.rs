@@ -1,6 +1,6 @@
 //! Which bytes of a collective cross which link, and how long the collective takes on a
 //! profile's links. Pure functions of the topology and the collective algorithms of
-//! `ember-comm` (ring all-gather and reduce-scatter, pairwise all-to-all, ring all-reduce; MPI's
+//! `ember-comm` (ring all-gather and reduce-scatter, pairwise all-to-all, ring all-reduce,
 //! recursive doubling for small all-reduces); nothing here moves data.
 //!
 //! # Links
@@ -21,14 +21,12 @@
 
 use std::collections::HashMap;
 
+use ember_comm::collective::RING_ALL_REDUCE_BYTES;
 use ember_comm::{Op, Topology};
 use serde::Serialize;
 
 use crate::plan::{Collective, Levels};
 use crate::profile::Profile;
-
-/// All-reduces of fewer bytes run MPI's algorithm (`ember_comm::collective`).
-const RING_ALL_REDUCE_BYTES: u64 = 64 * 1024;
 
 /// What a collective costs: its time alone on the links, and its bytes per link level.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -129,16 +127,21 @@ impl Network {
                     .collect(),
                 block: 1.0 / g as f64,
             },
-            Op::AllReduce if small => {
+            Op::AllReduce if small && g.is_power_of_two() => {
                 // Recursive doubling: partners at distance 1, 2, 4, ... exchange everything.
                 let mut steps = Vec::new();
                 let mut d = 1;
                 while d < g {
-                    steps.push((0..g).filter(|i| i ^ d < g).map(|i| (i, i ^ d)).collect());
+                    steps.push((0..g).map(|i| (i, i ^ d)).collect());
                     d *= 2;
                 }
                 Steps { steps, block: 1.0 }
             }
+            // Every buffer gathered around the ring, then summed.
+            Op::AllReduce if small => Steps {
+                steps: ring(g - 1),
+                block: 1.0,
+            },
             Op::AllReduce => Steps {
                 steps: ring(2 * (g - 1)),
                 block: 1.0 / g as f64,
