@@ -443,11 +443,25 @@ impl<'c> Group<'c> {
         let (n_send, n_recv) = (mpi_count(send.len())?, mpi_count(recv.len())?);
         let topology = self.comm.topology();
         let world = |index| topology.member(self.scope, self.comm.rank(), index);
+        let (to_rank, from_rank) = (world(to), world(from));
         if to == from {
-            armed.waiting_on(&[world(to)]);
+            armed.waiting_on(&[to_rank]);
         } else {
-            armed.waiting_on(&[world(to), world(from)]);
+            armed.waiting_on(&[to_rank, from_rank]);
         }
+        // Bytes this exchange moves over links that leave this rank's GPU.
+        let gpu = |r: usize| r / topology.stride(1.min(topology.depth()));
+        let mine = gpu(self.comm.rank());
+        let off_gpu = if gpu(to_rank) != mine {
+            bytes_of::<T>(send.len())
+        } else {
+            0
+        } + if gpu(from_rank) != mine {
+            bytes_of::<T>(recv.len())
+        } else {
+            0
+        };
+        let start = Instant::now();
         let mut requests = [null_request(); 2];
         // SAFETY: both buffers are valid for their counts of the datatype given, do not
         // overlap, and outlive the requests, which complete before this function returns.
@@ -472,6 +486,10 @@ impl<'c> Group<'c> {
             );
         }
         complete(&mut requests);
+        if off_gpu > 0 {
+            self.comm
+                .record_off_gpu(off_gpu, start.elapsed().as_nanos() as u64);
+        }
         Ok(())
     }
 

@@ -418,6 +418,10 @@ impl Comm {
         mpi::time()
     }
 
+    pub(crate) fn record_off_gpu(&self, bytes: u64, nanos: u64) {
+        self.lock_counters().add_off_gpu(bytes, nanos);
+    }
+
     pub(crate) fn charge(&self, scope: Scope, op: Op, traffic: Traffic) {
         self.lock_counters().add(scope, op, traffic);
     }

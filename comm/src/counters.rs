@@ -106,10 +106,30 @@ pub fn formula(op: Op, bytes: u64, group: usize, role: Role) -> Traffic {
     }
 }
 
-/// Accumulated traffic per (canonical scope, op) since the last reset.
+/// Accumulated traffic per (canonical scope, op) since the last reset, and the time this
+/// rank's messages to and from other GPUs took.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Counters {
     by_key: BTreeMap<(Scope, Op), Traffic>,
+    off_gpu: OffGpu,
+}
+
+/// Messages between this rank and ranks on other GPUs or nodes: their bytes (sent and
+/// received) and the wall time of the exchanges that carried them, measured. A rank behind a
+/// slow link moves them slowest (see [`OffGpu::mbytes_per_s`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffGpu {
+    /// Bytes sent to and received from ranks on other GPUs.
+    pub bytes: u64,
+    /// Nanoseconds the exchanges carrying them took.
+    pub nanos: u64,
+}
+
+impl OffGpu {
+    /// Megabytes per second through this rank's links, or `None` before any moved.
+    pub fn mbytes_per_s(&self) -> Option<f64> {
+        (self.nanos > 0).then(|| self.bytes as f64 / self.nanos as f64 * 1e3)
+    }
 }
 
 impl Counters {
@@ -132,6 +152,17 @@ impl Counters {
             .filter(|((s, _), _)| *s == scope)
             .for_each(|(_, v)| t += *v);
         t
+    }
+
+    /// Records an exchange with ranks on other GPUs.
+    pub fn add_off_gpu(&mut self, bytes: u64, nanos: u64) {
+        self.off_gpu.bytes += bytes;
+        self.off_gpu.nanos += nanos;
+    }
+
+    /// This rank's exchanges with other GPUs since the last reset.
+    pub fn off_gpu(&self) -> OffGpu {
+        self.off_gpu
     }
 
     /// Every non-empty entry, ordered by scope then op.

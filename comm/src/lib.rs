@@ -21,7 +21,7 @@ pub mod topology;
 
 pub use collective::Reduce;
 pub use comm::{Comm, CommConfig, Disagreement, Group, PanicPolicy, TopologySource};
-pub use counters::{Counters, Op, Role, Traffic};
+pub use counters::{Counters, OffGpu, Op, Role, Traffic};
 pub use element::{Bf16, Dtype, Element};
 pub use error::CommError;
 pub use padding::ShardLayout;

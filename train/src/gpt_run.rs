@@ -210,6 +210,24 @@ impl Trainee for GptRun<'_, '_> {
             m.comm_bytes = Some(traffic_by_name(comm, &r.traffic));
             m.comm_wait_frac = Some(r.comm_wait_s / r.step_s.max(1e-9));
             m.plan_bytes = Some(self.plan_bytes);
+            let off = r.traffic.off_gpu();
+            let mut mine = Vec::with_capacity(24);
+            mine.extend_from_slice(&r.step_s.to_le_bytes());
+            mine.extend_from_slice(&off.bytes.to_le_bytes());
+            mine.extend_from_slice(&off.nanos.to_le_bytes());
+            let all = comm.world().all_gather(&mine)?;
+            let ranks: Vec<(f64, u64, u64)> = all
+                .chunks_exact(24)
+                .map(|c| {
+                    let word = |i: usize| c[i * 8..(i + 1) * 8].try_into().expect("8 bytes");
+                    (
+                        f64::from_le_bytes(word(0)),
+                        u64::from_le_bytes(word(1)),
+                        u64::from_le_bytes(word(2)),
+                    )
+                })
+                .collect();
+            m.stragglers = crate::metrics::Stragglers::new(&ranks);
         }
         m.rss_peak_bytes = Some(rss_peaks(comm)?);
         if let Some(b) = self.last.as_ref().and_then(|r| r.device_bytes) {

@@ -56,6 +56,73 @@ pub struct StepMetrics {
     /// Sharded runs: the plan's prediction of what one rank holds at its peak, in bytes.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub plan_bytes: Option<u64>,
+    /// Sharded runs on several GPUs: every rank's last step and its links' throughput.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub stragglers: Option<Stragglers>,
+}
+
+/// How evenly the ranks moved in the last step: their step times, and the megabytes per
+/// second each one's messages to and from other GPUs moved at (measured around every
+/// exchange), whose slowest rank is the one behind a slow link.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Stragglers {
+    /// Every rank's last step, seconds, rank 0 first.
+    pub step_s: Vec<f64>,
+    /// Every rank's throughput to other GPUs, MB/s (0 where it sent nothing there).
+    pub link_mbytes_per_s: Vec<f64>,
+    /// The rank with the slowest links.
+    pub slowest_rank: usize,
+}
+
+impl Stragglers {
+    /// From every rank's `(step seconds, off-GPU bytes, off-GPU nanoseconds)`.
+    pub fn new(ranks: &[(f64, u64, u64)]) -> Option<Self> {
+        let rates: Vec<f64> = ranks
+            .iter()
+            .map(|&(_, b, n)| {
+                if n > 0 {
+                    b as f64 / n as f64 * 1e3
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let slowest_rank = rates
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| **r > 0.0)
+            .min_by(|a, b| a.1.total_cmp(b.1))?
+            .0;
+        Some(Self {
+            step_s: ranks.iter().map(|r| r.0).collect(),
+            link_mbytes_per_s: rates,
+            slowest_rank,
+        })
+    }
+
+    /// One log line: the spread of step times, and the slowest rank against the median.
+    pub fn line(&self) -> String {
+        let lo = self.step_s.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = self.step_s.iter().copied().fold(0.0, f64::max);
+        let mut rates: Vec<f64> = self
+            .link_mbytes_per_s
+            .iter()
+            .copied()
+            .filter(|r| *r > 0.0)
+            .collect();
+        rates.sort_by(f64::total_cmp);
+        let median = rates.get(rates.len() / 2).copied().unwrap_or(0.0);
+        format!(
+            "stragglers: step {:.3}-{:.3} s over {} ranks; slowest links: rank {} at {:.2} MB/s \
+             to other GPUs (median rank {:.2} MB/s)",
+            lo,
+            hi,
+            self.step_s.len(),
+            self.slowest_rank,
+            self.link_mbytes_per_s[self.slowest_rank],
+            median
+        )
+    }
 }
 
 /// Appends to `metrics.jsonl`, flushing each line so a crash loses at most one.

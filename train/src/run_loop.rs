@@ -126,6 +126,7 @@ pub fn run(
                 rss_peak_bytes: None,
                 device_bytes: None,
                 plan_bytes: None,
+                stragglers: None,
             };
             trainee.observe(&mut m)?;
             if let Some(w) = writer.as_mut() {
@@ -149,6 +150,9 @@ pub fn run(
                     s.grad_norm
                 )
             });
+            if let Some(s) = &m.stragglers {
+                bar.suspend(|| log0!(rank, "{}", s.line()));
+            }
             logged.push(m);
             window = (0.0, 0);
         }
