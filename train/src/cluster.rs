@@ -362,6 +362,18 @@ pub fn up(spec: &ClusterSpec, calibration: &Calibration) -> Result<Cluster> {
     if unsafe_geteuid() != 0 {
         bail!("ember cluster up needs root (network namespaces and tc): run it as root");
     }
+    // Clusters share the address range (and the root namespace's route to it).
+    if let Ok(entries) = std::fs::read_dir(STATE_ROOT) {
+        for e in entries.flatten() {
+            let other = e.file_name().to_string_lossy().into_owned();
+            if other != spec.prefix && e.path().join("cluster.json").exists() {
+                bail!(
+                    "cluster `{other}` is up and uses the same addresses: take it down first \
+                     (ember cluster down --prefix {other})"
+                );
+            }
+        }
+    }
     down(&spec.prefix)?;
     match build(spec, &topology, calibration) {
         Ok(c) => Ok(c),
@@ -954,6 +966,10 @@ pub fn probe_links(out: &Path) -> Result<()> {
                 (PER_RANK * g) as u64,
             ))
             .busy_s[level];
+        if busiest <= 0.0 {
+            // No link of this level in the group (a node of one GPU): nothing to measure.
+            continue;
+        }
         let name = t.levels()[level].name.clone();
         // `busiest` is seconds at 1 GB/s: the busiest link's gigabytes.
         probe.link_gbps.push((name.clone(), busiest / seconds));
@@ -968,7 +984,8 @@ pub fn probe_links(out: &Path) -> Result<()> {
 
 /// The rsh agent: runs `command` (one shell command line, as `ssh` would) in the namespace of
 /// the GPU whose address is `host`, under the node's hostname, with scratch directories of its
-/// own (Open MPI names shared-memory files by hostname, which the node's GPUs share).
+/// own (Open MPI names shared-memory files by hostname, which the node's GPUs share), and
+/// `EMBER_GCDS_PER_GPU` set to the cluster's GCDs per GPU.
 pub fn rsh(prefix: &str, host: &str, command: &[String]) -> Result<std::process::ExitStatus> {
     let cluster = Cluster::load(&Cluster::state_file(prefix))?;
     let gpu = cluster
@@ -994,6 +1011,12 @@ pub fn rsh(prefix: &str, host: &str, command: &[String]) -> Result<std::process:
         .arg(script)
         .env("TMPDIR", &tmp)
         .env("OMPI_MCA_btl_vader_backing_directory", &shm)
+        // The documented hint for GCDs per GPU: a node of one GPU has one namespace, whose
+        // shared-memory domain is the whole host.
+        .env(
+            ember_comm::comm::GCDS_PER_GPU_ENV,
+            cluster.topology().dims()[0].to_string(),
+        )
         .status()
         .context("running ip netns exec")
 }
