@@ -164,10 +164,11 @@ pub enum Recompute {
 pub const PRESETS: [&str; 6] = ["ddp", "zero1", "zero2", "zero3", "zeropp", "hier3"];
 
 /// Default quantization block. Smaller blocks track the gradient's local scale better at the
-/// cost of one f32 scale per block (3% more bytes than the int4 data at 256). Measured on
-/// `tiny`, 300 steps, hier3 at 2x2x2: val loss 4.2212 with blocks of 2048, 4.1752 with 512,
-/// 4.1455 with 256, against 4.0967 unquantized (BENCHMARKS.md).
-pub const DEFAULT_QUANT_BLOCK: usize = 256;
+/// cost of one f32 scale per block (6% more bytes than the int4 data at 128, 3% at 256).
+/// Measured on `tiny`, 300 steps, hier3 at 2x2x2 against zero3: the largest gap of a logged
+/// step's loss is 1.99% with blocks of 256, 1.08% with 128, 0.53% with 64 (val loss +1.21%,
+/// +0.70%, +0.25%; BENCHMARKS.md): 128 keeps every step within 2% with room to spare.
+pub const DEFAULT_QUANT_BLOCK: usize = 128;
 
 impl ShardConfig {
     /// A preset on a topology of `depth` levels (the level spans depend on it). Presets are

@@ -511,6 +511,7 @@ impl Collective {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::DEFAULT_QUANT_BLOCK;
 
     fn units() -> Vec<UnitSpec> {
         vec![
@@ -574,7 +575,7 @@ mod tests {
         assert_eq!(p.shard_range(0, Span(1), 5), 28..56);
         // Quantized presets pad to whole blocks per rank.
         let q = plan("zeropp", "2x2x2");
-        assert_eq!(q.units[0].padded, 8 * 256);
+        assert_eq!(q.units[0].padded, 8 * DEFAULT_QUANT_BLOCK);
     }
 
     #[test]
@@ -611,7 +612,7 @@ mod tests {
         let int8: u64 = h3p
             .units
             .iter()
-            .map(|u| (u.padded / 2 + 4 * (u.padded / 2).div_ceil(256)) as u64)
+            .map(|u| (u.padded / 2 + 4 * (u.padded / 2).div_ceil(DEFAULT_QUANT_BLOCK)) as u64)
             .sum();
         assert_eq!(h3p.memory(1).secondary, int8);
     }

@@ -39,7 +39,7 @@ pub struct ShardArgs {
     /// Keep each rank's gradient quantization error and add it back next step (LoCo-style)
     #[arg(long)]
     pub error_feedback: bool,
-    /// Elements per quantization block [default: 256]
+    /// Elements per quantization block [default: 128]
     #[arg(long)]
     pub quant_block: Option<usize>,
     /// What a unit with partitioned parameters keeps for backward: unit (its input; backward
