@@ -904,59 +904,72 @@ fn probe_through_mpi(c: &Cluster) -> Result<MpiProbe> {
     Ok(serde_json::from_str(&text)?)
 }
 
-/// The link probe every rank runs: for each level from the GPU out, the ranks under one link of
-/// the level above (a node's, or the world) all-gather in ember's ring, whose every step sends
-/// one block over each of the level's links, as the collectives of a step do back to back. The
-/// rate is the busiest link's bytes (by `ember_sharding::network`, the algorithm the
-/// collectives run) over the median time of 3 gathers (after 4 warm-ups) until every rank is
-/// done; the latency is a 1-byte gather's time per step.
-/// Rank 0 writes the result to `out`.
+/// The link probe every rank runs. For each level from the GPU out, the ranks under one link
+/// of the level above (a node's, or the world) all-gather in ember's ring, whose every step
+/// sends one block over each of the level's links, as a step's collectives do back to back:
+///
+/// - the latency is 20 one-byte rings back to back, per ring step (the slowest rank's time);
+/// - the rate is the busiest link's bytes (by `ember_sharding::network`, the algorithm the
+///   collectives run) over the median of 5 timed rings of 1 MiB per rank (after 2 warm-ups,
+///   from a common start, until the slowest rank is done).
+///
+/// A level whose links are not the ring's bottleneck at the shaped rates (an uplink at least
+/// as fast as its GPUs' links together, which all its traffic crosses first) cannot be timed
+/// this way: it gets its shaped rate scaled by the efficiency measured on the levels that
+/// could. Rank 0 writes the result to `out`.
 pub fn probe_links(out: &Path) -> Result<()> {
     use ember_comm::{Comm, CommConfig, Op, Scope};
     use ember_sharding::network::Network;
     use ember_sharding::plan::{Collective, Levels};
-    const PER_RANK: usize = 1 << 19;
+    const PER_RANK: usize = 1 << 20;
     let comm = Comm::init(CommConfig::default())?;
     let t = comm.topology().clone();
+    let state = std::env::var(CLUSTER_ENV)
+        .map_err(|_| anyhow!("{CLUSTER_ENV} is not set: run the probe through ember cluster"))?;
+    let spec = Cluster::load(Path::new(&state))?.spec;
+    let shaped = [f64::INFINITY, spec.gpu_link_mbit, spec.uplink_mbit].map(|m| m / 8e3);
     let mut unit = ember_sharding::profile::Profile::frontier();
     unit.link_gbps = Some(t.levels().iter().map(|l| (l.name.clone(), 1.0)).collect());
     let mut net = Network::new(&t, &unit);
-    let mut probe = MpiProbe {
-        link_gbps: Vec::new(),
-        latency_us: Vec::new(),
+    // The slowest rank's time of `f`, from a common start.
+    let slowest = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        comm.barrier();
+        let start = Instant::now();
+        f()?;
+        let mine = start.elapsed().as_secs_f64();
+        let all = comm.world().all_gather(&mine.to_le_bytes())?;
+        Ok(all
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .fold(0.0, f64::max))
     };
+    let mut measured: Vec<(usize, f64, f64)> = Vec::new(); // (level, GB/s, latency s)
+    let mut unidentified: Vec<(usize, f64)> = Vec::new(); // (level, latency s)
     for level in 1..t.depth() {
         let group = comm.try_group(Scope::Within(level))?;
         let g = group.size();
         if g < 2 {
             continue;
         }
-        // Each rank times its gather from a common start; the slowest rank's time counts
-        // (flows sharing a link finish unevenly).
-        let median = |bytes: usize| -> Result<f64> {
-            let data = vec![1u8; bytes];
-            let mut times = Vec::new();
-            // Warm-ups first: fresh TCP connections start slow.
-            for i in 0..7 {
-                comm.barrier();
-                let start = Instant::now();
-                group.all_gather(&data)?;
-                let mine = start.elapsed().as_secs_f64();
-                let all = comm.world().all_gather(&mine.to_le_bytes())?;
-                let slowest = all
-                    .chunks_exact(8)
-                    .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
-                    .fold(0.0, f64::max);
-                if i >= 4 {
-                    times.push(slowest);
-                }
+        let one = [1u8];
+        let latency = slowest(&mut || {
+            for _ in 0..20 {
+                group.all_gather(&one)?;
             }
-            times.sort_by(f64::total_cmp);
-            Ok(times[times.len() / 2])
-        };
-        let latency = median(1)? / (g - 1) as f64;
-        let seconds = median(PER_RANK)?;
-        let busiest = net
+            Ok(())
+        })? / (20 * (g - 1)) as f64;
+        let data = vec![1u8; PER_RANK];
+        let mut times = Vec::new();
+        for i in 0..7 {
+            let s = slowest(&mut || group.all_gather(&data).map(|_| ()).map_err(Into::into))?;
+            if i >= 2 {
+                times.push(s);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let seconds = times[times.len() / 2];
+        // Seconds of each level's busiest link at 1 GB/s: its gigabytes.
+        let busy = net
             .cost(&Collective::new(
                 Levels {
                     lo: 0,
@@ -965,16 +978,45 @@ pub fn probe_links(out: &Path) -> Result<()> {
                 Op::AllGather,
                 (PER_RANK * g) as u64,
             ))
-            .busy_s[level];
-        if busiest <= 0.0 {
+            .busy_s;
+        if busy[level] <= 0.0 {
             // No link of this level in the group (a node of one GPU): nothing to measure.
             continue;
         }
-        let name = t.levels()[level].name.clone();
-        // `busiest` is seconds at 1 GB/s: the busiest link's gigabytes.
-        probe.link_gbps.push((name.clone(), busiest / seconds));
-        probe.latency_us.push((name, latency * 1e6));
+        let bottleneck = (1..=level)
+            .max_by(|&a, &b| (busy[a] / shaped[a]).total_cmp(&(busy[b] / shaped[b])))
+            .expect("a level");
+        if bottleneck == level {
+            measured.push((level, busy[level] / seconds, latency));
+        } else {
+            unidentified.push((level, latency));
+        }
     }
+    let efficiency = {
+        let e: Vec<f64> = measured.iter().map(|&(l, r, _)| r / shaped[l]).collect();
+        if e.is_empty() {
+            1.0
+        } else {
+            e.iter().sum::<f64>() / e.len() as f64
+        }
+    };
+    let mut all: Vec<(usize, f64, f64)> = measured;
+    all.extend(
+        unidentified
+            .into_iter()
+            .map(|(l, lat)| (l, shaped[l] * efficiency, lat)),
+    );
+    all.sort_by_key(|x| x.0);
+    let probe = MpiProbe {
+        link_gbps: all
+            .iter()
+            .map(|&(l, r, _)| (t.levels()[l].name.clone(), r))
+            .collect(),
+        latency_us: all
+            .iter()
+            .map(|&(l, _, lat)| (t.levels()[l].name.clone(), lat * 1e6))
+            .collect(),
+    };
     if comm.rank() == 0 {
         std::fs::write(out, serde_json::to_string(&probe)?)
             .with_context(|| format!("writing {}", out.display()))?;
