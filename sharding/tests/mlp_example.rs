@@ -123,10 +123,15 @@ fn the_mlp_example_trains_and_resumes_under_mpirun() {
             reference = losses;
         }
     }
-    // Checkpoints: saved by 4 ranks under zero3 at step 150, continued by 2 ranks under ddp
-    // and by 8 under zero3, each rank reading only the ranges it owns. The continuation
-    // matches the uninterrupted run up to the f32 summation order of the other world size
-    // (measured: 1.3e-5 relative at most, over 150 steps).
+    // Checkpoints: saved by 4 ranks under zero3 at step 150, continued by 4 ranks at the same
+    // layout, by 2 ranks under ddp and by 8 under zero3, each rank reading only the ranges it
+    // owns. At the same layout the continuation is the uninterrupted run, bit for bit. At another
+    // world size the gradients are summed in another order: the first steps after resuming
+    // match to rounding (measured: 2.7e-6 relative at most over 20 steps), and later ones drift
+    // as Adam turns the rounding of near-zero gradient entries into full-size steps (measured:
+    // 1.3e-5 at most over 150 steps on a Zen 4, 2.0e-3 on another CPU's kernels). A checkpoint
+    // missing its optimizer moments or a shard read from the wrong range moves the loss by far
+    // more than either bound.
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("mlp");
     launch(4, "2x2x1", &run("zero3", 150, None, Some(&dir)));
@@ -134,6 +139,12 @@ fn the_mlp_example_trains_and_resumes_under_mpirun() {
     assert!(
         saved.join("manifest.json").is_file(),
         "no checkpoint in {dir:?}"
+    );
+    let same = launch(4, "2x2x1", &run("zero3", 300, Some(&saved), None));
+    assert_eq!(
+        same,
+        reference[150..],
+        "zero3 resumed at its own layout is not the uninterrupted run"
     );
     for (np, topology, preset) in [(2, "2x1x1", "ddp"), (8, "2x2x2", "zero3")] {
         let resumed = launch(np, topology, &run(preset, 300, Some(&saved), None));
@@ -144,11 +155,13 @@ fn the_mlp_example_trains_and_resumes_under_mpirun() {
             .map(|((_, a), (_, b))| (a - b).abs() / a.abs())
             .fold(0.0f64, f64::max);
         eprintln!("{preset} at {topology} after resuming: largest relative difference {worst:e}");
-        for ((s, a), (t, b)) in reference[150..].iter().zip(&resumed) {
+        for (i, ((s, a), (t, b))) in reference[150..].iter().zip(&resumed).enumerate() {
             assert_eq!(s, t);
+            let bound = if i < 20 { 1e-4 } else { 1e-2 };
             assert!(
-                (a - b).abs() <= 1e-4 * a.abs(),
-                "{preset} at {topology}, step {s}: {b} after resuming vs {a} uninterrupted"
+                (a - b).abs() <= bound * a.abs(),
+                "{preset} at {topology}, step {s}: {b} after resuming vs {a} uninterrupted \
+                 (allowed: {bound} relative)"
             );
         }
     }
