@@ -588,7 +588,14 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         let start = Instant::now();
         self.comm.take_counters();
         let accum = micro_batches.len();
-        assert!(accum > 0, "at least one micro-batch");
+        if accum == 0 {
+            return Err(ShardError::setting(
+                "micro_batches",
+                0,
+                "a step needs at least one micro-batch: pass this rank's share of the global \
+                 batch",
+            ));
+        }
         let schedule = self.plan.schedule(accum);
         let k = self.plan.units.len();
         let mut state = StepState {
@@ -777,13 +784,19 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                 l.backward()
             }
             (Flow::Hidden(h), false) => {
-                let up = state.upstream.take().expect("the later stage ran first");
+                let up = state
+                    .upstream
+                    .take()
+                    .ok_or_else(|| unused_input(v.stage + 1, k))?;
                 (h * up.autodiff()).sum().backward()
             }
             _ => return Err(flow_error(v.stage, k)),
         };
         let mut g = grads_of(&module, &grads_ad, &self.numels);
-        state.upstream = input.and_then(|x| x.grad(&grads_ad));
+        state.upstream = match input {
+            Some(x) => Some(x.grad(&grads_ad).ok_or_else(|| unused_input(v.stage, k))?),
+            None => None,
+        };
         drop(grads_ad);
         drop(module);
         for &u in needs {
@@ -957,5 +970,14 @@ fn flow_error(stage: usize, k: usize) -> ShardError {
     ShardError::Model(format!(
         "unit {stage} of {k} returned the wrong kind of output: every unit but the last must \
          return Flow::Hidden and the last Flow::Loss"
+    ))
+}
+
+/// A unit whose output does not depend on the input it was given: no gradient can reach the
+/// units before it.
+fn unused_input(stage: usize, k: usize) -> ShardError {
+    ShardError::Model(format!(
+        "unit {stage} of {k} does not use its input: its output must be computed from the \
+         tensor the unit before it returned, or no gradient reaches that unit"
     ))
 }

@@ -67,8 +67,30 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            // One write: the ranks of a job share mpirun's stderr, and a line written in
+            // pieces interleaves with theirs.
+            let line = format!("error: {e}\n");
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+            // The first rank of an MPI job to exit with an error makes mpirun end the others,
+            // which may still be on their way to printing their own line (naming this rank):
+            // give them a moment.
+            if mpi_job_of_several() {
+                std::thread::sleep(REPORT_GRACE);
+            }
             ExitCode::from(e.exit_code() as u8)
         }
     }
+}
+
+/// How long a failed rank of an MPI job waits after its report before exiting.
+const REPORT_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Whether this process is one of several ranks started by mpirun (Open MPI or a PMI launcher).
+fn mpi_job_of_several() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"].iter().any(|v| {
+        std::env::var(v)
+            .ok()
+            .and_then(|s| s.parse::<usize>().ok())
+            .is_some_and(|n| n > 1)
+    })
 }
