@@ -160,6 +160,20 @@ struct Record {
     seed: u64,
 }
 
+/// The example's step settings: AdamW without weight decay, gradients clipped to norm 1.
+pub fn hyper() -> StepHyper {
+    StepHyper {
+        lr: 1e-2,
+        grad_clip: 1.0,
+        adam: AdamConfig {
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        },
+    }
+}
+
 /// Trains the MLP as `run` says; returns every step's loss from where it started (the same on
 /// every rank).
 pub fn train(comm: &Comm, run: &Run) -> Result<Vec<(u64, f64)>, ShardError> {
@@ -197,16 +211,7 @@ pub fn train(comm: &Comm, run: &Run) -> Result<Vec<(u64, f64)>, ShardError> {
         ));
     }
     let share = run.batch / world;
-    let hyper = StepHyper {
-        lr: 1e-2,
-        grad_clip: 1.0,
-        adam: AdamConfig {
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        },
-    };
+    let hyper = hyper();
     let mut losses = Vec::new();
     // Adam's step count is the number of steps taken, so a resumed run continues its data.
     for step in sharded.adam_step()..run.steps {

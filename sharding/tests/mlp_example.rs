@@ -11,9 +11,7 @@ use std::process::Command;
 
 use burn::tensor::{Device, Tensor};
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
-use ember_sharding::{
-    AdamConfig, Flow, FnSource, ShardConfig, ShardError, ShardedModel, Staged, StepHyper, UnitDecl,
-};
+use ember_sharding::{Flow, FnSource, ShardConfig, ShardError, ShardedModel, Staged, UnitDecl};
 
 const CHILD: &str = "EMBER_MLP_CHILD";
 
@@ -207,16 +205,7 @@ fn library_misuse_returns_errors_instead_of_panicking() {
         ..CommConfig::default()
     })
     .unwrap();
-    let hyper = StepHyper {
-        lr: 1e-2,
-        grad_clip: 1.0,
-        adam: AdamConfig {
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-8,
-            weight_decay: 0.0,
-        },
-    };
+    let hyper = mlp::hyper();
     let config = || ShardConfig::preset("zero3", comm.topology().depth()).unwrap();
     let mut source = FnSource::new(7, |name: &str, shape: &[usize], range| {
         Ok(mlp::init(7, name, shape, range))
