@@ -1,19 +1,30 @@
 //! The CubeCL quantization kernels of `ember-comm` on the buffers of Burn tensors that live on
-//! a CubeCL device (wgpu; CUDA and ROCm the same way): quantizing reads the tensor where it
-//! is and brings back only the packed bytes and scales a collective sends; dequantizing takes
-//! received bytes to the device and writes a new tensor there. Every function answers `None`
-//! for a tensor or device of another backend, which the host kernels then serve.
+//! a CubeCL device (wgpu, CUDA, ROCm): quantizing reads the tensor where it is and brings back
+//! only the packed bytes and scales a collective sends; dequantizing takes received bytes to
+//! the device and writes a new tensor there. Every function answers `None` for a tensor or
+//! device of another backend, which the host kernels then serve.
+//!
+//! With the `cubecl` feature Burn's fusion is on, so a device tensor is a fusion handle: it is
+//! resolved to its CubeCL tensor (running what fusion has queued for it) before a kernel reads
+//! or writes its buffer.
 
 use burn::tensor::{DType, Device, Tensor};
-use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{Cube, CubeBackend};
 use ember_comm::quant::cube::CubeKernels;
 use ember_comm::quant::{BlockSize, QuantFormat, Quantized};
 
-/// `t`'s CubeCL primitive, contiguous, and its element count; `None` off CubeCL.
+/// The CubeCL tensor behind `t`; `None` off CubeCL.
+fn resolve(t: Tensor<1>) -> Option<CubeTensor> {
+    let fused = t.try_into_primitive::<Cube>().ok()?;
+    let client = fused.client.clone();
+    Some(client.resolve_tensor_float::<CubeBackend>(fused))
+}
+
+/// `t`'s CubeCL tensor, contiguous, and its element count; `None` off CubeCL.
 fn primitive(t: &Tensor<1>) -> Option<(CubeTensor, usize)> {
     let n = t.dims()[0];
-    let p = t.clone().try_into_primitive::<CubeBackend>().ok()?;
+    let p = resolve(t.clone())?;
     Some((burn_cubecl::kernel::into_contiguous(p), n))
 }
 
@@ -27,21 +38,22 @@ pub(crate) fn quantize(x: &Tensor<1>, format: QuantFormat, block: BlockSize) -> 
     Some(kernels(&p).quantize_device(p.handle.clone(), n, format, block))
 }
 
-/// A new f32 tensor of `len` elements on `device` and its CubeCL primitive; `None` off CubeCL.
-fn output(len: usize, device: &Device) -> Option<CubeTensor> {
-    Tensor::<1>::empty([len], (device, DType::F32))
-        .try_into_primitive::<CubeBackend>()
-        .ok()
+/// A new f32 tensor of `len` elements on `device`, and the CubeCL tensor that holds its
+/// buffer (a kernel writing there writes the tensor); `None` off CubeCL.
+fn output(len: usize, device: &Device) -> Option<(Tensor<1>, CubeTensor)> {
+    let t = Tensor::<1>::empty([len], (device, DType::F32));
+    let p = resolve(t.clone())?;
+    Some((t, p))
 }
 
 /// The sum of the dequantized `parts`, written on `device`.
 pub(crate) fn dequantize_sum(parts: &[Quantized], device: &Device) -> Option<Tensor<1>> {
     let len = parts.first().map_or(0, |p| p.len);
-    let out = output(len, device)?;
+    let (t, out) = output(len, device)?;
     if len > 0 {
         kernels(&out).dequantize_sum_device(parts, out.handle.clone());
     }
-    Some(Tensor::from_primitive::<CubeBackend>(out))
+    Some(t)
 }
 
 /// `parts` dequantized one after another into one tensor on `device` (each into its own
@@ -53,14 +65,14 @@ pub(crate) fn dequantize_concat(parts: &[Quantized], device: &Device) -> Option<
         .map(|p| dequantize_sum(std::slice::from_ref(p), device))
         .collect::<Option<Vec<_>>>()?;
     if pieces.is_empty() {
-        return Some(Tensor::from_primitive::<CubeBackend>(output(0, device)?));
+        return Some(output(0, device)?.0);
     }
     Some(Tensor::cat(pieces, 0))
 }
 
 /// Bytes in use on `device`'s memory, as its CubeCL client reports them; `None` off CubeCL.
 pub(crate) fn device_bytes_in_use(device: &Device) -> Option<u64> {
-    let probe = output(1, device)?;
+    let (_, probe) = output(1, device)?;
     Some(
         probe
             .client
@@ -70,14 +82,15 @@ pub(crate) fn device_bytes_in_use(device: &Device) -> Option<u64> {
     )
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "wgpu"))]
 mod tests {
     use super::*;
     use ember_comm::quant::QuantKernels;
     use ember_comm::quant::host::HostKernels;
 
-    /// The CubeCL path really runs on a wgpu tensor (it does not fall back to the host), and
-    /// agrees with the host kernels bit for bit.
+    /// The CubeCL path really runs on a wgpu tensor under Burn's fusion (it does not fall back
+    /// to the host), and agrees with the host kernels bit for bit, also on a tensor that fusion
+    /// has not computed yet and on a dequantized tensor that fused operations then read.
     #[test]
     fn wgpu_tensors_quantize_on_the_device_exactly_as_the_host() {
         let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
@@ -102,6 +115,21 @@ mod tests {
             );
         }
         assert!(device_bytes_in_use(&device).is_some_and(|b| b > 0));
+        // Fusion is on: the tensor is a fusion handle, not a bare CubeCL tensor.
+        assert!(x.clone().try_into_primitive::<Cube>().is_ok());
+        // A tensor fusion has only queued (2x + 1, exact in f32), and a dequantized tensor
+        // that queued operations then read.
+        let lazy = x.clone() * 2.0 + 1.0;
+        let twice: Vec<f32> = values.iter().map(|v| v * 2.0 + 1.0).collect();
+        let q = quantize(&lazy, QuantFormat::Int8, block).expect("on the device");
+        assert!(q.bit_eq(&HostKernels.quantize(&twice, QuantFormat::Int8, block)));
+        let sum = dequantize_sum(std::slice::from_ref(&q), &device).expect("on the device");
+        let doubled: Vec<f32> = HostKernels
+            .dequantize_sum(std::slice::from_ref(&q))
+            .iter()
+            .map(|v| v + v)
+            .collect();
+        assert_eq!(crate::staging::to_f32(sum.clone() + sum), doubled);
         // A flex tensor is not CubeCL's: the host kernels serve it.
         let flex = crate::staging::from_f32(values, &Device::flex());
         assert!(quantize(&flex, QuantFormat::Int8, block).is_none());

@@ -1,8 +1,8 @@
 //! Blockwise quantization of device tensors for the quantized collectives: quantize a tensor
 //! into the bytes an MPI call sends, and dequantize (and sum) received bytes into a tensor on
-//! the device. On CubeCL devices (feature `wgpu`) the CubeCL kernels of `ember-comm` run where
-//! the data lives (`cube.rs`); on host backends (flex, ndarray) its host kernels run on the
-//! tensor's own buffer. The numerics are the same on every runtime (see `ember_comm::quant`).
+//! the device. On CubeCL devices (feature `cubecl`, which `wgpu`, `cuda` and `rocm` turn on)
+//! the CubeCL kernels of `ember-comm` run where the data lives (`cube.rs`); on host backends
+//! (flex, ndarray) its host kernels run on the tensor's own buffer. The numerics are the same on every runtime (see `ember_comm::quant`).
 
 use burn::tensor::{Device, Tensor};
 use ember_comm::quant::host::HostKernels;
@@ -12,7 +12,7 @@ use crate::staging;
 
 /// `x` (f32) quantized blockwise; the result is host bytes, ready to send.
 pub(crate) fn quantize(x: Tensor<1>, format: QuantFormat, block: BlockSize) -> Quantized {
-    #[cfg(feature = "wgpu")]
+    #[cfg(feature = "cubecl")]
     if let Some(q) = crate::cube::quantize(&x, format, block) {
         return q;
     }
@@ -22,7 +22,7 @@ pub(crate) fn quantize(x: Tensor<1>, format: QuantFormat, block: BlockSize) -> Q
 /// The element-wise sum of the dequantized `parts` (same format, block and length), added in
 /// part order from zero, as an f32 tensor on `device`.
 pub(crate) fn dequantize_sum(parts: &[Quantized], device: &Device) -> Tensor<1> {
-    #[cfg(feature = "wgpu")]
+    #[cfg(feature = "cubecl")]
     if let Some(t) = crate::cube::dequantize_sum(parts, device) {
         return t;
     }
@@ -32,7 +32,7 @@ pub(crate) fn dequantize_sum(parts: &[Quantized], device: &Device) -> Tensor<1> 
 /// `parts` dequantized one after another into one f32 tensor on `device` (the whole unit a
 /// quantized all-gather delivers).
 pub(crate) fn dequantize_concat(parts: &[Quantized], device: &Device) -> Tensor<1> {
-    #[cfg(feature = "wgpu")]
+    #[cfg(feature = "cubecl")]
     if let Some(t) = crate::cube::dequantize_concat(parts, device) {
         return t;
     }

@@ -12,7 +12,7 @@
 
 pub mod checkpoint;
 pub mod config;
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cubecl")]
 mod cube;
 pub mod engine;
 pub mod error;

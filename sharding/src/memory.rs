@@ -49,9 +49,9 @@ pub fn available() -> Option<u64> {
 }
 
 /// Bytes in use on `device`'s own memory, where its backend reports them (CubeCL devices, with
-/// the `wgpu` feature); `None` on host backends, whose memory is the resident set above.
+/// the `cubecl` feature); `None` on host backends, whose memory is the resident set above.
 pub fn device_bytes_in_use(device: &burn::tensor::Device) -> Option<u64> {
-    #[cfg(feature = "wgpu")]
+    #[cfg(feature = "cubecl")]
     if let Some(b) = crate::cube::device_bytes_in_use(device) {
         return Some(b);
     }

@@ -115,7 +115,7 @@ fn summarise(config: &TrainConfig, times: Vec<f64>) -> Result<TrainBench> {
     let peak = peak_flops(config.device, config.peak_tflops);
     Ok(TrainBench {
         preset: config.preset.clone(),
-        device: format!("{:?}", config.device).to_lowercase(),
+        device: config.device.to_string(),
         params: config.model.num_params(),
         batch_size: config.batch_size,
         block_size: config.block_size,

@@ -24,9 +24,11 @@ pub enum Dtype {
     Bf16,
 }
 
-/// Which Burn backend runs the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
-#[serde(rename_all = "lowercase")]
+/// Which Burn backend runs the model, and for a GPU backend which GPU: `cuda` or `rocm`
+/// alone picks the rank's GPU on its node (GPU `i` for the node's `i`-th rank, as `mpirun`,
+/// `srun` and `torchrun` number local ranks), `cuda:I` / `rocm:I` GPU `I`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum DeviceKind {
     /// Burn's pure-Rust SIMD CPU backend: the fastest CPU backend measured (BENCHMARKS.md).
     Flex,
@@ -34,8 +36,72 @@ pub enum DeviceKind {
     Ndarray,
     /// wgpu (Vulkan, Metal, DX12); build with `--features wgpu`.
     Wgpu,
-    /// NVIDIA CUDA; build with `--features cuda`.
-    Cuda,
+    /// NVIDIA CUDA, GPU index (or the rank's local GPU); build with `--features cuda`.
+    Cuda(Option<usize>),
+    /// AMD ROCm (HIP), GPU index (or the rank's local GPU); build with `--features rocm`.
+    Rocm(Option<usize>),
+}
+
+impl std::str::FromStr for DeviceKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (name, index) = match s.split_once(':') {
+            Some((name, i)) => {
+                let index = i.parse::<usize>().map_err(|_| {
+                    format!("`{s}`: the GPU index after `:` must be a number, e.g. {name}:0")
+                })?;
+                (name, Some(index))
+            }
+            None => (s, None),
+        };
+        let kind = match name {
+            "flex" => Self::Flex,
+            "ndarray" => Self::Ndarray,
+            "wgpu" => Self::Wgpu,
+            "cuda" => Self::Cuda(index),
+            "rocm" => Self::Rocm(index),
+            _ => {
+                return Err(format!(
+                    "`{s}` is not a device: use flex, ndarray, wgpu, cuda[:I] or rocm[:I]"
+                ));
+            }
+        };
+        if index.is_some() && !matches!(kind, Self::Cuda(_) | Self::Rocm(_)) {
+            return Err(format!("`{s}`: only cuda and rocm take a GPU index"));
+        }
+        Ok(kind)
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (name, index) = match *self {
+            Self::Flex => ("flex", None),
+            Self::Ndarray => ("ndarray", None),
+            Self::Wgpu => ("wgpu", None),
+            Self::Cuda(i) => ("cuda", i),
+            Self::Rocm(i) => ("rocm", i),
+        };
+        match index {
+            Some(i) => write!(f, "{name}:{i}"),
+            None => f.write_str(name),
+        }
+    }
+}
+
+impl TryFrom<String> for DeviceKind {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl From<DeviceKind> for String {
+    fn from(d: DeviceKind) -> String {
+        d.to_string()
+    }
 }
 
 /// Every training setting, each optional so sources can be layered. The same struct is
@@ -110,8 +176,9 @@ pub struct TrainOverrides {
     /// Compute dtype [default: f32]
     #[arg(long, value_enum)]
     pub dtype: Option<Dtype>,
-    /// Backend [default: flex]
-    #[arg(long, value_enum)]
+    /// Backend: flex, ndarray, wgpu, cuda[:I] or rocm[:I] (`cuda`/`rocm` alone: the rank's
+    /// GPU on its node) [default: flex]
+    #[arg(long)]
     pub device: Option<DeviceKind>,
     /// Seed of the initial weights, the batch order and dropout [default: 1337]
     #[arg(long)]

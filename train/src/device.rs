@@ -26,10 +26,29 @@ pub fn device(kind: DeviceKind) -> CliResult<Device> {
         #[cfg(not(feature = "wgpu"))]
         DeviceKind::Wgpu => Err(missing("wgpu")),
         #[cfg(feature = "cuda")]
-        DeviceKind::Cuda => Ok(Device::cuda(0)),
+        DeviceKind::Cuda(index) => Ok(Device::cuda(index.unwrap_or_else(local_rank))),
         #[cfg(not(feature = "cuda"))]
-        DeviceKind::Cuda => Err(missing("cuda")),
+        DeviceKind::Cuda(_) => Err(missing("cuda")),
+        #[cfg(feature = "rocm")]
+        DeviceKind::Rocm(index) => Ok(Device::rocm(index.unwrap_or_else(local_rank))),
+        #[cfg(not(feature = "rocm"))]
+        DeviceKind::Rocm(_) => Err(missing("rocm")),
     }
+}
+
+/// This process's index among the ranks of its node, as the launcher numbers them (Open MPI,
+/// MPICH/Hydra, Slurm, torchrun-style `LOCAL_RANK`); 0 outside a launcher.
+#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
+fn local_rank() -> usize {
+    [
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "MPI_LOCALRANKID",
+        "SLURM_LOCALID",
+        "LOCAL_RANK",
+    ]
+    .iter()
+    .find_map(|v| std::env::var(v).ok()?.parse().ok())
+    .unwrap_or(0)
 }
 
 /// Peak f32 FLOP/s of this machine's CPUs: the larger of the nominal figure (cores x the
@@ -148,6 +167,6 @@ pub fn peak_flops(kind: DeviceKind, peak_tflops: Option<f64>) -> Option<f64> {
     match (peak_tflops, kind) {
         (Some(t), _) => Some(t * 1e12),
         (None, DeviceKind::Flex | DeviceKind::Ndarray) => Some(cpu_peak_flops()),
-        (None, DeviceKind::Wgpu | DeviceKind::Cuda) => None,
+        (None, DeviceKind::Wgpu | DeviceKind::Cuda(_) | DeviceKind::Rocm(_)) => None,
     }
 }

@@ -1,5 +1,5 @@
 //! The quantization kernels written once in CubeCL (`#[cube]`) and launched on the client of
-//! whatever runtime the data lives on (wgpu here; CUDA/HIP clients work the same way). Same
+//! whatever runtime the data lives on (wgpu, CUDA or HIP: features `wgpu`, `cuda`, `rocm`). Same
 //! numerics as `reference`; it deliberately keeps host <-> device copies to the thin
 //! [`QuantKernels`] adapter at the bottom, which exists for host-resident buffers and tests.
 //!
@@ -156,6 +156,7 @@ fn u32s(bytes: &[u8]) -> Vec<u32> {
 
 impl CubeKernels {
     /// The kernels on the default wgpu device (Vulkan/Metal/DX12; Mesa lavapipe in CI).
+    #[cfg(feature = "wgpu")]
     pub fn wgpu() -> Result<Self, String> {
         let device = cubecl::Device::wgpu(Default::default()).map_err(|e| {
             format!("no wgpu device ({e:?}): install a Vulkan driver (Debian: mesa-vulkan-drivers)")

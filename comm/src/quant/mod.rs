@@ -25,7 +25,7 @@
 pub mod host;
 pub mod reference;
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cubecl")]
 pub mod cube;
 
 use serde::{Deserialize, Serialize};
