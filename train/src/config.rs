@@ -532,6 +532,33 @@ mod tests {
     }
 
     #[test]
+    fn devices_parse_with_and_without_a_gpu_index() {
+        for (text, kind) in [
+            ("flex", DeviceKind::Flex),
+            ("wgpu", DeviceKind::Wgpu),
+            ("cuda", DeviceKind::Cuda(None)),
+            ("cuda:3", DeviceKind::Cuda(Some(3))),
+            ("rocm", DeviceKind::Rocm(None)),
+            ("rocm:0", DeviceKind::Rocm(Some(0))),
+        ] {
+            assert_eq!(text.parse::<DeviceKind>(), Ok(kind));
+            assert_eq!(kind.to_string(), text);
+        }
+        assert_eq!(
+            overrides("device = 'rocm:1'").device,
+            Some(DeviceKind::Rocm(Some(1)))
+        );
+        for (bad, says) in [
+            ("tpu", "is not a device"),
+            ("cuda:x", "must be a number"),
+            ("wgpu:1", "only cuda and rocm"),
+        ] {
+            let err = bad.parse::<DeviceKind>().unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+    }
+
+    #[test]
     fn flags_override_file_override_preset() {
         let file = overrides("preset = 'tiny'\nn_layer = 3\nlr = 0.01");
         let flags = TrainOverrides {
