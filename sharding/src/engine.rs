@@ -578,6 +578,41 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         unreachable!("the last stage returned")
     }
 
+    /// The whole trained module, on every rank: each unit's f32 master weights (the optimizer's
+    /// copy, never quantized) all-gathered over the ranks that split them and loaded into a
+    /// copy of the module's skeleton, ready for inference or export with the model's own
+    /// `forward`. Every rank must call it together; each then holds the full parameters once
+    /// more, on the run's device.
+    pub fn gather(&self) -> Result<S::Module, ShardError> {
+        let span = self.plan.config.optimizer;
+        let group = if span.0 == 0 {
+            None
+        } else {
+            let scope = route::scope(self.comm, self.plan.group(span));
+            Some(self.comm.try_group(scope)?)
+        };
+        let mut values = HashMap::new();
+        for (unit, shard) in self.plan.units.iter().zip(&self.optimizer) {
+            let mine = staging::to_f32(shard.state.master.clone());
+            // Group index `i` holds elements `i * shard ..` of the padded unit (`Plan::shard_range`).
+            let whole = match &group {
+                Some(g) if g.size() > 1 => g.all_gather(&mine)?,
+                _ => mine,
+            };
+            for p in &unit.params {
+                let flat = whole[p.offset..p.offset + p.numel].to_vec();
+                values.insert(p.name.clone(), staging::from_f32(flat, &self.device));
+            }
+        }
+        Ok(load(
+            self.skeleton.clone(),
+            &mut values,
+            &self.shapes,
+            &self.device,
+            false,
+        ))
+    }
+
     /// One optimizer step over `micro_batches` (this rank's share of the global batch, one per
     /// gradient-accumulation micro-step; every rank passes the same number).
     pub fn train_step(
