@@ -1,14 +1,105 @@
 //! Hierarchical ZeRO for any Burn module: parameters, gradients and optimizer state each
 //! partitioned over a configurable level of the machine's topology (die pair, node, cluster),
 //! with ZeRO++'s quantized gathers and reductions and secondary parameter copies as options.
+//! Every state is a Burn tensor on the run's device; communication goes through `ember-comm`
+//! (MPI) only. The crate knows no particular model.
 //!
-//! A user describes their model as a sequence of units ([`Staged`]) without changing the
-//! model's code, picks a [`ShardConfig`] (a preset or any valid combination), and builds a
-//! [`ShardedModel`] from the module's skeleton (its parameters may stay lazy: no rank ever
-//! materialises what it does not own) and a [`ParamSource`] for its own ranges. Every state is
-//! a Burn tensor on the run's device. [`Plan`] gives the partition, the per-rank memory and
-//! the per-step traffic as plain data, folded over the same schedule the engine runs. It
-//! deliberately knows no particular model; communication goes through `ember-comm` only.
+//! # The unit model
+//!
+//! Burn's autodiff builds one graph per forward, so a sharded model runs as a sequence of
+//! *units*: before a unit computes, its parameters are gathered; after its backward, its
+//! gradients are reduced to their owners and the gathered copy is freed. Units are groups of
+//! parameters named by path prefix, usually one per transformer block plus the embedding and
+//! the head. A user describes the units of their model with [`Staged`], without changing the
+//! model's code:
+//!
+//! - [`Staged::units`] returns one [`UnitDecl`] per unit, in forward order:
+//!   `UnitDecl::new("block3", &["blocks.3"])` owns every parameter whose path starts with
+//!   `blocks.3.`; every parameter must belong to exactly one unit. [`UnitDecl::using`] lets a
+//!   unit read another unit's parameters too (a tied head reading the embedding).
+//! - [`Staged::forward`] runs unit `k` on the previous unit's activation (one float tensor,
+//!   `None` for the first unit) and the batch, calling the model's own layers, and returns
+//!   [`Flow::Hidden`] for the next unit or, from the last, [`Flow::Loss`] (the mean loss).
+//!
+//! # Parameter paths
+//!
+//! A parameter's path is its module's field names joined by dots, with `Vec` elements by index:
+//! a field `blocks: Vec<Block>` whose block holds `attn: Linear` gives `blocks.3.attn.weight`
+//! and `blocks.3.attn.bias`. Burn's layers name their parameters `weight` and `bias`
+//! (`Linear`, whose `weight` is `[in, out]`; `Embedding`, `[vocab, dim]`), `gamma` and `beta`
+//! (`LayerNorm`), `gamma` (`RmsNorm`). [`params::param_shapes`] lists every path and
+//! shape of a module in visit order, which is the order of each unit's flat buffer.
+//!
+//! # Building, training, saving, getting the module back
+//!
+//! ```ignore
+//! let comm = Comm::init(CommConfig::default())?;               // topology from the launcher
+//! let config = ShardConfig::preset("hier3", comm.topology().depth())?;
+//! let skeleton = MyModelConfig::new(..).init(&device);          // lazy params: nothing drawn
+//! let mut source = FnSource::new(seed, |name, shape, range| Ok(my_init(name, shape, range)));
+//! let mut model = ShardedModel::new(&comm, MyUnits, skeleton, config, device, &mut source)?;
+//! for step in model.adam_step()..steps {
+//!     let report = model.train_step(&[my_share_of_the_batch(step)], &hyper)?;
+//! }
+//! checkpoint::save(&model, dir, model.adam_step(), &SaveOptions::default())?;
+//! let trained: MyModel = model.gather()?;                       // whole, on every rank
+//! ```
+//!
+//! - The skeleton's parameter values are never read: each rank reads from its
+//!   [`ParamSource`] only the ranges of the optimizer shard it owns, so no rank materialises
+//!   the whole model.
+//! - [`ShardedModel::train_step`] takes this rank's micro-batches of the step (one per
+//!   gradient-accumulation micro-step) and runs gathers, forward, backward, reductions and the
+//!   AdamW update ([`StepHyper`]: learning rate, gradient clipping, [`AdamConfig`]).
+//! - [`checkpoint::save`] writes every rank's own ranges to a safetensors checkpoint;
+//!   [`ShardedModel::resume`] with [`Checkpoint::open`] continues it at any world size,
+//!   topology or configuration, each rank reading only what it owns there.
+//! - [`ShardedModel::gather`] returns the whole module (the f32 master weights) on every rank,
+//!   for inference or export with the model's own `forward`.
+//! - [`Plan`] gives the partition, the per-rank memory and the per-step traffic as plain data,
+//!   without MPI.
+//!
+//! `examples/mlp.rs` is a complete program (an MLP of Burn `Linear` layers, trained under
+//! `mpirun`, saved, resumed at another world size, gathered back).
+//!
+//! # Presets, and what they are elsewhere
+//!
+//! A [`ShardConfig`] gives each state the [`Span`] of levels it is split over; the presets are
+//! the common combinations ("world" is every rank, "node" the ranks of a node, "GPU" the GCDs
+//! of one GPU):
+//!
+//! | preset | parameters | gradients | optimizer state | quantization | elsewhere |
+//! |---|---|---|---|---|---|
+//! | `ddp` | replicated | all-reduced | replicated | none | PyTorch DDP |
+//! | `zero1` | replicated | whole, then reduce-scattered | world | none | DeepSpeed ZeRO-1 |
+//! | `zero2` | replicated | world | world | none | DeepSpeed ZeRO-2 |
+//! | `zero3` | world | world | world | none | DeepSpeed ZeRO-3; FSDP2 `fully_shard` per block and root |
+//! | `zeropp` | world, secondary copy per node | node, then world | world | int8 weights, int4 gradients | DeepSpeed ZeRO++ (qwZ, hpZ, qgZ) |
+//! | `hier3` | world, secondary copy per GPU | GPU, node, then world | world | int8 weights, int4 gradients | the three-level scheme of arXiv 2501.04266 |
+//!
+//! Other equivalents: one [`UnitDecl`] per block is FSDP2's `fully_shard(block)`;
+//! [`Recompute::Unit`] is activation checkpointing per block with parameters resharded after
+//! forward; [`ShardConfig::prefetch`] is FSDP2's forward prefetch; [`checkpoint::save`] and
+//! [`Checkpoint::open`] are torch.distributed.checkpoint's save and load; [`ShardedModel::gather`]
+//! is a full state dict.
+//!
+//! # What each state costs a rank
+//!
+//! For `N` parameters in f32 compute, per rank: the optimizer state is 12 bytes per parameter
+//! (f32 master, first and second moment) over the optimizer group; gradients 4 bytes per
+//! parameter over that group when sharded, whole otherwise; the primary parameters 4 bytes
+//! (2 in bf16) over their group, or nothing when they are the master itself (f32, split like
+//! the optimizer); a secondary copy 1 byte plus one f32 scale per block when weights are
+//! quantized. So `zero3` on 8 ranks holds `16 N / 8` bytes of states, `ddp` `16 N`. Gathered
+//! units and activations come on top, the largest at one moment of the step: [`Plan::memory`]
+//! replays the step's schedule for it, and `ember plan` prints it.
+//!
+//! # Errors and speed
+//!
+//! Every fallible call returns [`ShardError`]; an impossible configuration is
+//! [`ShardError::Setting`], naming the field, its value and what to do. On the CPU, the
+//! dependency on this crate brings Burn's flex backend with its multithreaded, SIMD kernels
+//! (`rayon`, `simd`) and the AVX-512 matrix kernels, chosen at run time.
 
 pub mod checkpoint;
 pub mod config;
