@@ -131,11 +131,19 @@ fn the_mlp_example_trains_and_resumes_under_mpirun() {
         .unwrap();
         let trained = mlp::train(&comm, &r).unwrap();
         let whole = mlp::mse(&trained.model, &mlp::held_out(), &Device::flex());
-        println!(
-            "GATHERED {}",
-            serde_json::to_string(&(whole, trained.sharded_mse)).unwrap()
-        );
+        // Every rank's pair reaches rank 0, which prints them all: lines printed by several
+        // ranks can interleave mid-line on mpirun's output.
+        let mine: Vec<u8> = [whole, trained.sharded_mse]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let all = comm.world().all_gather(&mine).unwrap();
         if comm.rank() == 0 {
+            for pair in all.chunks_exact(16) {
+                let x = |b: &[u8]| f64::from_le_bytes(b.try_into().unwrap());
+                let pair = (x(&pair[..8]), x(&pair[8..]));
+                println!("GATHERED {}", serde_json::to_string(&pair).unwrap());
+            }
             println!("LOSSES {}", serde_json::to_string(&trained.losses).unwrap());
         }
         return;
