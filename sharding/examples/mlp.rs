@@ -27,7 +27,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
 
 use ember_sharding::{
-    AdamConfig, Checkpoint, Flow, FnSource, SaveOptions, ShardConfig, ShardError, ShardedModel,
+    AdamW, Checkpoint, DecayOn, Flow, FnSource, SaveOptions, ShardConfig, ShardError, ShardedModel,
     Staged, StepHyper, UnitDecl,
 };
 
@@ -179,11 +179,12 @@ pub fn hyper() -> StepHyper {
     StepHyper {
         lr: 1e-2,
         grad_clip: 1.0,
-        adam: AdamConfig {
+        adam: AdamW {
             beta1: 0.9,
             beta2: 0.99,
             eps: 1e-8,
             weight_decay: 0.0,
+            decay_on: DecayOn::Matrices,
         },
     }
 }

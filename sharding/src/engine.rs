@@ -49,7 +49,7 @@ use crate::checkpoint::Checkpoint;
 use crate::config::{Compute, ShardConfig, Span};
 use crate::error::ShardError;
 use crate::memory::{self, Resident};
-use crate::optim::{AdamConfig, FlatState, decay_ranges};
+use crate::optim::{AdamW, FlatState, Optimizer, matrix_ranges};
 use crate::params::{grads_of, load, param_shapes};
 use crate::plan::{Plan, Visit};
 use crate::route::{self, Residuals};
@@ -59,7 +59,7 @@ use crate::stage::{Flow, Staged, assign};
 use crate::staging;
 use crate::worker::{GATHER_LANE, Job, REDUCE_LANE, Shared, Worker, add_to};
 
-/// The hyper-parameters of one step.
+/// The hyper-parameters of one [`ShardedModel::train_step`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepHyper {
     /// Learning rate of this step.
@@ -67,10 +67,10 @@ pub struct StepHyper {
     /// Global gradient-norm clipping threshold (0 = off).
     pub grad_clip: f64,
     /// AdamW settings.
-    pub adam: AdamConfig,
+    pub adam: AdamW,
 }
 
-/// Reads elements of a moment (`exp_avg`, `exp_avg_sq`) of a parameter from a checkpoint.
+/// Reads elements of an optimizer state (`exp_avg`, ...) of a parameter from a checkpoint.
 type MomentReader<'a> =
     dyn FnMut(&str, &str, std::ops::Range<usize>) -> Result<Vec<f32>, ShardError> + 'a;
 
@@ -120,6 +120,68 @@ pub struct StepReport {
     pub timeline: Vec<crate::simulate::Span>,
 }
 
+/// One step's gradients, reduced over the ranks and averaged over micro-batches: this rank's
+/// shard of each unit (the elements of its optimizer shard), from [`ShardedModel::backward`].
+/// Read them, clip or scale them, then hand them to [`ShardedModel::apply`].
+#[derive(Debug)]
+pub struct Gradients {
+    /// Each unit's gradient shard, `[shard]` f32.
+    units: Vec<Tensor<1>>,
+    /// The parameter ranges the shards hold.
+    pieces: Vec<OwnedPiece>,
+    loss: f64,
+    /// The global norm as the gradients stand now.
+    norm: f64,
+    /// The global norm as the backward left it.
+    norm_before: f64,
+    start: Instant,
+    comm_wait_s: f64,
+    secondary_bytes: u64,
+    timeline: Vec<crate::simulate::Span>,
+}
+
+impl Gradients {
+    /// Mean loss over the global batch (the same on every rank).
+    pub fn loss(&self) -> f64 {
+        self.loss
+    }
+
+    /// The global L2 norm of the gradients over every parameter (the same on every rank).
+    pub fn norm(&self) -> f64 {
+        self.norm
+    }
+
+    /// Multiplies every gradient by `factor`.
+    pub fn scale(&mut self, factor: f64) {
+        self.units = std::mem::take(&mut self.units)
+            .into_iter()
+            .map(|g| g * factor)
+            .collect();
+        self.norm *= factor.abs();
+    }
+
+    /// Scales the gradients to global norm `max_norm` where their norm exceeds it (PyTorch's
+    /// `clip_grad_norm_`, factor `max_norm / (norm + 1e-6)`); 0 leaves them as they are.
+    /// Returns the norm before clipping.
+    pub fn clip_norm(&mut self, max_norm: f64) -> f64 {
+        let norm = self.norm;
+        if max_norm > 0.0 && norm > max_norm {
+            self.scale(max_norm / (norm + 1e-6));
+        }
+        norm
+    }
+
+    /// This rank's gradient ranges: `(parameter path, first element in the flattened
+    /// parameter, values)`. Each element of a parameter is held by the ranks of one optimizer
+    /// shard; a rank holds none of a parameter outside its shard.
+    pub fn pieces(&self) -> impl Iterator<Item = (&str, usize, Tensor<1>)> + '_ {
+        self.pieces.iter().map(|p| {
+            let values = self.units[p.unit].clone().slice(p.local.clone());
+            (p.name.as_str(), p.offset, values)
+        })
+    }
+}
+
 /// One rank's optimizer state for one unit: the element range of the unit's padded flat
 /// buffer it owns, and AdamW's state of those elements.
 #[derive(Debug, Clone)]
@@ -145,6 +207,9 @@ pub struct ShardedModel<'c, S: Staged<D>, const D: usize> {
     /// [`Plan::primary_is_master`]).
     primary: Vec<Tensor<1>>,
     optimizer: Vec<UnitShard>,
+    /// The names of the optimizer state each shard holds (empty until the first update of a
+    /// model that did not resume).
+    state_names: Vec<String>,
     adam_step: u64,
     residuals: Vec<Residuals>,
     restored_residuals: bool,
@@ -203,9 +268,9 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         Self::build(comm, stages, module, config, device, source, None)
     }
 
-    /// [`ShardedModel::new`], with the optimizer moments read by `moments(kind, name, range)`
-    /// (`kind` `exp_avg` or `exp_avg_sq`) instead of zero. Each unit's shard becomes tensors
-    /// as soon as it is read, so the host holds one unit's staging at a time.
+    /// [`ShardedModel::new`], with the optimizer states `kinds` read by
+    /// `moments(kind, name, range)`. Each unit's shard becomes tensors as soon as it is read,
+    /// so the host holds one unit's staging at a time.
     fn build(
         comm: &'c Comm,
         stages: S,
@@ -213,7 +278,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         config: ShardConfig,
         device: Device,
         source: &mut dyn ParamSource,
-        mut moments: Option<&mut MomentReader<'_>>,
+        mut moments: Option<(&[String], &mut MomentReader<'_>)>,
     ) -> Result<Self, ShardError> {
         let shapes_in_order = param_shapes(&module);
         let units = assign(&shapes_in_order, &stages.units(&module))?;
@@ -248,14 +313,16 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                     .iter()
                     .map(|p| (p.offset, p.numel, p.decay))
                     .collect();
-                let decay = decay_ranges(&range, &slots);
-                let state = match moments.as_deref_mut() {
-                    None => FlatState::new(master, decay),
-                    Some(read) => FlatState {
+                let matrices = matrix_ranges(&range, &slots);
+                let state = match moments.as_mut() {
+                    None => FlatState::new(master, 0, matrices),
+                    Some((kinds, read)) => FlatState {
                         master,
-                        exp_avg: shard(&mut |p, r| read("exp_avg", &p.name, r))?,
-                        exp_avg_sq: shard(&mut |p, r| read("exp_avg_sq", &p.name, r))?,
-                        decay,
+                        slots: kinds
+                            .iter()
+                            .map(|kind| shard(&mut |p, r| read(kind, &p.name, r)))
+                            .collect::<Result<_, _>>()?,
+                        matrices,
                     },
                 };
                 out.push(UnitShard { range, state });
@@ -281,6 +348,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             autodiff,
             primary: Vec::new(),
             optimizer,
+            state_names: moments.map_or_else(Vec::new, |(kinds, _)| kinds.to_vec()),
             adam_step: 0,
             restored_residuals: false,
         };
@@ -338,11 +406,20 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         out
     }
 
-    /// `[master, exp_avg, exp_avg_sq]` of one owned range, copied to the host.
-    pub(crate) fn read_piece(&self, piece: &OwnedPiece) -> [Vec<f32>; 3] {
+    /// The names of the optimizer state this model holds besides its master weights, in the
+    /// order of [`FlatState::slots`] (empty before the first update of a fresh model).
+    pub fn state_names(&self) -> &[String] {
+        &self.state_names
+    }
+
+    /// The master weights, then each optimizer state, of one owned range, copied to the host.
+    pub(crate) fn read_piece(&self, piece: &OwnedPiece) -> Vec<Vec<f32>> {
         let s = &self.optimizer[piece.unit].state;
         let part = |t: &Tensor<1>| staging::to_f32(t.clone().slice(piece.local.clone()));
-        [part(&s.master), part(&s.exp_avg), part(&s.exp_avg_sq)]
+        std::iter::once(&s.master)
+            .chain(&s.slots)
+            .map(part)
+            .collect()
     }
 
     /// This rank's error-feedback residuals as `(unit, hop, values)`; empty without error
@@ -431,6 +508,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         }
         let mut source = checkpoint;
         let index = checkpoint.index();
+        let kinds = index.state_kinds();
         let mut model = Self::build(
             comm,
             stages,
@@ -438,7 +516,9 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             config,
             device,
             &mut source,
-            Some(&mut |kind, name, range| index.read(kind, name, range)),
+            Some((&kinds, &mut |kind, name, range| {
+                index.read(kind, name, range)
+            })),
         )?;
         model.adam_step = index.adam_step;
         if model.plan.config.error_feedback {
@@ -613,13 +693,26 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         ))
     }
 
-    /// One optimizer step over `micro_batches` (this rank's share of the global batch, one per
-    /// gradient-accumulation micro-step; every rank passes the same number).
+    /// One AdamW step over `micro_batches` (this rank's share of the global batch, one per
+    /// gradient-accumulation micro-step; every rank passes the same number), with the
+    /// gradients clipped to `hyper.grad_clip`: [`backward`](Self::backward), then
+    /// [`apply`](Self::apply).
     pub fn train_step(
         &mut self,
         micro_batches: &[S::Batch],
         hyper: &StepHyper,
     ) -> Result<StepReport, ShardError> {
+        let mut grads = self.backward(micro_batches)?;
+        grads.clip_norm(hyper.grad_clip);
+        self.apply(grads, &hyper.adam, hyper.lr)
+    }
+
+    /// The gradients of `micro_batches` (this rank's share of the global batch, one per
+    /// gradient-accumulation micro-step; every rank passes the same number): every unit's
+    /// gradient reduced over the ranks and averaged over micro-batches, this rank holding the
+    /// elements of its optimizer shard, with the step's loss and global norm. Every rank must
+    /// call it together. Nothing is updated until [`apply`](Self::apply).
+    pub fn backward(&mut self, micro_batches: &[S::Batch]) -> Result<Gradients, ShardError> {
         let start = Instant::now();
         self.comm.take_counters();
         let accum = micro_batches.len();
@@ -679,17 +772,87 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                 p.name
             )));
         }
-        let (loss, grad_norm, closing_s) = self.finish_step(state, hyper)?;
-        Ok(StepReport {
+        let (units, loss, norm, closing_s) = self.close_gradients(state)?;
+        Ok(Gradients {
+            units,
+            pieces: self.owned_pieces(),
             loss,
-            grad_norm,
+            norm,
+            norm_before: norm,
+            start,
             comm_wait_s: comm_wait + closing_s,
-            step_s: start.elapsed().as_secs_f64(),
+            secondary_bytes,
+            timeline,
+        })
+    }
+
+    /// Updates the parameters with `optimizer` at learning rate `lr` from `grads` (this
+    /// model's [`backward`](Self::backward), as the caller left them): each rank updates its
+    /// optimizer shard, then the parameters the units gather are rebuilt from it. Every rank
+    /// must call it together, with the same optimizer. The optimizer's state starts at zero
+    /// on the first update, or is the checkpoint's after [`resume`](Self::resume); a model
+    /// holding another optimizer's state refuses it.
+    pub fn apply(
+        &mut self,
+        grads: Gradients,
+        optimizer: &dyn Optimizer,
+        lr: f64,
+    ) -> Result<StepReport, ShardError> {
+        let names = optimizer.state_names();
+        if grads.units.len() != self.optimizer.len() {
+            return Err(ShardError::Model(format!(
+                "gradients of {} units for a model of {}: pass the gradients this model's \
+                 backward returned",
+                grads.units.len(),
+                self.optimizer.len()
+            )));
+        }
+        if self.state_names.is_empty() && self.adam_step == 0 {
+            for shard in &mut self.optimizer {
+                shard.state.slots = names
+                    .iter()
+                    .map(|_| shard.state.master.zeros_like())
+                    .collect();
+            }
+            self.state_names = names.iter().map(|n| n.to_string()).collect();
+        }
+        if self.state_names != names {
+            return Err(ShardError::setting(
+                "optimizer",
+                format!("{names:?}"),
+                format!(
+                    "this model holds optimizer state {:?} (from its checkpoint or its earlier \
+                     steps): continue with the optimizer that keeps it",
+                    self.state_names
+                ),
+            ));
+        }
+        let cfg = &self.plan.config;
+        let mut closing_s = 0.0;
+        self.adam_step += 1;
+        for (u, g) in grads.units.into_iter().enumerate() {
+            // The primary may be the master itself: let go of it first, so the update owns
+            // the buffer (on host memory it then updates in place).
+            self.primary[u] = Tensor::empty([0], &self.device);
+            optimizer.update(self.adam_step, lr, &mut self.optimizer[u].state, g);
+            // At once, unit by unit: a primary that shares the old master would otherwise
+            // keep every old master alive until the last unit is updated.
+            let gather = Instant::now();
+            self.primary[u] = self.primary_of(u)?;
+            if cfg.params != cfg.optimizer {
+                closing_s += gather.elapsed().as_secs_f64();
+            }
+        }
+        Ok(StepReport {
+            loss: grads.loss,
+            grad_norm: grads.norm_before,
+            comm_wait_s: grads.comm_wait_s + closing_s,
+            step_s: grads.start.elapsed().as_secs_f64(),
             traffic: self.comm.take_counters(),
             resident: memory::resident(),
             device_bytes: memory::device_bytes_in_use(&self.device),
-            secondary_bytes,
-            timeline,
+            secondary_bytes: grads.secondary_bytes,
+            timeline: grads.timeline,
         })
     }
 
@@ -876,18 +1039,16 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         Ok(())
     }
 
-    /// The step's end on every rank: gradients averaged over micro-batches, the global norm
-    /// over the optimizer group, clipping, AdamW on the master shards, the primary rebuilt.
-    /// Returns the step's mean loss over the world, the norm and the seconds its collectives
-    /// took.
-    fn finish_step(
+    /// The gradients' end on every rank: averaged over micro-batches, the global norm over
+    /// the optimizer group, the step's mean loss over the world. Returns the gradient shards,
+    /// the loss, the norm and the seconds its collectives took.
+    fn close_gradients(
         &mut self,
         state: StepState<S::Module, D>,
-        hyper: &StepHyper,
-    ) -> Result<(f64, f64, f64), ShardError> {
+    ) -> Result<(Vec<Tensor<1>>, f64, f64, f64), ShardError> {
         let accum = state.micro_losses.len();
         let inv = 1.0 / accum as f64;
-        let mut grads: Vec<Tensor<1>> = state
+        let grads: Vec<Tensor<1>> = state
             .grads
             .into_iter()
             .map(|g| g.expect("every unit's gradient was reduced"))
@@ -904,32 +1065,12 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         let world = self.plan.group(Span(self.plan.topology.depth()));
         let loss = route::sum_over(self.comm, world, local_loss as f32)? as f64
             / self.plan.topology.world_size() as f64;
-        let mut closing_s = closing.elapsed().as_secs_f64();
+        let closing_s = closing.elapsed().as_secs_f64();
         let norm = sq.sqrt();
         if !loss.is_finite() || !norm.is_finite() {
             return Err(ShardError::Diverged { loss, norm });
         }
-        if hyper.grad_clip > 0.0 && norm > hyper.grad_clip {
-            let factor = hyper.grad_clip / (norm + 1e-6);
-            grads = grads.into_iter().map(|g| g * factor).collect();
-        }
-        self.adam_step += 1;
-        for (u, g) in grads.into_iter().enumerate() {
-            // The primary may be the master itself: let go of it first, so the update owns
-            // the buffer (on host memory it then updates in place).
-            self.primary[u] = Tensor::empty([0], &self.device);
-            self.optimizer[u]
-                .state
-                .update(&hyper.adam, self.adam_step, hyper.lr, g);
-            // At once, unit by unit: a primary that shares the old master would otherwise
-            // keep every old master alive until the last unit is updated.
-            let gather = Instant::now();
-            self.primary[u] = self.primary_of(u)?;
-            if cfg.params != cfg.optimizer {
-                closing_s += gather.elapsed().as_secs_f64();
-            }
-        }
-        Ok((loss, norm, closing_s))
+        Ok((grads, loss, norm, closing_s))
     }
 
     /// Builds the primary parameter partition from the f32 masters.

@@ -50,7 +50,12 @@
 //!   the whole model.
 //! - [`ShardedModel::train_step`] takes this rank's micro-batches of the step (one per
 //!   gradient-accumulation micro-step) and runs gathers, forward, backward, reductions and the
-//!   AdamW update ([`StepHyper`]: learning rate, gradient clipping, [`AdamConfig`]).
+//!   AdamW update ([`StepHyper`]: learning rate, gradient clipping, [`AdamW`]).
+//! - Or the step in two calls, to read or clip the gradients and pick the optimizer:
+//!   [`ShardedModel::backward`] returns this rank's shard of the reduced [`Gradients`] (with
+//!   the loss and the global norm), and [`ShardedModel::apply`] updates the parameters with
+//!   any [`Optimizer`]: [`AdamW`], [`Adam`] and [`Sgd`] ship, each matching Burn's optimizer
+//!   of the same name.
 //! - [`checkpoint::save`] writes every rank's own ranges to a safetensors checkpoint;
 //!   [`ShardedModel::resume`] with [`Checkpoint::open`] continues it at any world size,
 //!   topology or configuration, each rank reading only what it owns there.
@@ -124,9 +129,9 @@ mod worker;
 
 pub use checkpoint::{Checkpoint, SaveOptions};
 pub use config::{Compute, GradQuant, PRESETS, Recompute, ShardConfig, Span, WeightQuant};
-pub use engine::{ShardedModel, StepHyper, StepReport};
+pub use engine::{Gradients, ShardedModel, StepHyper, StepReport};
 pub use error::ShardError;
-pub use optim::{AdamConfig, FlatState};
+pub use optim::{Adam, AdamW, DecayOn, FlatState, Optimizer, Sgd};
 pub use plan::{ActivationBytes, Collective, Levels, Memory, Plan, UnitSpec};
 pub use source::{FnSource, ParamSource};
 pub use stage::{Flow, Staged, UnitDecl};

@@ -1,7 +1,10 @@
-//! AdamW on flat f32 tensors on the run's device: the master weights and both moments of one
-//! buffer (a whole parameter, or a rank's shard of a unit), with weight decay on sub-ranges.
-//! The arithmetic is PyTorch's `torch.optim.AdamW`, one tensor op at a time in one fixed
-//! order, so a shard updates exactly as the same elements of an unsharded model do.
+//! Optimizers over flat f32 tensors on the run's device: each holds, per buffer (a whole
+//! parameter, or a rank's shard of a unit), the master weights and its own per-element state,
+//! with weight decay on sub-ranges. A shard updates exactly as the same elements of an
+//! unsharded model do, since every update is elementwise.
+//!
+//! [`AdamW`], [`Adam`] and [`Sgd`] ship; any other elementwise optimizer implements
+//! [`Optimizer`].
 
 use std::ops::Range;
 
@@ -10,18 +13,81 @@ use burn::tensor::{Device, Tensor};
 use crate::staging;
 use serde::{Deserialize, Serialize};
 
-/// AdamW hyper-parameters.
+/// An elementwise optimizer of flat buffers: what [`ShardedModel::apply`] runs on each of the
+/// rank's optimizer shards.
+///
+/// [`ShardedModel::apply`]: crate::ShardedModel::apply
+pub trait Optimizer {
+    /// The names of its per-element state buffers, in the order of [`FlatState::slots`]
+    /// (checkpoints store each as `<name>/<parameter path>`). AdamW: `exp_avg`, `exp_avg_sq`.
+    fn state_names(&self) -> &'static [&'static str];
+
+    /// Applies update number `step` (1-based: 1 on the first step) at learning rate `lr` to
+    /// `state`, whose slots start at zero, given the buffer's gradient `grad` (`[n]`, f32).
+    fn update(&self, step: u64, lr: f64, state: &mut FlatState, grad: Tensor<1>);
+}
+
+/// Which parameters weight decay applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecayOn {
+    /// Parameters of two or more dimensions (weights and embeddings), not biases or norms:
+    /// GPT-2's and nanoGPT's convention.
+    #[default]
+    Matrices,
+    /// Every parameter, as Burn's and PyTorch's optimizers do by default.
+    All,
+}
+
+/// AdamW: Adam with decoupled weight decay. The arithmetic is PyTorch's `torch.optim.AdamW`,
+/// one operation at a time in one fixed order.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct AdamConfig {
+pub struct AdamW {
     /// First-moment decay.
     pub beta1: f64,
     /// Second-moment decay.
     pub beta2: f64,
     /// Denominator epsilon.
     pub eps: f64,
-    /// Decoupled weight decay, applied on the buffer's decay ranges only (GPT-2 training
-    /// decays matrices and embeddings, not biases and norms).
+    /// Decoupled weight decay, `p *= 1 - lr * weight_decay` before the step.
     pub weight_decay: f64,
+    /// Which parameters it decays.
+    #[serde(default)]
+    pub decay_on: DecayOn,
+}
+
+/// Adam, with weight decay as an L2 penalty added to the gradient (`torch.optim.Adam`,
+/// Burn's `AdamConfig` with a `WeightDecayConfig`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Adam {
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Denominator epsilon.
+    pub eps: f64,
+    /// L2 penalty: `g += weight_decay * p`.
+    pub weight_decay: f64,
+    /// Which parameters it penalises.
+    #[serde(default)]
+    pub decay_on: DecayOn,
+}
+
+/// Stochastic gradient descent with momentum (`torch.optim.SGD`, Burn's `SgdConfig` with a
+/// `MomentumConfig`): the first step's velocity is the gradient itself.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Sgd {
+    /// Velocity decay (0: plain SGD).
+    pub momentum: f64,
+    /// Share of the gradient held back from the velocity after the first step.
+    pub dampening: f64,
+    /// Nesterov's look-ahead.
+    pub nesterov: bool,
+    /// L2 penalty: `g += weight_decay * p`.
+    pub weight_decay: f64,
+    /// Which parameters it penalises.
+    #[serde(default)]
+    pub decay_on: DecayOn,
 }
 
 /// One flat buffer's optimizer state, all `[n]` f32 tensors on one device.
@@ -29,33 +95,20 @@ pub struct AdamConfig {
 pub struct FlatState {
     /// f32 master weights.
     pub master: Tensor<1>,
-    /// First moment (`exp_avg` in PyTorch).
-    pub exp_avg: Tensor<1>,
-    /// Second moment (`exp_avg_sq`).
-    pub exp_avg_sq: Tensor<1>,
-    /// Element ranges where weight decay applies, ascending and disjoint.
-    pub decay: Vec<Range<usize>>,
-}
-
-/// The scalars of one AdamW update.
-#[derive(Debug, Clone, Copy)]
-struct Coefficients {
-    /// Decoupled weight decay's factor, `1 - lr * weight_decay`.
-    decay: f64,
-    /// `lr / (1 - beta1^t)`.
-    step_size: f64,
-    /// `sqrt(1 - beta2^t)`.
-    sqrt_bias2: f64,
+    /// The optimizer's per-element state, one tensor per [`Optimizer::state_names`] entry.
+    pub slots: Vec<Tensor<1>>,
+    /// Element ranges of parameters of two or more dimensions, ascending and disjoint (where
+    /// [`DecayOn::Matrices`] decays).
+    pub matrices: Vec<Range<usize>>,
 }
 
 impl FlatState {
-    /// Fresh state: `master` as given, zero moments.
-    pub fn new(master: Tensor<1>, decay: Vec<Range<usize>>) -> Self {
+    /// Fresh state: `master` as given, `slots` zero buffers.
+    pub fn new(master: Tensor<1>, slots: usize, matrices: Vec<Range<usize>>) -> Self {
         Self {
-            exp_avg: master.zeros_like(),
-            exp_avg_sq: master.zeros_like(),
+            slots: (0..slots).map(|_| master.zeros_like()).collect(),
             master,
-            decay,
+            matrices,
         }
     }
 
@@ -69,83 +122,202 @@ impl FlatState {
         self.len() == 0
     }
 
-    /// Applies update number `step` (1-based) with rate `lr` to gradient `grad` (`[n]`, f32).
-    pub fn update(&mut self, c: &AdamConfig, step: u64, lr: f64, grad: Tensor<1>) {
-        assert_eq!(grad.dims(), self.master.dims(), "one gradient per element");
-        let t = step as i32;
-        let bias1 = 1.0 - c.beta1.powi(t);
-        let bias2 = 1.0 - c.beta2.powi(t);
-        // PyTorch: denom = sqrt(v) / sqrt(bias2) + eps; p -= lr / bias1 * m / denom.
-        let k = Coefficients {
-            decay: 1.0 - lr * c.weight_decay,
-            step_size: lr / bias1,
-            sqrt_bias2: bias2.sqrt(),
-        };
-        if self.master.device() == Device::flex() {
-            self.update_on_host(c, &k, grad);
-        } else {
-            self.update_with_tensor_ops(c, &k, grad);
+    /// The ranges `on` selects.
+    pub fn decay_ranges(&self, on: DecayOn) -> Vec<Range<usize>> {
+        match on {
+            DecayOn::Matrices => self.matrices.clone(),
+            DecayOn::All => std::iter::once(0..self.len()).collect(),
         }
     }
+}
 
-    /// [`update`](Self::update) as tensor operations on the buffers' device.
-    fn update_with_tensor_ops(&mut self, c: &AdamConfig, k: &Coefficients, grad: Tensor<1>) {
-        if c.weight_decay > 0.0 {
-            let n = self.len();
-            match self.decay.as_slice() {
-                [] => {}
-                [whole] if *whole == (0..n) => self.master = self.master.clone() * k.decay,
-                ranges => {
-                    for r in ranges {
-                        let part = self.master.clone().slice(r.clone()) * k.decay;
-                        self.master = self.master.clone().slice_assign(r.clone(), part);
-                    }
-                }
+/// `x` with `f` applied to its elements in `ranges` (`n` elements in all).
+fn on_ranges(
+    x: Tensor<1>,
+    ranges: &[Range<usize>],
+    f: impl Fn(Tensor<1>) -> Tensor<1>,
+) -> Tensor<1> {
+    let n = x.dims()[0];
+    match ranges {
+        [] => x,
+        [whole] if *whole == (0..n) => f(x),
+        ranges => {
+            let mut x = x;
+            for r in ranges {
+                let part = f(x.clone().slice(r.clone()));
+                x = x.slice_assign(r.clone(), part);
             }
+            x
         }
-        let m = self.exp_avg.clone() * c.beta1 + grad.clone() * (1.0 - c.beta1);
-        let v = self.exp_avg_sq.clone() * c.beta2 + (grad.clone() * grad) * (1.0 - c.beta2);
-        let denom = v.clone().sqrt() / k.sqrt_bias2 + c.eps;
-        self.master = self.master.clone() - (m.clone() / denom) * k.step_size;
-        self.exp_avg = m;
-        self.exp_avg_sq = v;
+    }
+}
+
+/// `grad + weight_decay * master` on `ranges`: an L2 penalty's gradient.
+fn l2(
+    grad: Tensor<1>,
+    master: &Tensor<1>,
+    weight_decay: f64,
+    ranges: &[Range<usize>],
+) -> Tensor<1> {
+    if weight_decay == 0.0 || ranges.is_empty() {
+        return grad;
+    }
+    let n = grad.dims()[0];
+    let penalty = master.clone() * weight_decay;
+    if let [whole] = ranges
+        && *whole == (0..n)
+    {
+        return grad + penalty;
+    }
+    let mut only = penalty.zeros_like();
+    for r in ranges {
+        only = only.slice_assign(r.clone(), penalty.clone().slice(r.clone()));
+    }
+    grad + only
+}
+
+/// The scalars of one Adam update.
+#[derive(Debug, Clone, Copy)]
+struct Coefficients {
+    /// Decoupled weight decay's factor, `1 - lr * weight_decay`.
+    decay: f64,
+    /// `lr / (1 - beta1^t)`.
+    step_size: f64,
+    /// `sqrt(1 - beta2^t)`.
+    sqrt_bias2: f64,
+}
+
+impl Coefficients {
+    fn new(beta1: f64, beta2: f64, weight_decay: f64, step: u64, lr: f64) -> Self {
+        let t = step as i32;
+        // PyTorch: denom = sqrt(v) / sqrt(bias2) + eps; p -= lr / bias1 * m / denom.
+        Self {
+            decay: 1.0 - lr * weight_decay,
+            step_size: lr / (1.0 - beta1.powi(t)),
+            sqrt_bias2: (1.0 - beta2.powi(t)).sqrt(),
+        }
+    }
+}
+
+/// Adam's moments and step on `state` (two slots) for gradient `grad`, as tensor operations.
+fn adam_moments(
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    k: &Coefficients,
+    state: &mut FlatState,
+    grad: Tensor<1>,
+) {
+    let m = state.slots[0].clone() * beta1 + grad.clone() * (1.0 - beta1);
+    let v = state.slots[1].clone() * beta2 + (grad.clone() * grad) * (1.0 - beta2);
+    let denom = v.clone().sqrt() / k.sqrt_bias2 + eps;
+    state.master = state.master.clone() - (m.clone() / denom) * k.step_size;
+    state.slots[0] = m;
+    state.slots[1] = v;
+}
+
+impl Optimizer for AdamW {
+    fn state_names(&self) -> &'static [&'static str] {
+        &["exp_avg", "exp_avg_sq"]
     }
 
-    /// [`update`](Self::update) in one pass over buffers in host memory, in place: the same
-    /// f32 operations in the same order as the tensor ops (so the same bits), without their
-    /// eight or more temporaries of the buffer's size per step.
-    fn update_on_host(&mut self, c: &AdamConfig, k: &Coefficients, grad: Tensor<1>) {
-        let device = self.master.device();
+    fn update(&self, step: u64, lr: f64, state: &mut FlatState, grad: Tensor<1>) {
+        let k = Coefficients::new(self.beta1, self.beta2, self.weight_decay, step, lr);
+        if state.master.device() == Device::flex() {
+            self.update_on_host(&k, state, grad);
+        } else {
+            self.update_with_tensor_ops(&k, state, grad);
+        }
+    }
+}
+
+impl AdamW {
+    /// [`update`](Optimizer::update) as tensor operations on the buffers' device.
+    fn update_with_tensor_ops(&self, k: &Coefficients, state: &mut FlatState, grad: Tensor<1>) {
+        if self.weight_decay > 0.0 {
+            let ranges = state.decay_ranges(self.decay_on);
+            state.master = on_ranges(state.master.clone(), &ranges, |p| p * k.decay);
+        }
+        adam_moments(self.beta1, self.beta2, self.eps, k, state, grad);
+    }
+
+    /// [`update`](Optimizer::update) in one pass over buffers in host memory, in place: the
+    /// same f32 operations in the same order as the tensor ops (so the same bits), without
+    /// their eight or more temporaries of the buffer's size per step.
+    fn update_on_host(&self, k: &Coefficients, state: &mut FlatState, grad: Tensor<1>) {
+        let device = state.master.device();
+        // Before the master is taken out of `state`: `DecayOn::All` reads its length.
+        let ranges = state.decay_ranges(self.decay_on);
         let take =
             |t: &mut Tensor<1>| staging::to_f32(std::mem::replace(t, Tensor::empty([0], &device)));
-        let mut p = take(&mut self.master);
-        let mut m = take(&mut self.exp_avg);
-        let mut v = take(&mut self.exp_avg_sq);
+        let mut p = take(&mut state.master);
+        let mut m = take(&mut state.slots[0]);
+        let mut v = take(&mut state.slots[1]);
         let g = staging::to_f32(grad);
-        if c.weight_decay > 0.0 {
+        if self.weight_decay > 0.0 {
             let factor = k.decay as f32;
-            for r in &self.decay {
-                p[r.clone()].iter_mut().for_each(|x| *x *= factor);
+            for r in ranges {
+                p[r].iter_mut().for_each(|x| *x *= factor);
             }
         }
-        let (b1, b1c) = (c.beta1 as f32, (1.0 - c.beta1) as f32);
-        let (b2, b2c) = (c.beta2 as f32, (1.0 - c.beta2) as f32);
-        let (sb2, eps, lr) = (k.sqrt_bias2 as f32, c.eps as f32, k.step_size as f32);
+        let (b1, b1c) = (self.beta1 as f32, (1.0 - self.beta1) as f32);
+        let (b2, b2c) = (self.beta2 as f32, (1.0 - self.beta2) as f32);
+        let (sb2, eps, lr) = (k.sqrt_bias2 as f32, self.eps as f32, k.step_size as f32);
         for (((p, m), v), &g) in p.iter_mut().zip(&mut m).zip(&mut v).zip(&g) {
             *m = *m * b1 + g * b1c;
             *v = *v * b2 + (g * g) * b2c;
             let denom = v.sqrt() / sb2 + eps;
             *p -= (*m / denom) * lr;
         }
-        self.master = staging::from_f32(p, &device);
-        self.exp_avg = staging::from_f32(m, &device);
-        self.exp_avg_sq = staging::from_f32(v, &device);
+        state.master = staging::from_f32(p, &device);
+        state.slots[0] = staging::from_f32(m, &device);
+        state.slots[1] = staging::from_f32(v, &device);
     }
 }
 
-/// The decay sub-ranges of `range` given each parameter's `(offset, numel, decay)`, relative
-/// to `range.start`.
-pub(crate) fn decay_ranges(
+impl Optimizer for Adam {
+    fn state_names(&self) -> &'static [&'static str] {
+        &["exp_avg", "exp_avg_sq"]
+    }
+
+    fn update(&self, step: u64, lr: f64, state: &mut FlatState, grad: Tensor<1>) {
+        let k = Coefficients::new(self.beta1, self.beta2, 0.0, step, lr);
+        let ranges = state.decay_ranges(self.decay_on);
+        let grad = l2(grad, &state.master, self.weight_decay, &ranges);
+        adam_moments(self.beta1, self.beta2, self.eps, &k, state, grad);
+    }
+}
+
+impl Optimizer for Sgd {
+    fn state_names(&self) -> &'static [&'static str] {
+        &["momentum_buffer"]
+    }
+
+    fn update(&self, step: u64, lr: f64, state: &mut FlatState, grad: Tensor<1>) {
+        let ranges = state.decay_ranges(self.decay_on);
+        let grad = l2(grad, &state.master, self.weight_decay, &ranges);
+        let direction = if self.momentum == 0.0 {
+            grad
+        } else {
+            let velocity = if step == 1 {
+                grad.clone()
+            } else {
+                grad.clone() * (1.0 - self.dampening) + state.slots[0].clone() * self.momentum
+            };
+            state.slots[0] = velocity.clone();
+            if self.nesterov {
+                velocity * self.momentum + grad
+            } else {
+                velocity
+            }
+        };
+        state.master = state.master.clone() - direction * lr;
+    }
+}
+
+/// The ranges of parameters of two or more dimensions within `range`, given each parameter's
+/// `(offset, numel, is_matrix)`, relative to `range.start`.
+pub(crate) fn matrix_ranges(
     range: &Range<usize>,
     params: &[(usize, usize, bool)],
 ) -> Vec<Range<usize>> {
@@ -174,41 +346,37 @@ mod tests {
     }
 
     #[test]
-    fn decay_ranges_clip_parameters_to_the_shard() {
+    fn matrix_ranges_clip_parameters_to_the_shard() {
         let params = [(0, 10, true), (10, 3, false), (13, 7, true)];
-        assert_eq!(decay_ranges(&(5..15), &params), vec![0..5, 8..10]);
-        assert!(decay_ranges(&(10..13), &params).is_empty());
-        assert_eq!(decay_ranges(&(18..24), &params), vec![0..2]);
+        assert_eq!(matrix_ranges(&(5..15), &params), vec![0..5, 8..10]);
+        assert!(matrix_ranges(&(10..13), &params).is_empty());
+        assert_eq!(matrix_ranges(&(18..24), &params), vec![0..2]);
     }
 
     #[test]
     fn the_host_pass_gives_the_tensor_ops_bits() {
-        let c = AdamConfig {
+        let c = AdamW {
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
+            decay_on: DecayOn::Matrices,
         };
         let n = 1000;
         let wave = |k: f32| (0..n).map(|i| ((i as f32) * k).sin()).collect::<Vec<_>>();
         let decay = vec![0..300, 450..1000];
-        let mut host = FlatState::new(t(&wave(0.37)), decay.clone());
+        let mut host = FlatState::new(t(&wave(0.37)), 2, decay.clone());
         let mut ops = host.clone();
-        for step in 1..=5 {
+        for step in 1..=5u64 {
             let g = t(&wave(0.11 * step as f32));
-            let (lr, bias1, bias2) = (3e-3, 1.0 - 0.9f64.powi(step), 1.0 - 0.95f64.powi(step));
-            let k = Coefficients {
-                decay: 1.0 - lr * c.weight_decay,
-                step_size: lr / bias1,
-                sqrt_bias2: bias2.sqrt(),
-            };
-            host.update_on_host(&c, &k, g.clone());
-            ops.update_with_tensor_ops(&c, &k, g);
+            let k = Coefficients::new(0.9, 0.95, c.weight_decay, step, 3e-3);
+            c.update_on_host(&k, &mut host, g.clone());
+            c.update_with_tensor_ops(&k, &mut ops, g);
         }
         for (a, b) in [
             (&host.master, &ops.master),
-            (&host.exp_avg, &ops.exp_avg),
-            (&host.exp_avg_sq, &ops.exp_avg_sq),
+            (&host.slots[0], &ops.slots[0]),
+            (&host.slots[1], &ops.slots[1]),
         ] {
             let bits = |t: &Tensor<1>| v(t).iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(a), bits(b));
@@ -217,16 +385,17 @@ mod tests {
 
     #[test]
     fn adamw_matches_a_hand_computed_step_and_decays_only_its_ranges() {
-        let c = AdamConfig {
+        let c = AdamW {
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
+            decay_on: DecayOn::Matrices,
         };
         let (lr, g) = (0.01f64, [0.3f64, -0.1, 0.3]);
         let decay = std::iter::once(0..2).collect();
-        let mut s = FlatState::new(t(&[1.0, -2.0, 0.5]), decay);
-        s.update(&c, 1, lr, t(&[0.3, -0.1, 0.3]));
+        let mut s = FlatState::new(t(&[1.0, -2.0, 0.5]), 2, decay);
+        c.update(1, lr, &mut s, t(&[0.3, -0.1, 0.3]));
         // Step 1: m = 0.1 g, v = 0.05 g^2, so m_hat = g, v_hat = g^2: a step of lr * sign(g).
         let expect = |p: f64, gi: f64, decay: bool| {
             let p = if decay { p * (1.0 - lr * 0.1) } else { p };
@@ -238,6 +407,47 @@ mod tests {
             assert!(
                 (got[i] - expect(*p, g[i], *decay)).abs() < 1e-6,
                 "{i}: {got:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn l2_penalties_reach_only_their_ranges() {
+        // SGD's first step (velocity = gradient) and Adam's (a step of lr * sign(g + wd p)),
+        // with the penalty on elements 0..2 alone.
+        let (lr, wd) = (0.1f64, 0.5f64);
+        let (p0, g) = ([1.0f32, -2.0, 0.5, 4.0], [0.3f32, 0.1, -0.2, 0.0]);
+        let matrices = std::iter::once(0..2).collect::<Vec<_>>();
+        let sgd = Sgd {
+            momentum: 0.9,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: wd,
+            decay_on: DecayOn::Matrices,
+        };
+        let mut s = FlatState::new(t(&p0), 1, matrices.clone());
+        sgd.update(1, lr, &mut s, t(&g));
+        let penalised = |i: usize| g[i] as f64 + if i < 2 { wd * p0[i] as f64 } else { 0.0 };
+        for (i, got) in v(&s.master).into_iter().enumerate() {
+            let want = p0[i] as f64 - lr * penalised(i);
+            assert!((got as f64 - want).abs() < 1e-6, "sgd {i}: {got} vs {want}");
+        }
+        assert_eq!(v(&s.slots[0]).len(), 4);
+        let adam = Adam {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: wd,
+            decay_on: DecayOn::Matrices,
+        };
+        let mut s = FlatState::new(t(&p0), 2, matrices);
+        adam.update(1, lr, &mut s, t(&g));
+        for (i, got) in v(&s.master).into_iter().enumerate() {
+            let gi = penalised(i);
+            let want = p0[i] as f64 - lr * gi / (gi.abs() + 1e-8);
+            assert!(
+                (got as f64 - want).abs() < 1e-6,
+                "adam {i}: {got} vs {want}"
             );
         }
     }

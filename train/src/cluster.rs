@@ -782,19 +782,20 @@ fn kernel_costs() -> (f64, f64, f64) {
     let device = Device::flex();
     let tensor = |v: Vec<f32>| Tensor::<1>::from_data(TensorData::new(v, [N]), &device);
     let mut state =
-        ember_sharding::FlatState::new(tensor(src.clone()), std::iter::once(0..N).collect());
-    let adam = ember_sharding::AdamConfig {
+        ember_sharding::FlatState::new(tensor(src.clone()), 2, std::iter::once(0..N).collect());
+    let adam = ember_sharding::AdamW {
         beta1: 0.9,
         beta2: 0.95,
         eps: 1e-8,
         weight_decay: 0.1,
+        decay_on: ember_sharding::DecayOn::Matrices,
     };
     let optimizer = median(
         (1..=5)
             .map(|step| {
                 let grad = tensor(src.clone());
                 let t = Instant::now();
-                state.update(&adam, step, 1e-3, grad);
+                ember_sharding::Optimizer::update(&adam, step, 1e-3, &mut state, grad);
                 t.elapsed().as_secs_f64()
             })
             .collect(),

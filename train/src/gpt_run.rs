@@ -11,7 +11,7 @@ use burn::tensor::Device;
 use ember_comm::{Comm, Topology};
 use ember_data::{Batch, BatchPlan, STREAM_TRAIN, STREAM_VAL, Sampler};
 use ember_sharding::{
-    AdamConfig, Checkpoint, Plan, SaveOptions, ShardConfig, ShardedModel, StepHyper, StepReport,
+    AdamW, Checkpoint, DecayOn, Plan, SaveOptions, ShardConfig, ShardedModel, StepHyper, StepReport,
 };
 
 use crate::checkpoint::RunRecord;
@@ -288,11 +288,12 @@ pub fn step_hyper(c: &TrainConfig, step: u64) -> StepHyper {
     StepHyper {
         lr: schedule.at(step),
         grad_clip: c.grad_clip,
-        adam: AdamConfig {
+        adam: AdamW {
             beta1: c.beta1,
             beta2: c.beta2,
             eps: 1e-8,
             weight_decay: c.weight_decay,
+            decay_on: DecayOn::Matrices,
         },
     }
 }

@@ -7,10 +7,11 @@
 //! A checkpoint is a directory `step-NNNNNN/` holding
 //!
 //! - `rank-RRRRR.safetensors`, one per writing rank (the first rank of each group holding the
-//!   same optimizer shard): for every parameter range it owns, three flat f32 tensors
-//!   `param/<path>`, `exp_avg/<path>` and `exp_avg_sq/<path>`, with each range's element
-//!   offset and the parameter's length in the `ember.layout` metadata, and Adam's step count
-//!   in `ember.adam_step`;
+//!   same optimizer shard): for every parameter range it owns, flat f32 tensors `param/<path>`
+//!   and one per optimizer state (AdamW: `exp_avg/<path>`, `exp_avg_sq/<path>`; SGD:
+//!   `momentum_buffer/<path>`), with each range's element offset and the parameter's length
+//!   in the `ember.layout` metadata, the state's names in `ember.optimizer_state` and the
+//!   count of updates in `ember.adam_step`;
 //! - `ef-RRRRR.safetensors`, one per rank when gradients are quantized with error feedback:
 //!   the rank's residual per unit and hop (`<unit>/<hop>`), with the layout they belong to;
 //! - the application's files (ember copies its tokenizer), and
@@ -47,12 +48,15 @@ pub const MANIFEST: &str = "manifest.json";
 pub const FORMAT: &str = "ember-checkpoint";
 /// Metadata key, inside each rank file, of the JSON layout of its entries.
 pub(crate) const LAYOUT_KEY: &str = "ember.layout";
-/// Metadata key of Adam's step count.
+/// Metadata key of the count of optimizer updates.
 pub(crate) const ADAM_STEP_KEY: &str = "ember.adam_step";
+/// Metadata key of the optimizer state's names, a JSON list in the optimizer's order.
+pub(crate) const STATE_KEY: &str = "ember.optimizer_state";
 /// Metadata key, inside each residual file, of the layout the residuals belong to.
 pub(crate) const RESIDUALS_KEY: &str = "ember.residuals";
 
-/// The kinds of state saved per parameter; the safetensors key is `<kind>/<path>`.
+/// The kinds of state an AdamW run saves per parameter (the ember binary's); the safetensors
+/// key is `<kind>/<path>`.
 pub const KINDS: [&str; 3] = ["param", "exp_avg", "exp_avg_sq"];
 
 /// A parameter's path and whole shape.

@@ -2,7 +2,7 @@
 //! of any state on demand (only those bytes); [`Checkpoint`] is an index that every rank of a
 //! job opened and verified together, the source a [`ShardedModel`] resumes from.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::{self, File};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -12,8 +12,8 @@ use safetensors::SafeTensors;
 use safetensors::tensor::Dtype as StDtype;
 
 use super::{
-    ADAM_STEP_KEY, KINDS, LAYOUT_KEY, Manifest, RESIDUALS_KEY, Range, io, locate, read_manifest,
-    residual_file_name, sha256_file,
+    ADAM_STEP_KEY, LAYOUT_KEY, Manifest, RESIDUALS_KEY, Range, STATE_KEY, io, locate,
+    read_manifest, residual_file_name, sha256_file,
 };
 use crate::engine::agree;
 use crate::error::ShardError;
@@ -47,8 +47,10 @@ pub struct Index {
     pub dir: PathBuf,
     /// Its manifest.
     pub manifest: Manifest,
-    /// Adam's step count.
+    /// Optimizer updates applied.
     pub adam_step: u64,
+    /// The optimizer states held besides `param`, in the optimizer's order.
+    kinds: Vec<String>,
     files: Vec<(PathBuf, File)>,
     pieces: HashMap<String, Vec<Piece>>,
     numel: HashMap<String, usize>,
@@ -87,6 +89,8 @@ impl Index {
         let mut files = Vec::new();
         let mut pieces: HashMap<String, Vec<Piece>> = HashMap::new();
         let mut adam_step = None;
+        let mut stated: Option<Vec<String>> = None;
+        let mut seen = BTreeSet::new();
         for entry in &manifest.files {
             let path = dir.join(&entry.path);
             let map = map_file(&path, entry.bytes)?;
@@ -116,6 +120,15 @@ impl Index {
                     "its Adam step {step} differs from the other shards'"
                 )));
             }
+            if let Some(names) = extra.get(STATE_KEY) {
+                let names: Vec<String> = serde_json::from_str(names)
+                    .map_err(|e| bad(format!("bad {STATE_KEY}: {e}")))?;
+                if *stated.get_or_insert_with(|| names.clone()) != names {
+                    return Err(bad(format!(
+                        "its optimizer state {names:?} differs from the other shards'"
+                    )));
+                }
+            }
             let file_index = files.len();
             for (key, info) in meta.tensors() {
                 let range = layout
@@ -124,9 +137,7 @@ impl Index {
                 let (kind, name) = key
                     .split_once('/')
                     .ok_or_else(|| bad(format!("unexpected tensor name {key}")))?;
-                if !KINDS.contains(&kind) {
-                    return Err(bad(format!("unknown state kind in {key}")));
-                }
+                seen.insert(kind.to_string());
                 if info.dtype != StDtype::F32 || info.shape.len() != 1 {
                     return Err(bad(format!(
                         "{key} is {:?} of shape {:?}, expected flat F32",
@@ -161,9 +172,18 @@ impl Index {
             let file = File::open(&path).map_err(|e| io(&path, "opening", e))?;
             files.push((path, file));
         }
+        // Checkpoints written before the state's names were recorded hold AdamW's.
+        let kinds =
+            stated.unwrap_or_else(|| seen.iter().filter(|k| *k != "param").cloned().collect());
+        if let Some(stray) = seen.iter().find(|k| *k != "param" && !kinds.contains(k)) {
+            return Err(ShardError::Io(format!(
+                "{}: state {stray} is not among the optimizer state {kinds:?} the files name",
+                dir.display()
+            )));
+        }
         for t in &manifest.tensors {
             let n = numel[&t.name];
-            for kind in KINDS {
+            for kind in std::iter::once("param").chain(kinds.iter().map(String::as_str)) {
                 let key = format!("{kind}/{}", t.name);
                 let mut ranges: Vec<(usize, usize)> = pieces
                     .get(&key)
@@ -186,6 +206,7 @@ impl Index {
                 ))
             })?,
             manifest,
+            kinds,
             files,
             pieces,
             numel,
@@ -212,7 +233,14 @@ impl Index {
         Ok(())
     }
 
-    /// Elements `range` of state `kind` (`param`, `exp_avg`, `exp_avg_sq`) of tensor `name`,
+    /// The optimizer states the checkpoint holds besides `param`, in the optimizer's order
+    /// (AdamW's: `exp_avg`, `exp_avg_sq`); empty when it was saved before the first update.
+    pub fn state_kinds(&self) -> Vec<String> {
+        self.kinds.clone()
+    }
+
+    /// Elements `range` of state `kind` (`param`, or one of [`Index::state_kinds`]) of tensor
+    /// `name`,
     /// copied from the pieces that overlap it (only those bytes are read).
     pub fn read(
         &self,

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 use super::{
-    ADAM_STEP_KEY, FileEntry, KINDS, LAYOUT_KEY, MANIFEST, Manifest, RESIDUALS_KEY, Range,
+    ADAM_STEP_KEY, FileEntry, LAYOUT_KEY, MANIFEST, Manifest, RESIDUALS_KEY, Range, STATE_KEY,
     TensorMeta, io, prune, residual_file_name, shard_file_name, step_dir_name,
 };
 use crate::engine::{ShardedModel, agree};
@@ -359,7 +359,7 @@ pub fn save<S: Staged<D>, const D: usize>(
     agree(comm, finished).map_err(discard)
 }
 
-/// This rank's optimizer-shard file: `param`, `exp_avg` and `exp_avg_sq` of every range it
+/// This rank's optimizer-shard file: `param` and each optimizer state of every range it
 /// owns, streamed one range at a time.
 fn write_shard<S: Staged<D>, const D: usize>(
     sharded: &ShardedModel<'_, S, D>,
@@ -367,9 +367,12 @@ fn write_shard<S: Staged<D>, const D: usize>(
 ) -> Result<FileEntry, ShardError> {
     let pieces = sharded.owned_pieces();
     let mut layout = BTreeMap::new();
-    let mut tensors = Vec::with_capacity(3 * pieces.len());
+    let kinds: Vec<&str> = std::iter::once("param")
+        .chain(sharded.state_names().iter().map(String::as_str))
+        .collect();
+    let mut tensors = Vec::with_capacity(kinds.len() * pieces.len());
     for p in &pieces {
-        for kind in KINDS {
+        for kind in &kinds {
             let key = format!("{kind}/{}", p.name);
             layout.insert(
                 key.clone(),
@@ -387,6 +390,10 @@ fn write_shard<S: Staged<D>, const D: usize>(
             serde_json::to_string(&layout).expect("ranges serialise"),
         ),
         (ADAM_STEP_KEY.to_string(), sharded.adam_step().to_string()),
+        (
+            STATE_KEY.to_string(),
+            serde_json::to_string(sharded.state_names()).expect("names serialise"),
+        ),
     ]);
     let mut w = ShardWriter::create(path, &metadata, &tensors, FileDtype::F32)?;
     for p in &pieces {
