@@ -1,22 +1,22 @@
-//! Sharding a model that is not a GPT: a three-layer MLP regressing `sin(3a) cos(2b)`, built
-//! with Burn's own `Linear` layers, trained with ZeRO-3 (or any preset) over MPI ranks.
+//! Sharding a model that is not a GPT: an MLP regressing `sin(3a) cos(2b)`, built from Burn's
+//! own `Linear` layers with its hidden layers in a `Vec`, trained with ZeRO-3 (or any preset)
+//! over MPI ranks.
 //!
 //! ```text
 //! cargo build --release -p ember-sharding --example mlp
 //! mpirun -np 4 --oversubscribe target/release/examples/mlp --shard zero3 --topology 2x2x1 \
 //!   --steps 150 --save /tmp/mlp
 //! mpirun -np 2 --oversubscribe target/release/examples/mlp --shard hier3 --topology 1x2x1 \
-//!   --steps 300 --resume /tmp/mlp
+//!   --steps 300 --resume /tmp/mlp/step-000150
 //! ```
 //!
 //! The second job continues the first's checkpoint at another world size and preset (each
 //! rank reads only the ranges it owns there).
 //!
-//! The model's code knows nothing of sharding: the user writes only `MlpStages` (which
-//! layers form a unit and how a unit runs) and an initialiser that can draw any range of any
-//! parameter alone (`init`), and hands the model's skeleton to `ShardedModel`. Burn's
-//! `LinearConfig::init` makes lazy parameters, so the skeleton allocates nothing: each rank
-//! draws only the elements it owns.
+//! The model is plain Burn. What sharding asks of it is the `BlockModel` impl (the three pieces
+//! its own `forward` is made of) and the lines marked `// sharding` in `train`. Burn's
+//! `LinearConfig::init` makes lazy parameters: each rank materialises only the parameters
+//! whose ranges it owns, one at a time.
 
 use std::path::PathBuf;
 
@@ -27,35 +27,75 @@ use burn::tensor::{Device, Tensor, TensorData};
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
 
 use ember_sharding::{
-    AdamW, Checkpoint, DecayOn, Flow, FnSource, SaveOptions, ShardConfig, ShardError, ShardedModel,
-    Staged, StepHyper, UnitDecl,
+    AdamW, BlockModel, Checkpoint, DecayOn, Preset, Rows, SaveOptions, Shard, ShardError, StepHyper,
 };
 
 /// An ordinary Burn model.
 #[derive(Module, Debug)]
 pub struct Mlp {
-    l1: Linear,
-    l2: Linear,
-    l3: Linear,
+    input: Linear,
+    hidden: Vec<Linear>,
+    output: Linear,
 }
 
-impl Mlp {
-    /// Two inputs, two hidden layers of `width`, one output.
-    pub fn new(width: usize, device: &Device) -> Self {
-        Self {
-            l1: LinearConfig::new(2, width).init(device),
-            l2: LinearConfig::new(width, width).init(device),
-            l3: LinearConfig::new(width, 1).init(device),
+/// Its size.
+#[derive(Debug, Clone, Copy)]
+pub struct MlpConfig {
+    /// Width of the hidden layers.
+    pub width: usize,
+    /// Hidden layers after the input layer.
+    pub depth: usize,
+}
+
+impl MlpConfig {
+    /// Two inputs, `depth + 1` hidden layers of `width`, one output.
+    pub fn init(&self, device: &Device) -> Mlp {
+        Mlp {
+            input: LinearConfig::new(2, self.width).init(device),
+            hidden: (0..self.depth)
+                .map(|_| LinearConfig::new(self.width, self.width).init(device))
+                .collect(),
+            output: LinearConfig::new(self.width, 1).init(device),
         }
     }
 }
 
 impl Mlp {
+    /// The first layer.
+    fn stem(&self, x: Tensor<2>) -> Tensor<2> {
+        relu(self.input.forward(x))
+    }
+
+    /// Hidden layer `i`.
+    fn layer(&self, i: usize, h: Tensor<2>) -> Tensor<2> {
+        relu(self.hidden[i].forward(h))
+    }
+
     /// The model's forward: one prediction per input row of `x` (`[n, 2]`).
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let h = relu(self.l1.forward(x));
-        let h = relu(self.l2.forward(h));
-        self.l3.forward(h)
+        let mut h = self.stem(x);
+        for i in 0..self.hidden.len() {
+            h = self.layer(i, h);
+        }
+        self.output.forward(h)
+    }
+}
+
+/// The pieces of `Mlp::forward`, for the partitioner.
+impl BlockModel<2> for Mlp {
+    type Batch = Points;
+
+    fn embed(&self, batch: &Points, device: &Device) -> Tensor<2> {
+        self.stem(batch.inputs(device))
+    }
+
+    fn block(&self, i: usize, h: Tensor<2>) -> Tensor<2> {
+        self.layer(i, h)
+    }
+
+    fn loss(&self, h: Tensor<2>, batch: &Points, device: &Device) -> Tensor<1> {
+        let err = self.output.forward(h) - batch.targets(device);
+        (err.clone() * err).mean()
     }
 }
 
@@ -67,23 +107,7 @@ fn unit(k: u64) -> f32 {
     ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
 }
 
-/// The initial value of elements `range` of parameter `name` (shape `shape`, `[in, out]` for
-/// weights): weights uniform in `±1/sqrt(in)` (PyTorch's `nn.Linear` bound), biases zero;
-/// each element keyed by (seed, name, index), so a rank draws its range alone.
-pub fn init(seed: u64, name: &str, shape: &[usize], range: std::ops::Range<usize>) -> Vec<f32> {
-    if shape.len() < 2 {
-        return vec![0.0; range.len()];
-    }
-    let key = name.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    });
-    let bound = 1.0 / (shape[0] as f32).sqrt();
-    range
-        .map(|i| bound * unit(key ^ (i as u64).wrapping_mul(0xA24B_AED4_963E_E407)))
-        .collect()
-}
-
-/// One micro-batch: `n` inputs `(a, b)` and their targets.
+/// A batch: `n` inputs `(a, b)` and their targets.
 #[derive(Debug, Clone)]
 pub struct Points {
     x: Vec<f32>,
@@ -102,8 +126,7 @@ impl Points {
         Tensor::from_data(TensorData::new(self.y.clone(), [self.n, 1]), device)
     }
 
-    /// Points `index * n ..` of a deterministic stream, so every rank draws its own share of a
-    /// step's global batch.
+    /// Points `first ..` of step `step`'s deterministic stream.
     pub fn draw(step: u64, first: u64, n: usize) -> Self {
         let mut x = Vec::with_capacity(2 * n);
         let mut y = Vec::with_capacity(n);
@@ -117,41 +140,26 @@ impl Points {
     }
 }
 
-/// How the MLP runs unit by unit: each layer is a unit.
-#[derive(Debug, Clone, Copy)]
-pub struct MlpStages;
-
-impl Staged<2> for MlpStages {
-    type Module = Mlp;
-    type Batch = Points;
-
-    fn units(&self, _module: &Mlp) -> Vec<UnitDecl> {
-        vec![
-            UnitDecl::new("l1", &["l1"]),
-            UnitDecl::new("l2", &["l2"]),
-            UnitDecl::new("l3", &["l3"]),
-        ]
+/// A batch splits by rows: the partitioner gives each rank its share of a step's batch.
+impl Rows for Points {
+    fn rows(&self) -> usize {
+        self.n
     }
 
-    fn forward(
-        &self,
-        m: &Mlp,
-        unit: usize,
-        input: Option<Tensor<2>>,
-        batch: &Points,
-        device: &Device,
-    ) -> Flow<2> {
-        match (unit, input) {
-            (0, _) => Flow::Hidden(relu(m.l1.forward(batch.inputs(device)))),
-            (1, Some(h)) => Flow::Hidden(relu(m.l2.forward(h))),
-            (_, Some(h)) => {
-                let err = m.l3.forward(h) - batch.targets(device);
-                Flow::Loss((err.clone() * err).mean())
-            }
-            (u, None) => panic!("unit {u} needs its input"),
+    fn select(&self, rows: std::ops::Range<usize>) -> Self {
+        Self {
+            x: self.x[2 * rows.start..2 * rows.end].to_vec(),
+            y: self.y[rows.clone()].to_vec(),
+            n: rows.len(),
         }
     }
 }
+
+/// The example's model size.
+pub const SIZE: MlpConfig = MlpConfig {
+    width: 64,
+    depth: 2,
+};
 
 /// What one training run does: its steps, and where it resumes from and saves to.
 #[derive(Debug, Clone, Default)]
@@ -220,45 +228,39 @@ pub fn held_out() -> Points {
 /// Trains the MLP as `run` says.
 pub fn train(comm: &Comm, run: &Run) -> Result<Trained, ShardError> {
     let device = Device::flex();
-    // A skeleton: Burn's Linear parameters are lazy, and nothing here reads them.
-    let model = Mlp::new(64, &device);
-    let config = ShardConfig::preset(&run.preset, comm.topology().depth())?;
+    let preset: Preset = run.preset.parse()?;
     let seed = 7;
-    let mut sharded = match &run.resume {
-        Some(dir) => {
-            let checkpoint = Checkpoint::open(comm, dir)?;
-            let record: Record = checkpoint.manifest().app_record()?;
-            if record.seed != seed {
-                return Err(ShardError::setting(
-                    "seed",
-                    seed,
-                    format!("{} was trained with seed {}", dir.display(), record.seed),
-                ));
-            }
-            ShardedModel::resume(comm, MlpStages, model, config, device, &checkpoint)?
-        }
-        None => {
-            let mut source = FnSource::new(seed, |name: &str, shape: &[usize], range| {
-                Ok(init(seed, name, shape, range))
-            });
-            ShardedModel::new(comm, MlpStages, model, config, device, &mut source)?
-        }
+    let checkpoint = match &run.resume {
+        Some(dir) => Some(Checkpoint::open(comm, dir)?), // sharding
+        None => None,
     };
-    let world = comm.topology().world_size();
-    if !run.batch.is_multiple_of(world) {
-        return Err(ShardError::setting(
-            "batch",
-            run.batch,
-            format!("does not split over {world} ranks"),
-        ));
+    if let Some(checkpoint) = &checkpoint {
+        let record: Record = checkpoint.manifest().app_record()?;
+        if record.seed != seed {
+            return Err(ShardError::setting(
+                "seed",
+                seed,
+                format!(
+                    "{} was trained with seed {}",
+                    checkpoint.dir().display(),
+                    record.seed
+                ),
+            ));
+        }
     }
-    let share = run.batch / world;
+    let mut shard = Shard::blocks("hidden").preset(preset).seed(seed); // sharding
+    if let Some(checkpoint) = &checkpoint {
+        shard = shard.resume(checkpoint); // sharding
+    }
+    let mut sharded = shard.build(comm, |d| SIZE.init(d), device)?; // sharding
     let hyper = hyper();
     let mut losses = Vec::new();
-    // Adam's step count is the number of steps taken, so a resumed run continues its data.
-    for step in sharded.adam_step()..run.steps {
-        let points = Points::draw(step, (comm.rank() * share) as u64, share);
-        let report = sharded.train_step(&[points], &hyper)?;
+    // The model's step count is the number of steps taken, so a resumed run continues its data.
+    for step in sharded.step()..run.steps {
+        let batch = Points::draw(step, 0, run.batch);
+        let mut grads = sharded.backward(&[sharded.share(&batch)?])?; // sharding
+        grads.clip_norm(hyper.grad_clip);
+        let report = sharded.apply(grads, &hyper.adam, hyper.lr)?; // sharding
         losses.push((step, report.loss));
         if comm.rank() == 0 && (step % 50 == 0 || step + 1 == run.steps) {
             println!(
@@ -273,21 +275,14 @@ pub fn train(comm: &Comm, run: &Run) -> Result<Trained, ShardError> {
         }
     }
     if let Some(dir) = &run.save {
-        let options = SaveOptions {
-            app: match serde_json::to_value(Record { seed }) {
-                Ok(serde_json::Value::Object(map)) => map,
-                _ => unreachable!("a struct serialises to an object"),
-            },
-            ..SaveOptions::default()
-        };
-        let saved = ember_sharding::checkpoint::save(&sharded, dir, run.steps, &options)?;
+        let saved = sharded.save(dir, &SaveOptions::record(&Record { seed })?)?; // sharding
         if comm.rank() == 0 {
             println!("saved {}", saved.display());
         }
     }
     let sharded_mse = sharded.eval_loss(&held_out())?;
     // The trained module back, whole, for inference with its own forward.
-    let model = sharded.gather()?;
+    let model = sharded.gather()?; // sharding
     if comm.rank() == 0 {
         println!(
             "held-out mse {:.5}",

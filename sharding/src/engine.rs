@@ -371,9 +371,21 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         &self.device
     }
 
-    /// Optimizer updates applied so far.
-    pub fn adam_step(&self) -> u64 {
+    /// Optimizer updates applied so far (from the checkpoint's count after a resume): the
+    /// number of the step to run next, counting from 0.
+    pub fn step(&self) -> u64 {
         self.adam_step
+    }
+
+    /// Saves a checkpoint of this model at [`step`](Self::step) into `dir/step-NNNNNN`
+    /// ([`checkpoint::save`](crate::checkpoint::save)), with `options`' record of the
+    /// caller's own; returns its directory. Every rank must call it.
+    pub fn save(
+        &self,
+        dir: &std::path::Path,
+        options: &crate::SaveOptions,
+    ) -> Result<std::path::PathBuf, ShardError> {
+        crate::checkpoint::save(self, dir, self.adam_step, options)
     }
 
     /// Whether this rank writes its optimizer shard to a checkpoint: the first of the ranks

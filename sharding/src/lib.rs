@@ -4,14 +4,59 @@
 //! Every state is a Burn tensor on the run's device; communication goes through `ember-comm`
 //! (MPI) only. The crate knows no particular model.
 //!
-//! # The unit model
+//! # Sharding a model whose blocks sit in a `Vec`
+//!
+//! A model in plain Burn, with its repeated blocks in a field such as `blocks: Vec<Block>`,
+//! tells the partitioner the three pieces its own forward is made of ([`BlockModel`]): what
+//! comes before the blocks, one block, and what comes after them down to the loss. Its
+//! `forward` can call the same three pieces, so no math is written twice. Then:
+//!
+//! ```ignore
+//! let comm = Comm::init(CommConfig::default())?;                    // topology from the launcher
+//! let mut model = Shard::blocks("blocks").preset(Preset::Hier3).seed(7)
+//!     .build(&comm, |device| LlamaConfig::new().init(device), device)?;
+//! for step in model.step()..steps {
+//!     let mut grads = model.backward(&[model.share(&global_batch(step))?])?;
+//!     grads.clip_norm(1.0);
+//!     model.apply(grads, &adamw, lr(step))?;
+//! }
+//! model.save(dir, &SaveOptions::record(&my_metadata)?)?;           // resume: Shard::resume
+//! let trained: Llama = model.gather()?;                             // whole, on every rank
+//! ```
+//!
+//! - [`Shard::blocks`] makes each element of the field a unit and the rest of the model (the
+//!   embedding, final norm, head) one more, the root. The starting weights are those of the
+//!   model's own `Config::init` (Burn's `Initializer`s): each rank materialises only the
+//!   parameters whose ranges it owns, one at a time, with the generator seeded by the
+//!   parameter's path, so every world size starts from the same model ([`InitSource`]).
+//! - [`ShardedModel::backward`] takes this rank's micro-batches of the step (one per
+//!   gradient-accumulation micro-step; [`ShardedModel::share`] cuts this rank's rows out of the
+//!   global batch, for a batch that implements [`Rows`]) and returns this rank's shard of the
+//!   reduced [`Gradients`], with the loss and the global norm, to read, scale or clip.
+//! - [`ShardedModel::apply`] updates the parameters with any [`Optimizer`]: [`AdamW`],
+//!   [`Adam`] and [`Sgd`] ship, each matching Burn's optimizer of the same name.
+//!   [`ShardedModel::train_step`] is both calls with AdamW and clipping ([`StepHyper`]).
+//! - [`ShardedModel::save`] writes every rank's own ranges to a safetensors checkpoint, with
+//!   the caller's own record in its manifest; [`Shard::resume`] (or [`ShardedModel::resume`])
+//!   with [`Checkpoint::open`] continues it at any world size, topology or configuration, each
+//!   rank reading only what it owns there, and [`ShardedModel::step`] says where.
+//! - [`ShardedModel::gather`] returns the whole module (the f32 master weights) on every rank,
+//!   for inference or export with the model's own `forward`.
+//! - [`Plan`] gives the partition, the per-rank memory and the per-step traffic as plain data,
+//!   without MPI.
+//!
+//! `examples/mlp.rs` is a complete program (an MLP of Burn `Linear` layers, trained under
+//! `mpirun`, saved, resumed at another world size, gathered back).
+//!
+//! # The unit model, for any model
 //!
 //! Burn's autodiff builds one graph per forward, so a sharded model runs as a sequence of
 //! *units*: before a unit computes, its parameters are gathered; after its backward, its
 //! gradients are reduced to their owners and the gathered copy is freed. Units are groups of
 //! parameters named by path prefix, usually one per transformer block plus the embedding and
-//! the head. A user describes the units of their model with [`Staged`], without changing the
-//! model's code:
+//! the head. [`Blocks`] is one way of cutting a model into units; any other is described with
+//! [`Staged`], without changing the model's code, and built with [`ShardedModel::new`] and a
+//! [`ParamSource`] (an [`InitSource`], or any function of path and element range):
 //!
 //! - [`Staged::units`] returns one [`UnitDecl`] per unit, in forward order:
 //!   `UnitDecl::new("block3", &["blocks.3"])` owns every parameter whose path starts with
@@ -30,43 +75,6 @@
 //! (`LayerNorm`), `gamma` (`RmsNorm`). [`params::param_shapes`] lists every path and
 //! shape of a module in visit order, which is the order of each unit's flat buffer.
 //!
-//! # Building, training, saving, getting the module back
-//!
-//! ```ignore
-//! let comm = Comm::init(CommConfig::default())?;               // topology from the launcher
-//! let config = ShardConfig::preset("hier3", comm.topology().depth())?;
-//! let skeleton = MyModelConfig::new(..).init(&device);          // lazy params: nothing drawn
-//! let mut source = FnSource::new(seed, |name, shape, range| Ok(my_init(name, shape, range)));
-//! let mut model = ShardedModel::new(&comm, MyUnits, skeleton, config, device, &mut source)?;
-//! for step in model.adam_step()..steps {
-//!     let report = model.train_step(&[my_share_of_the_batch(step)], &hyper)?;
-//! }
-//! checkpoint::save(&model, dir, model.adam_step(), &SaveOptions::default())?;
-//! let trained: MyModel = model.gather()?;                       // whole, on every rank
-//! ```
-//!
-//! - The skeleton's parameter values are never read: each rank reads from its
-//!   [`ParamSource`] only the ranges of the optimizer shard it owns, so no rank materialises
-//!   the whole model.
-//! - [`ShardedModel::train_step`] takes this rank's micro-batches of the step (one per
-//!   gradient-accumulation micro-step) and runs gathers, forward, backward, reductions and the
-//!   AdamW update ([`StepHyper`]: learning rate, gradient clipping, [`AdamW`]).
-//! - Or the step in two calls, to read or clip the gradients and pick the optimizer:
-//!   [`ShardedModel::backward`] returns this rank's shard of the reduced [`Gradients`] (with
-//!   the loss and the global norm), and [`ShardedModel::apply`] updates the parameters with
-//!   any [`Optimizer`]: [`AdamW`], [`Adam`] and [`Sgd`] ship, each matching Burn's optimizer
-//!   of the same name.
-//! - [`checkpoint::save`] writes every rank's own ranges to a safetensors checkpoint;
-//!   [`ShardedModel::resume`] with [`Checkpoint::open`] continues it at any world size,
-//!   topology or configuration, each rank reading only what it owns there.
-//! - [`ShardedModel::gather`] returns the whole module (the f32 master weights) on every rank,
-//!   for inference or export with the model's own `forward`.
-//! - [`Plan`] gives the partition, the per-rank memory and the per-step traffic as plain data,
-//!   without MPI.
-//!
-//! `examples/mlp.rs` is a complete program (an MLP of Burn `Linear` layers, trained under
-//! `mpirun`, saved, resumed at another world size, gathered back).
-//!
 //! # Presets, and what they are elsewhere
 //!
 //! A [`ShardConfig`] gives each state the [`Span`] of levels it is split over; the presets are
@@ -82,16 +90,18 @@
 //! | `zeropp` | world, secondary copy per node | node, then world | world | int8 weights, int4 gradients | DeepSpeed ZeRO++ (qwZ, hpZ, qgZ) |
 //! | `hier3` | world, secondary copy per GPU | GPU, node, then world | world | int8 weights, int4 gradients | the three-level scheme of arXiv 2501.04266 |
 //!
-//! Other equivalents: one [`UnitDecl`] per block is FSDP2's `fully_shard(block)`;
+//! Other equivalents: [`Shard::blocks`] is FSDP2's `fully_shard` on each block and on the
+//! root; one [`UnitDecl`] per block is the same by hand;
 //! [`Recompute::Unit`] is activation checkpointing per block with parameters resharded after
-//! forward; [`ShardConfig::prefetch`] is FSDP2's forward prefetch; [`checkpoint::save`] and
+//! forward; [`ShardConfig::prefetch`] is FSDP2's forward prefetch; [`ShardedModel::save`] and
 //! [`Checkpoint::open`] are torch.distributed.checkpoint's save and load; [`ShardedModel::gather`]
 //! is a full state dict.
 //!
 //! # What each state costs a rank
 //!
 //! For `N` parameters in f32 compute, per rank: the optimizer state is 12 bytes per parameter
-//! (f32 master, first and second moment) over the optimizer group; gradients 4 bytes per
+//! with Adam or AdamW (f32 master, first and second moment; 8 with SGD's one velocity) over
+//! the optimizer group; gradients 4 bytes per
 //! parameter over that group when sharded, whole otherwise; the primary parameters 4 bytes
 //! (2 in bf16) over their group, or nothing when they are the master itself (f32, split like
 //! the optimizer); a secondary copy 1 byte plus one f32 scale per block when weights are
@@ -106,6 +116,7 @@
 //! dependency on this crate brings Burn's flex backend with its multithreaded, SIMD kernels
 //! (`rayon`, `simd`) and the AVX-512 matrix kernels, chosen at run time.
 
+pub mod blocks;
 pub mod checkpoint;
 pub mod config;
 #[cfg(feature = "cubecl")]
@@ -127,6 +138,7 @@ pub mod stage;
 mod staging;
 mod worker;
 
+pub use blocks::{BlockModel, Blocks, InitSource, Preset, Rows, Shard};
 pub use checkpoint::{Checkpoint, SaveOptions};
 pub use config::{Compute, GradQuant, PRESETS, Recompute, ShardConfig, Span, WeightQuant};
 pub use engine::{Gradients, ShardedModel, StepHyper, StepReport};

@@ -74,6 +74,42 @@ pub fn named_values<M: Module>(module: &M) -> Vec<(String, Vec<usize>, Tensor<1>
     v.out
 }
 
+/// Parameter `name`'s values (flattened), materialising it alone, and the module with that
+/// parameter replaced by a zero-element tensor; every other parameter is left as it was (a
+/// lazy one stays unmaterialised). `None` when the module has no parameter `name`.
+pub fn take_value<M: Module>(module: M, name: &str) -> (M, Option<Tensor<1>>) {
+    struct Taker<'a> {
+        path: Path,
+        name: &'a str,
+        out: Option<Tensor<1>>,
+    }
+    impl ModuleMapper for Taker<'_> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.0.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.0.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if self.path.join() != self.name {
+                return param;
+            }
+            let value = param.val();
+            let numel = value.dims().iter().product::<usize>();
+            let device = value.device();
+            self.out = Some(value.reshape([numel]));
+            Param::initialized(param.id, Tensor::empty([0; D], &device))
+        }
+    }
+    let mut taker = Taker {
+        path: Path::default(),
+        name,
+        out: None,
+    };
+    let module = module.map(&mut taker);
+    (module, taker.out)
+}
+
 /// Sets the parameters named in `values` (flat, reshaped to the parameter's shape from
 /// `shapes`) and replaces every other one by a zero-element tensor on `device`, which is how a
 /// skeleton holds no parameter memory. A replaced parameter is never read, so a lazy one is

@@ -10,17 +10,19 @@ mod mlp;
 
 use burn::tensor::{Device, Tensor};
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
-use ember_sharding::{Flow, FnSource, ShardConfig, ShardError, ShardedModel, Staged, UnitDecl};
+use ember_sharding::{
+    Blocks, Flow, InitSource, Preset, Rows, Shard, ShardError, ShardedModel, Staged, UnitDecl,
+};
 
 /// The MLP's units with unit 1 cut off from its input (a `detach`, as a user might leave in).
-struct DetachedInput;
+struct DetachedInput(Blocks<mlp::Mlp>);
 
 impl Staged<2> for DetachedInput {
     type Module = mlp::Mlp;
     type Batch = mlp::Points;
 
     fn units(&self, module: &mlp::Mlp) -> Vec<UnitDecl> {
-        mlp::MlpStages.units(module)
+        self.0.units(module)
     }
 
     fn forward(
@@ -36,7 +38,14 @@ impl Staged<2> for DetachedInput {
         } else {
             input
         };
-        mlp::MlpStages.forward(module, unit, input, batch, device)
+        self.0.forward(module, unit, input, batch, device)
+    }
+}
+
+fn setting_field<T: std::fmt::Debug>(result: Result<T, ShardError>) -> &'static str {
+    match result {
+        Err(ShardError::Setting { field, .. }) => field,
+        other => panic!("expected a setting error, got {other:?}"),
     }
 }
 
@@ -48,41 +57,41 @@ fn library_misuse_returns_errors_instead_of_panicking() {
     })
     .unwrap();
     let hyper = mlp::hyper();
-    let config = || ShardConfig::preset("zero3", comm.topology().depth()).unwrap();
-    let mut source = FnSource::new(7, |name: &str, shape: &[usize], range| {
-        Ok(mlp::init(7, name, shape, range))
-    });
-    // No micro-batch: a setting error naming the argument.
-    let device = Device::flex();
-    let mut model = ShardedModel::new(
-        &comm,
-        mlp::MlpStages,
-        mlp::Mlp::new(8, &device),
-        config(),
-        device,
-        &mut source,
-    )
-    .unwrap();
-    match model.train_step(&[], &hyper) {
-        Err(ShardError::Setting { field, .. }) => assert_eq!(field, "micro_batches"),
-        other => panic!("train_step(&[]) gave {other:?}"),
-    }
+    let size = mlp::MlpConfig { width: 8, depth: 1 };
+    let init = |d: &Device| size.init(d);
+    let build = || Shard::blocks("hidden").build(&comm, init, Device::flex());
+    // A field that holds no blocks, or a preset that does not exist: setting errors.
+    let wrong = Shard::blocks("layers").build(&comm, init, Device::flex());
+    assert_eq!(setting_field(wrong), "blocks");
+    assert_eq!(setting_field("zero4".parse::<Preset>()), "preset");
+    // No micro-batch, or a batch with no rows: setting errors naming the argument.
+    let mut model = build().unwrap();
+    assert_eq!(
+        setting_field(model.train_step(&[], &hyper)),
+        "micro_batches"
+    );
+    assert_eq!(
+        setting_field(model.share(&mlp::Points::draw(0, 0, 0))),
+        "batch"
+    );
     let points = mlp::Points::draw(0, 0, 4);
+    assert_eq!(model.share(&points).unwrap().rows(), 4);
     assert!(model.train_step(&[points], &hyper).is_ok());
     // A unit that does not use its input: a model error naming the unit.
-    let device = Device::flex();
+    let skeleton = init(&Device::flex());
+    let stages = DetachedInput(Blocks::of(&skeleton, "hidden").unwrap());
     let mut model = ShardedModel::new(
         &comm,
-        DetachedInput,
-        mlp::Mlp::new(8, &device),
-        config(),
-        device,
-        &mut source,
+        stages,
+        skeleton,
+        Preset::Zero3.config(comm.topology().depth()),
+        Device::flex(),
+        &mut InitSource::new(init(&Device::flex()), 7),
     )
     .unwrap();
     match model.train_step(&[mlp::Points::draw(0, 0, 4)], &hyper) {
         Err(ShardError::Model(m)) => {
-            assert!(m.contains("unit 1 of 3 does not use its input"), "{m}")
+            assert!(m.contains("unit 1 of 2 does not use its input"), "{m}")
         }
         other => panic!("a unit ignoring its input gave {other:?}"),
     }

@@ -14,8 +14,8 @@ use burn::tensor::Device;
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
 use ember_sharding::params::named_values;
 use ember_sharding::{
-    Adam, AdamW, Checkpoint, DecayOn, FnSource, Optimizer, SaveOptions, Sgd, ShardConfig,
-    ShardError, ShardedModel, checkpoint,
+    Adam, AdamW, Blocks, Checkpoint, DecayOn, Optimizer, Preset, SaveOptions, Sgd, Shard,
+    ShardError, ShardedModel,
 };
 
 const STEPS: u64 = 20;
@@ -41,21 +41,16 @@ fn with_burn(start: mlp::Mlp, mut optim: ModuleOptimizer, lr: f64) -> (Vec<f64>,
     (losses, model.valid())
 }
 
-/// The MLP at one process, zero3, from its seed-3 initial weights.
-fn build(comm: &Comm) -> ShardedModel<'_, mlp::MlpStages, 2> {
-    let device = Device::flex();
-    let mut source = FnSource::new(3, |name: &str, shape: &[usize], range| {
-        Ok(mlp::init(3, name, shape, range))
-    });
-    ShardedModel::new(
-        comm,
-        mlp::MlpStages,
-        mlp::Mlp::new(16, &device),
-        ShardConfig::preset("zero3", comm.topology().depth()).unwrap(),
-        device,
-        &mut source,
-    )
-    .unwrap()
+/// The MLP at one process, zero3, from Burn's initialisers with seed 3.
+fn build(comm: &Comm) -> ShardedModel<'_, Blocks<mlp::Mlp>, 2> {
+    let size = mlp::MlpConfig {
+        width: 16,
+        depth: 2,
+    };
+    Shard::blocks("hidden")
+        .seed(3)
+        .build(comm, |d| size.init(d), Device::flex())
+        .unwrap()
 }
 
 #[test]
@@ -187,7 +182,7 @@ fn each_optimizer_trains_as_burns_own() {
         weight_decay: 0.0,
         decay_on: DecayOn::Matrices,
     };
-    let step = |m: &mut ShardedModel<'_, mlp::MlpStages, 2>, i: u64| {
+    let step = |m: &mut ShardedModel<'_, Blocks<mlp::Mlp>, 2>, i: u64| {
         let g = m.backward(&[mlp::Points::draw(i, 0, BATCH)]).unwrap();
         let loss = g.loss();
         m.apply(g, &sgd, 5e-2).unwrap();
@@ -200,20 +195,19 @@ fn each_optimizer_trains_as_burns_own() {
     (0..5).for_each(|i| {
         step(&mut first, i);
     });
-    let saved = checkpoint::save(&first, tmp.path(), 5, &SaveOptions::default()).unwrap();
+    let saved = first.save(tmp.path(), &SaveOptions::default()).unwrap();
     let open = || Checkpoint::open(&comm, &saved).unwrap();
     let resume = || {
-        let device = Device::flex();
-        let config = ShardConfig::preset("zero2", comm.topology().depth()).unwrap();
-        ShardedModel::resume(
-            &comm,
-            mlp::MlpStages,
-            mlp::Mlp::new(16, &device),
-            config,
-            device,
-            &open(),
-        )
-        .unwrap()
+        let size = mlp::MlpConfig {
+            width: 16,
+            depth: 2,
+        };
+        let checkpoint = open();
+        Shard::blocks("hidden")
+            .preset(Preset::Zero2)
+            .resume(&checkpoint)
+            .build(&comm, |d| size.init(d), Device::flex())
+            .unwrap()
     };
     let mut resumed = resume();
     assert_eq!(resumed.state_names(), ["momentum_buffer"]);

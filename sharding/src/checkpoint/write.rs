@@ -262,6 +262,26 @@ pub struct SaveOptions {
     pub keep_last: usize,
 }
 
+impl SaveOptions {
+    /// Options holding `record`, the caller's own metadata (a struct that serialises to a JSON
+    /// object), kept in the manifest beside the checkpoint's fields; read it back with
+    /// [`Manifest::app_record`](super::Manifest::app_record).
+    pub fn record<T: serde::Serialize>(record: &T) -> Result<Self, ShardError> {
+        match serde_json::to_value(record) {
+            Ok(serde_json::Value::Object(app)) => Ok(Self {
+                app,
+                ..Self::default()
+            }),
+            Ok(other) => Err(ShardError::Io(format!(
+                "a checkpoint's record must serialise to a JSON object, not {other}"
+            ))),
+            Err(e) => Err(ShardError::Io(format!(
+                "serialising the checkpoint's record: {e}"
+            ))),
+        }
+    }
+}
+
 /// Writes a checkpoint of `sharded` at `step` into `out_dir/step-NNNNNN`: every writing rank
 /// its own optimizer shard, every rank its error-feedback residuals (if any), rank 0 the
 /// copied files and the manifest, then the directory is renamed into place. Every rank must
@@ -389,7 +409,7 @@ fn write_shard<S: Staged<D>, const D: usize>(
             LAYOUT_KEY.to_string(),
             serde_json::to_string(&layout).expect("ranges serialise"),
         ),
-        (ADAM_STEP_KEY.to_string(), sharded.adam_step().to_string()),
+        (ADAM_STEP_KEY.to_string(), sharded.step().to_string()),
         (
             STATE_KEY.to_string(),
             serde_json::to_string(sharded.state_names()).expect("names serialise"),

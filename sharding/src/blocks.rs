@@ -1,0 +1,430 @@
+//! Sharding a model whose repeated blocks sit in a `Vec` field, in a few lines: each element of
+//! the field is a unit, the rest of the model is one more (the root), the model's own forward
+//! is cut into three hooks it is already made of, and Burn's own initialisers give the
+//! starting weights.
+//!
+//! ```ignore
+//! impl BlockModel<3> for Llama {
+//!     type Batch = Tokens;
+//!     fn embed(&self, b: &Tokens, device: &Device) -> Tensor<3> { self.embed.forward(b.inputs(device)) }
+//!     fn block(&self, i: usize, x: Tensor<3>) -> Tensor<3> { self.blocks[i].forward(x) }
+//!     fn loss(&self, x: Tensor<3>, b: &Tokens, device: &Device) -> Tensor<1> { self.head_loss(x, b.targets(device)) }
+//! }
+//! let mut model = Shard::blocks("blocks").preset(Preset::Hier3).seed(7)
+//!     .build(&comm, |device| LlamaConfig::new().init(device), device)?;
+//! ```
+
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+use burn::module::Module;
+use burn::tensor::{Device, Tensor};
+use ember_comm::Comm;
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::Checkpoint;
+use crate::config::{PRESETS, ShardConfig};
+use crate::engine::ShardedModel;
+use crate::error::ShardError;
+use crate::params::{param_shapes, take_value};
+use crate::source::ParamSource;
+use crate::stage::{Flow, Staged, UnitDecl};
+
+/// A model whose repeated blocks sit in one `Vec` field, described by the three pieces its
+/// forward is made of: everything before the blocks, one block, everything after them. A
+/// model's own `forward` can be written as `embed`, each `block` in turn, then its head; the
+/// partitioner runs the same three pieces unit by unit. `D` is the rank of the activations
+/// between blocks (3 for `[batch, seq, d_model]`).
+pub trait BlockModel<const D: usize>: Module + Clone {
+    /// One micro-batch, as host data.
+    type Batch;
+
+    /// Everything before the first block: the batch to the first block's input, on `device`.
+    fn embed(&self, batch: &Self::Batch, device: &Device) -> Tensor<D>;
+
+    /// Block `i` of the `Vec` field.
+    fn block(&self, i: usize, x: Tensor<D>) -> Tensor<D>;
+
+    /// Everything after the last block: its output to the batch's mean loss (`[1]`).
+    fn loss(&self, x: Tensor<D>, batch: &Self::Batch, device: &Device) -> Tensor<1>;
+}
+
+/// The units of a [`BlockModel`]: unit 0 is the root (every parameter outside the blocks'
+/// field) and runs `embed`; unit `i + 1` is block `i`; the last block's unit also reads the
+/// root and runs `loss`.
+#[derive(Debug, Clone)]
+pub struct Blocks<M> {
+    field: String,
+    count: usize,
+    _model: std::marker::PhantomData<fn() -> M>,
+}
+
+impl<M: Module> Blocks<M> {
+    /// The units of `module` with its blocks in field `field`.
+    pub fn of(module: &M, field: &str) -> Result<Self, ShardError> {
+        let prefix = format!("{field}.");
+        let mut count = 0;
+        for (path, _) in param_shapes(module) {
+            if let Some(rest) = path.strip_prefix(&prefix) {
+                let index = rest.split('.').next().and_then(|i| i.parse::<usize>().ok());
+                match index {
+                    Some(i) => count = count.max(i + 1),
+                    None => {
+                        return Err(ShardError::setting(
+                            "blocks",
+                            field,
+                            format!(
+                                "parameter `{path}` is under the field but not in an element of \
+                                 a Vec: name the Vec field that holds the blocks"
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        if count == 0 {
+            let roots: Vec<String> = param_shapes(module)
+                .into_iter()
+                .filter_map(|(p, _)| p.split('.').next().map(str::to_string))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            return Err(ShardError::setting(
+                "blocks",
+                field,
+                format!(
+                    "no parameter lies under `{prefix}`: the model's fields with parameters are \
+                     {}",
+                    roots.join(", ")
+                ),
+            ));
+        }
+        Ok(Self {
+            field: field.to_string(),
+            count,
+            _model: std::marker::PhantomData,
+        })
+    }
+
+    /// Blocks in the field.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+}
+
+impl<M: BlockModel<D>, const D: usize> Staged<D> for Blocks<M> {
+    type Module = M;
+    type Batch = M::Batch;
+
+    fn units(&self, module: &M) -> Vec<UnitDecl> {
+        let prefix = format!("{}.", self.field);
+        let root: Vec<String> = param_shapes(module)
+            .into_iter()
+            .map(|(p, _)| p)
+            .filter(|p| !p.starts_with(&prefix))
+            .collect();
+        let root = UnitDecl {
+            name: "root".into(),
+            prefixes: root,
+            uses: Vec::new(),
+        };
+        let last = self.count;
+        std::iter::once(root)
+            .chain((0..self.count).map(|i| {
+                let name = format!("{}.{i}", self.field);
+                let unit = UnitDecl::new(name.clone(), &[&name]);
+                if i + 1 == last {
+                    unit.using(&[0])
+                } else {
+                    unit
+                }
+            }))
+            .collect()
+    }
+
+    fn forward(
+        &self,
+        module: &M,
+        unit: usize,
+        input: Option<Tensor<D>>,
+        batch: &M::Batch,
+        device: &Device,
+    ) -> Flow<D> {
+        match input {
+            None => Flow::Hidden(module.embed(batch, device)),
+            Some(x) => {
+                let x = module.block(unit - 1, x);
+                if unit == self.count {
+                    Flow::Loss(module.loss(x, batch, device))
+                } else {
+                    Flow::Hidden(x)
+                }
+            }
+        }
+    }
+}
+
+/// The sharding presets, by the names the CLI and checkpoints use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Preset {
+    /// Everything replicated; gradients all-reduced (PyTorch DDP).
+    Ddp,
+    /// Optimizer state sharded over the world.
+    Zero1,
+    /// Optimizer state and gradients sharded.
+    Zero2,
+    /// Parameters too (FSDP2 `fully_shard`, DeepSpeed stage 3).
+    Zero3,
+    /// ZeRO-3 with int8 weight gathers, an int8 secondary copy per node and int8 two-hop
+    /// gradients (DeepSpeed ZeRO++).
+    Zeropp,
+    /// ZeRO++ with the secondary copy and every hop following the topology's levels.
+    Hier3,
+}
+
+impl Preset {
+    /// Every preset, in the order of [`PRESETS`].
+    pub const ALL: [Preset; 6] = [
+        Preset::Ddp,
+        Preset::Zero1,
+        Preset::Zero2,
+        Preset::Zero3,
+        Preset::Zeropp,
+        Preset::Hier3,
+    ];
+
+    /// Its name (`zero3`).
+    pub fn name(self) -> &'static str {
+        PRESETS[Self::ALL
+            .iter()
+            .position(|p| *p == self)
+            .expect("every preset is listed")]
+    }
+
+    /// Its configuration for a topology of `depth` levels.
+    pub fn config(self, depth: usize) -> ShardConfig {
+        ShardConfig::preset(self.name(), depth).expect("every preset has a configuration")
+    }
+}
+
+impl fmt::Display for Preset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Preset {
+    type Err = ShardError;
+
+    fn from_str(s: &str) -> Result<Self, ShardError> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                ShardError::setting(
+                    "preset",
+                    s,
+                    format!("not a preset; use one of {}", PRESETS.join(", ")),
+                )
+            })
+    }
+}
+
+/// Parameters drawn by Burn's own initialisers: each parameter of a freshly built module
+/// (lazy, as `LinearConfig::init` and friends make them) is materialised alone, on the host,
+/// with the device's generator seeded from `(seed, parameter path)`, and only the asked range
+/// is kept. A parameter's values are thus the same on every rank and at every world size, and
+/// a rank never holds more than the largest parameter at once.
+pub struct InitSource<M> {
+    module: Option<M>,
+    seed: u64,
+    /// The parameter last drawn, kept while the next read is of it too.
+    last: Option<(String, Vec<f32>)>,
+}
+
+impl<M> fmt::Debug for InitSource<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InitSource")
+            .field("seed", &self.seed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<M: Module> InitSource<M> {
+    /// Draws from `module`'s initialisers, seeded by `seed`.
+    pub fn new(module: M, seed: u64) -> Self {
+        Self {
+            module: Some(module),
+            seed,
+            last: None,
+        }
+    }
+}
+
+/// The generator's seed of parameter `name` (FNV-1a of the path, mixed with `seed`).
+fn param_seed(seed: u64, name: &str) -> u64 {
+    name.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+impl<M: Module> ParamSource for InitSource<M> {
+    fn read(
+        &mut self,
+        name: &str,
+        _shape: &[usize],
+        range: Range<usize>,
+    ) -> Result<Vec<f32>, ShardError> {
+        if self.last.as_ref().is_none_or(|(n, _)| n != name) {
+            let module = self
+                .module
+                .take()
+                .expect("the module is put back after each read");
+            let device = Device::flex();
+            device.seed(param_seed(self.seed, name));
+            let (module, value) = take_value(module, name);
+            self.module = Some(module);
+            let value = value.ok_or_else(|| {
+                ShardError::Source(format!("the module has no parameter `{name}`"))
+            })?;
+            let values = crate::staging::to_f32(value.to_device(&device));
+            self.last = Some((name.to_string(), values));
+        }
+        let (_, values) = self.last.as_ref().expect("drawn above");
+        values
+            .get(range.clone())
+            .map(<[f32]>::to_vec)
+            .ok_or_else(|| {
+                ShardError::Source(format!(
+                    "{name} has {} elements, [{}, {}) asked",
+                    values.len(),
+                    range.start,
+                    range.end
+                ))
+            })
+    }
+
+    fn fingerprint(&self) -> u64 {
+        self.seed
+    }
+}
+
+/// Builds a [`ShardedModel`] of a [`BlockModel`] with named options: which field holds the
+/// blocks, the preset or a whole [`ShardConfig`], the seed of the initialisers, and a
+/// checkpoint to resume instead.
+#[derive(Debug, Clone)]
+pub struct Shard<'a> {
+    field: String,
+    config: Option<ShardConfig>,
+    preset: Preset,
+    seed: u64,
+    resume: Option<&'a Checkpoint>,
+}
+
+impl<'a> Shard<'a> {
+    /// Each element of the `Vec` field `field` is a unit; the rest of the model is the root.
+    /// Defaults: [`Preset::Zero3`], seed 0.
+    pub fn blocks(field: &str) -> Self {
+        Self {
+            field: field.to_string(),
+            config: None,
+            preset: Preset::Zero3,
+            seed: 0,
+            resume: None,
+        }
+    }
+
+    /// The preset, sized to the communicator's topology.
+    pub fn preset(mut self, preset: Preset) -> Self {
+        self.preset = preset;
+        self
+    }
+
+    /// A whole configuration instead of a preset.
+    pub fn config(mut self, config: ShardConfig) -> Self {
+        self.config = Some(config);
+        self
+    }
+
+    /// The seed of the initialisers' generator.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Continue `checkpoint` (of any world size and preset) instead of initialising.
+    pub fn resume(mut self, checkpoint: &'a Checkpoint) -> Self {
+        self.resume = Some(checkpoint);
+        self
+    }
+
+    /// Partitions the module `init` builds (the model's `Config::init`, whose parameters
+    /// are lazy) over `comm`, computing on `device`. Every rank must call it.
+    pub fn build<'c, M, const D: usize>(
+        self,
+        comm: &'c Comm,
+        init: impl Fn(&Device) -> M,
+        device: Device,
+    ) -> Result<ShardedModel<'c, Blocks<M>, D>, ShardError>
+    where
+        M: BlockModel<D>,
+    {
+        let config = match self.config {
+            Some(c) => c,
+            None => self.preset.config(comm.topology().depth()),
+        };
+        // A skeleton: its lazy parameters are never materialised.
+        let skeleton = init(&Device::flex());
+        let stages = Blocks::of(&skeleton, &self.field)?;
+        match self.resume {
+            Some(checkpoint) => {
+                ShardedModel::resume(comm, stages, skeleton, config, device, checkpoint)
+            }
+            None => {
+                let mut source = InitSource::new(init(&Device::flex()), self.seed);
+                ShardedModel::new(comm, stages, skeleton, config, device, &mut source)
+            }
+        }
+    }
+}
+
+/// A batch that splits by rows, so a step's global batch can be shared among the ranks.
+pub trait Rows: Sized {
+    /// Rows (sequences, samples) in the batch.
+    fn rows(&self) -> usize;
+
+    /// Rows `range` of the batch.
+    fn select(&self, range: Range<usize>) -> Self;
+}
+
+/// Rank `rank`'s rows of a global batch of `rows` rows over `world` ranks, refusing a batch that
+/// does not split evenly (every rank's loss weighs the same in the step's mean).
+pub fn share_of(rows: usize, rank: usize, world: usize) -> Result<Range<usize>, ShardError> {
+    if rows == 0 || !rows.is_multiple_of(world) {
+        return Err(ShardError::setting(
+            "batch",
+            rows,
+            format!(
+                "a global batch of {rows} rows does not split evenly over {world} ranks: use a \
+                 multiple of {world}"
+            ),
+        ));
+    }
+    let each = rows / world;
+    Ok(rank * each..(rank + 1) * each)
+}
+
+impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D>
+where
+    S::Batch: Rows,
+{
+    /// This rank's share of the step's global batch (rows `rank * n / world ..`); every rank
+    /// passes the same global batch.
+    pub fn share(&self, global: &S::Batch) -> Result<S::Batch, ShardError> {
+        let comm = self.comm();
+        let range = share_of(global.rows(), comm.rank(), comm.topology().world_size())?;
+        Ok(global.select(range))
+    }
+}
