@@ -292,6 +292,17 @@ fn exchange(
     q: &Quantized,
     block: BlockSize,
 ) -> Result<Vec<f32>, CommError> {
+    Ok(kernels.dequantize_sum(&all_to_all_parts(group, q, block)?))
+}
+
+/// The all-to-all of a qgZ hop: part `j` of `q` (of the group's `size` equal parts) goes to
+/// member `j`, and each member returns the parts it received, one per member in member
+/// order, for its kernels to dequantize and sum (on the host or on a device).
+pub fn all_to_all_parts(
+    group: &Group,
+    q: &Quantized,
+    block: BlockSize,
+) -> Result<Vec<Quantized>, CommError> {
     let d = group.size();
     let part = q.len / d;
     let mut wire = Vec::with_capacity(d * Quantized::wire_bytes(q.format, block, part));
@@ -299,9 +310,8 @@ fn exchange(
         q.part(j * part, part).write_wire(&mut wire);
     }
     let received = group.all_to_all(&wire)?;
-    let parts: Vec<Quantized> = received
+    Ok(received
         .chunks_exact(wire.len() / d)
         .map(|w| Quantized::read_wire(q.format, block, part, w))
-        .collect();
-    Ok(kernels.dequantize_sum(&parts))
+        .collect())
 }

@@ -633,17 +633,7 @@ fn exchange(
     block: BlockSize,
     device: &Device,
 ) -> Result<Tensor<1>, ShardError> {
-    let d = group.size();
-    let part = q.len / d;
-    let mut wire = Vec::with_capacity(d * Quantized::wire_bytes(q.format, block, part));
-    for j in 0..d {
-        q.part(j * part, part).write_wire(&mut wire);
-    }
-    let received = group.all_to_all(&wire)?;
-    let parts: Vec<Quantized> = received
-        .chunks_exact(wire.len() / d)
-        .map(|w| Quantized::read_wire(q.format, block, part, w))
-        .collect();
+    let parts = ember_comm::quantized::all_to_all_parts(group, q, block)?;
     Ok(kernels::dequantize_sum(&parts, device))
 }
 

@@ -6,12 +6,12 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result};
 use burn::tensor::Device;
-use ember_comm::{Comm, Topology};
+use ember_comm::Comm;
 use ember_data::{Batch, BatchPlan, STREAM_TRAIN, STREAM_VAL, Sampler};
 use ember_sharding::{
-    AdamW, Checkpoint, DecayOn, Plan, SaveOptions, ShardConfig, ShardedModel, StepHyper, StepReport,
+    AdamW, Checkpoint, DecayOn, SaveOptions, ShardConfig, ShardedModel, StepHyper, StepReport,
 };
 
 use crate::checkpoint::RunRecord;
@@ -20,10 +20,10 @@ use crate::export::HfDir;
 use crate::host_memory::{gather_u64, rss_peaks, set_allocator_for_training};
 use crate::log0;
 use crate::metrics::StepMetrics;
-use crate::planning::gpt_plan;
+use crate::planning::run_plan;
 use crate::run_loop::{Stepped, Trainee};
 use crate::schedule::LrSchedule;
-use crate::setup::{Resumed, RunSetup};
+use crate::setup::{Resumed, RunSetup, batch_plan};
 use crate::stages::{GptStages, SeededGpt};
 
 /// How every random draw of a run is derived, recorded in its checkpoints.
@@ -296,34 +296,6 @@ pub fn step_hyper(c: &TrainConfig, step: u64) -> StepHyper {
             decay_on: DecayOn::Matrices,
         },
     }
-}
-
-/// The batch plan of this rank, refusing a global batch that does not divide.
-pub fn batch_plan(c: &TrainConfig, world: usize, rank: usize) -> Result<BatchPlan> {
-    BatchPlan::new(c.batch_size, c.grad_accum, world, rank).map_err(|_| {
-        anyhow!(
-            "--batch-size {} does not split into {} ranks x --grad-accum {}: the global batch \
-             must be a multiple of {}",
-            c.batch_size,
-            world,
-            c.grad_accum,
-            world * c.grad_accum
-        )
-    })
-}
-
-/// The plan of `c`'s run with its activation estimate (what `ember plan` prints).
-pub fn run_plan(c: &TrainConfig, topology: &Topology, shard: ShardConfig) -> Result<Plan> {
-    gpt_plan(
-        &c.model,
-        topology,
-        shard,
-        c.batch_size,
-        c.grad_accum,
-        c.block_size,
-        c.device,
-    )
-    .map_err(|e| anyhow!("{e}"))
 }
 
 /// Per-step traffic as `"group/op" -> bytes sent`, groups named by the levels they span.

@@ -12,7 +12,7 @@ use ember_sharding::profile::Profile;
 use ember_sharding::{Memory, Plan, ShardConfig};
 use serde::Serialize;
 
-use crate::config::DeviceKind;
+use crate::config::{DeviceKind, TrainConfig};
 use crate::error::{CliResult, usage};
 use crate::stages::{gpt_activations, gpt_flops, gpt_units};
 
@@ -378,4 +378,18 @@ pub fn fitting_presets(
             })
             .collect()
     }
+}
+
+/// The plan of `c`'s run with its activation estimate (what `ember plan` prints).
+pub fn run_plan(c: &TrainConfig, topology: &Topology, shard: ShardConfig) -> anyhow::Result<Plan> {
+    gpt_plan(
+        &c.model,
+        topology,
+        shard,
+        c.batch_size,
+        c.grad_accum,
+        c.block_size,
+        c.device,
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))
 }

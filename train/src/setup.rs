@@ -17,7 +17,7 @@ use crate::checkpoint::{self, RunRecord};
 use crate::config::{Dtype, TrainConfig, TrainOverrides};
 use crate::error::{CliError, CliResult, usage};
 use crate::export::HfDir;
-use crate::gpt_run::run_plan;
+use crate::planning::run_plan;
 use crate::{data, device, log0, planning};
 
 /// A checkpoint a run continues.
@@ -141,7 +141,7 @@ impl RunSetup {
                 })?;
         }
         // A global batch that does not split over the ranks is a usage error (exit 2).
-        crate::gpt_run::batch_plan(&config, comm.topology().world_size(), rank)
+        batch_plan(&config, comm.topology().world_size(), rank)
             .map_err(|e| usage(e.to_string()))?;
         Ok(Self {
             config,
@@ -362,4 +362,22 @@ pub fn agreed<T>(comm: &Comm, result: CliResult<T>) -> CliResult<T> {
             f.message
         ))),
     }
+}
+
+/// The batch plan of this rank, refusing a global batch that does not divide.
+pub fn batch_plan(
+    c: &TrainConfig,
+    world: usize,
+    rank: usize,
+) -> anyhow::Result<ember_data::BatchPlan> {
+    ember_data::BatchPlan::new(c.batch_size, c.grad_accum, world, rank).map_err(|_| {
+        anyhow!(
+            "--batch-size {} does not split into {} ranks x --grad-accum {}: the global batch \
+             must be a multiple of {}",
+            c.batch_size,
+            world,
+            c.grad_accum,
+            world * c.grad_accum
+        )
+    })
 }
