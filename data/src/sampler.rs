@@ -87,7 +87,7 @@ impl BatchPlan {
                 reason: format!(
                     "does not divide evenly over {world_size} ranks x {grad_accum} \
                      accumulation steps ({parts} micro-batches); use a multiple of {parts} \
-                     (e.g. {lower} or {}), or change grad_accum or the number of ranks",
+                     (e.g. {lower} or {}), or change the accumulation steps or the number of ranks",
                     lower + parts
                 ),
             });

@@ -279,9 +279,10 @@ impl ShardConfig {
                     "secondary",
                     name(s),
                     "a secondary copy needs partitioned parameters: replicated parameters are \
-                     never re-gathered (set secondary to none)"
+                     never re-gathered"
                         .into(),
-                );
+                )
+                .map_err(|e| e.with_fix("secondary", "none"));
             }
             if s >= self.params {
                 return bad(
@@ -319,9 +320,10 @@ impl ShardConfig {
                     "quantize_grads",
                     format!("{:?}", self.quantize_grads).to_lowercase(),
                     "gradient quantization rides the all-to-all reduce-scatter; with replicated \
-                     optimizer state gradients are all-reduced: set quantize_grads to off"
+                     optimizer state gradients are all-reduced"
                         .into(),
-                );
+                )
+                .map_err(|e| e.with_fix("quantize_grads", "off"));
             }
         } else {
             let hops = &self.grad_hops;
@@ -351,18 +353,18 @@ impl ShardConfig {
                 "quantize_weights",
                 "int8".into(),
                 "weight quantization applies to parameter gathers; replicated parameters are \
-                 never gathered: set quantize_weights to off"
+                 never gathered"
                     .into(),
-            );
+            )
+            .map_err(|e| e.with_fix("quantize_weights", "off"));
         }
         if self.error_feedback && self.quantize_grads == GradQuant::Off {
             return bad(
                 "error_feedback",
                 "true".into(),
-                "error feedback compensates gradient quantization: it needs quantize_grads \
-                 int4 or int8"
-                    .into(),
-            );
+                "error feedback compensates gradient quantization, which is off".into(),
+            )
+            .map_err(|e| e.with_fix("quantize_grads", "int4"));
         }
         if self.quant_block == 0 || !self.quant_block.is_multiple_of(8) {
             return bad(

@@ -15,8 +15,51 @@ impl ShardError {
             field,
             value: value.to_string(),
             reason: reason.into(),
+            fix: None,
         }
     }
+
+    /// The same error, naming the setting that would work (only a [`ShardError::Setting`]
+    /// carries one).
+    pub fn with_fix(self, field: &'static str, value: impl std::fmt::Display) -> Self {
+        match self {
+            Self::Setting {
+                field: f,
+                value: v,
+                reason,
+                ..
+            } => Self::Setting {
+                field: f,
+                value: v,
+                reason,
+                fix: Some(Fix {
+                    field,
+                    value: value.to_string(),
+                }),
+            },
+            other => other,
+        }
+    }
+}
+
+/// A setting that would work instead: set `field` to `value`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fix {
+    /// The field, as the configuration's struct names it.
+    pub field: &'static str,
+    /// The value that works.
+    pub value: String,
+}
+
+impl std::fmt::Display for Fix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "; set {} to {}", self.field, self.value)
+    }
+}
+
+/// `fix` rendered, or nothing.
+fn fix_text(fix: &Option<Fix>) -> String {
+    fix.as_ref().map_or_else(String::new, Fix::to_string)
 }
 
 /// What can go wrong building or running a sharded model.
@@ -24,14 +67,16 @@ impl ShardError {
 pub enum ShardError {
     /// A setting that cannot work: the field of the configuration (of
     /// [`crate::ShardConfig`], or of the caller's run), its value, and why.
-    #[error("{field} = {value}: {reason}")]
+    #[error("{field} = {value}: {reason}{}", fix_text(fix))]
     Setting {
         /// The field, as the configuration's struct names it.
         field: &'static str,
         /// Its value.
         value: String,
-        /// What is wrong with it and what would work.
+        /// What is wrong with it.
         reason: String,
+        /// A setting that would work, where one does.
+        fix: Option<Fix>,
     },
     /// Units that do not cover the module's parameters exactly once, or ranks that disagree.
     #[error("{0}")]

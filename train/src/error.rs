@@ -54,7 +54,7 @@ impl From<ember_data::DataError> for CliError {
                 field,
                 value,
                 reason,
-            } => CliError::Usage(flagged(field, &value.to_string(), &reason)),
+            } => CliError::Usage(flagged(field, &value.to_string(), &reason, None)),
             other => CliError::Runtime(other.into()),
         }
     }
@@ -67,7 +67,13 @@ impl From<ember_sharding::ShardError> for CliError {
                 field,
                 value,
                 reason,
-            } => CliError::Usage(flagged(field, &value, &reason)),
+                fix,
+            } => CliError::Usage(flagged(
+                field,
+                &value,
+                &reason,
+                fix.as_ref().map(|f| (f.field, f.value.as_str())),
+            )),
             other => CliError::Runtime(other.into()),
         }
     }
@@ -91,25 +97,46 @@ const FLAGS: &[(&str, &str)] = &[
     ("global_batch", "--batch-size"),
 ];
 
+/// The flag that sets library field `field`, or the field's own name where no flag does.
+fn flag_of(field: &str) -> &str {
+    FLAGS
+        .iter()
+        .find(|(name, _)| *name == field)
+        .map_or(field, |(_, flag)| *flag)
+}
+
 /// A library's error about `field` = `value`, told in the CLI's flags: `--flag value: reason`,
-/// with every other field the reason names replaced by its flag.
-pub fn flagged(field: &str, value: &str, reason: &str) -> String {
-    let flag = |f: &str| {
-        FLAGS
-            .iter()
-            .find(|(name, _)| *name == f)
-            .map(|(_, flag)| *flag)
-    };
-    let mut reason = reason.to_owned();
-    for (name, flag) in FLAGS {
-        reason = reason.replace(&format!("set {name} to "), &format!("use {flag} "));
+/// then `; use --other value` where the library names a setting that would work (`fix`).
+pub fn flagged(field: &str, value: &str, reason: &str, fix: Option<(&str, &str)>) -> String {
+    let fix = fix.map_or_else(String::new, |(field, value)| {
+        format!("; use {} {value}", flag_of(field))
+    });
+    match value {
+        "true" => format!("{}: {reason}{fix}", flag_of(field)),
+        value => format!("{} {value}: {reason}{fix}", flag_of(field)),
     }
-    for (name, flag) in FLAGS.iter().filter(|(name, _)| name.contains('_')) {
-        reason = reason.replace(name, flag);
-    }
-    match (flag(field), value) {
-        (Some(flag), "true") => format!("{flag}: {reason}"),
-        (Some(flag), value) => format!("{flag} {value}: {reason}"),
-        (None, value) => format!("{field} {value}: {reason}"),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ember_comm::Topology;
+    use ember_sharding::{GradQuant, ShardConfig};
+
+    #[test]
+    fn library_settings_are_told_in_flags_with_the_fix_the_library_names() {
+        let topology = Topology::parse("2x2x1").unwrap();
+        let mut c = ShardConfig::preset("ddp", topology.depth()).unwrap();
+        c.quantize_grads = GradQuant::Int4;
+        let e = CliError::from(c.validate(&topology).unwrap_err());
+        assert_eq!(e.exit_code(), 2);
+        let text = e.to_string();
+        assert!(text.starts_with("--quantize-grads int4: "), "{text}");
+        assert!(text.ends_with("; use --quantize-grads off"), "{text}");
+        let mut c = ShardConfig::preset("zero3", topology.depth()).unwrap();
+        c.error_feedback = true;
+        let text = CliError::from(c.validate(&topology).unwrap_err()).to_string();
+        assert!(text.starts_with("--error-feedback: "), "{text}");
+        assert!(text.ends_with("; use --quantize-grads int4"), "{text}");
     }
 }
