@@ -285,8 +285,8 @@ struct Record {
 pub struct Trained {
     /// Every step's loss from where the run started.
     pub losses: Vec<(u64, f64)>,
-    /// The trained module, gathered whole onto this rank.
-    pub model: Llama,
+    /// The trained module, gathered whole onto rank 0 (`None` on the others).
+    pub model: Option<Llama>,
 }
 
 /// Trains the decoder as `run` says.
@@ -333,7 +333,7 @@ pub fn train(comm: &Comm, run: &Run) -> Result<Trained, ShardError> {
     if let Some(dir) = &run.save {
         model.save(dir, &SaveOptions::record(&Record { seed })?)?; // sharding
     }
-    let model = model.gather()?; // sharding
+    let model = model.gather_to(0)?; // sharding
     Ok(Trained { losses, model })
 }
 
@@ -368,11 +368,16 @@ fn main() {
     .map_err(ShardError::from)
     .and_then(|comm| Ok((comm.rank(), train(&comm, &run)?)));
     match result {
-        Ok((0, trained)) => {
-            let text = trained.model.generate(&[1], 16, &Device::flex());
+        Ok((_, Trained { model: None, .. })) => {}
+        Ok((
+            _,
+            Trained {
+                model: Some(model), ..
+            },
+        )) => {
+            let text = model.generate(&[1], 16, &Device::flex());
             println!("greedy from token 1: {text:?}");
         }
-        Ok(_) => {}
         Err(e) => {
             eprintln!("error: {e}");
             std::process::exit(1);

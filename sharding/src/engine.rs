@@ -676,6 +676,30 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
     /// `forward`. Every rank must call it together; each then holds the full parameters once
     /// more, on the run's device.
     pub fn gather(&self) -> Result<S::Module, ShardError> {
+        Ok(self
+            .gather_onto(None)?
+            .expect("every rank keeps the module"))
+    }
+
+    /// The whole trained module on rank `root` alone (`None` on the others), for saving or
+    /// serving from one rank: unit by unit, the f32 masters are all-gathered and only `root`
+    /// keeps them, so no other rank holds more than one unit whole at a time (PyTorch's full
+    /// state dict with `rank0_only`). Every rank must call it together.
+    pub fn gather_to(&self, root: usize) -> Result<Option<S::Module>, ShardError> {
+        let world = self.plan.topology.world_size();
+        if root >= world {
+            return Err(ShardError::setting(
+                "root",
+                root,
+                format!("the job has {world} ranks: pass a rank below {world}"),
+            ));
+        }
+        self.gather_onto(Some(root))
+    }
+
+    /// The module gathered onto every rank (`root` `None`) or onto `root` alone.
+    fn gather_onto(&self, root: Option<usize>) -> Result<Option<S::Module>, ShardError> {
+        let keep = root.is_none_or(|r| r == self.comm.rank());
         let span = self.plan.config.optimizer;
         let group = if span.0 == 0 {
             None
@@ -691,18 +715,23 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                 Some(g) if g.size() > 1 => g.all_gather(&mine)?,
                 _ => mine,
             };
+            if !keep {
+                continue;
+            }
             for p in &unit.params {
                 let flat = whole[p.offset..p.offset + p.numel].to_vec();
                 values.insert(p.name.clone(), staging::from_f32(flat, &self.device));
             }
         }
-        Ok(load(
-            self.skeleton.clone(),
-            &mut values,
-            &self.shapes,
-            &self.device,
-            false,
-        ))
+        Ok(keep.then(|| {
+            load(
+                self.skeleton.clone(),
+                &mut values,
+                &self.shapes,
+                &self.device,
+                false,
+            )
+        }))
     }
 
     /// One AdamW step over `micro_batches` (this rank's share of the global batch, one per

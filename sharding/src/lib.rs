@@ -41,7 +41,8 @@
 //!   with [`Checkpoint::open`] continues it at any world size, topology or configuration, each
 //!   rank reading only what it owns there, and [`ShardedModel::step`] says where.
 //! - [`ShardedModel::gather`] returns the whole module (the f32 master weights) on every rank,
-//!   for inference or export with the model's own `forward`.
+//!   for inference or export with the model's own `forward`; [`ShardedModel::gather_to`] on
+//!   one rank alone.
 //! - [`Plan`] gives the partition, the per-rank memory and the per-step traffic as plain data,
 //!   without MPI.
 //!

@@ -16,8 +16,8 @@ use ember_comm::{Comm, CommConfig, Topology, TopologySource};
 const CHILD: &str = "EMBER_LLAMA_CHILD";
 const TEST: &str = "the_llama_example_trains_resumes_and_generates";
 
-/// What a job printed: rank 0's losses and the tokens every rank's gathered module generated
-/// from token 1 (checked to be the same on every rank).
+/// What a job printed: rank 0's losses and the tokens the module gathered onto rank 0 (and
+/// onto no other rank) generated from token 1.
 struct Job {
     losses: Vec<(u64, f64)>,
     text: Vec<usize>,
@@ -67,10 +67,10 @@ fn launch(np: usize, topology: &str, run: &llama::Run) -> Job {
             .unwrap_or_else(|| panic!("{spec}: no {key} in\n{stdout}"))
             .to_string()
     };
-    assert_eq!(
-        line("SAME "),
-        "true",
-        "{spec}: ranks generated different text"
+    let held: Vec<bool> = serde_json::from_str(&line("HELD ")).unwrap();
+    assert!(
+        held[0] && !held[1..].contains(&true),
+        "{spec}: ranks holding the module gathered onto rank 0: {held:?}"
     );
     Job {
         losses: serde_json::from_str(&line("LOSSES ")).unwrap(),
@@ -122,12 +122,14 @@ fn the_llama_example_trains_resumes_and_generates() {
         })
         .unwrap();
         let trained = llama::train(&comm, &r).unwrap();
-        let text = trained.model.generate(&[1], 16, &Device::flex());
-        let mine: Vec<u8> = text.iter().map(|&t| t as u8).collect();
-        let all = comm.world().all_gather(&mine).unwrap();
-        if comm.rank() == 0 {
-            let same = all.chunks_exact(mine.len()).all(|c| c == mine);
-            println!("SAME {same}");
+        let held = comm
+            .world()
+            .all_gather(&[u8::from(trained.model.is_some())])
+            .unwrap();
+        if let Some(model) = &trained.model {
+            let held: Vec<bool> = held.iter().map(|&h| h == 1).collect();
+            let text = model.generate(&[1], 16, &Device::flex());
+            println!("HELD {}", serde_json::to_string(&held).unwrap());
             println!("TEXT {}", serde_json::to_string(&text).unwrap());
             println!("LOSSES {}", serde_json::to_string(&trained.losses).unwrap());
         }

@@ -74,6 +74,8 @@ fn library_misuse_returns_errors_instead_of_panicking() {
         setting_field(model.share(&mlp::Points::draw(0, 0, 0))),
         "batch"
     );
+    assert_eq!(setting_field(model.gather_to(1)), "root");
+    assert!(model.gather_to(0).unwrap().is_some());
     let points = mlp::Points::draw(0, 0, 4);
     assert_eq!(model.share(&points).unwrap().rows(), 4);
     assert!(model.train_step(&[points], &hyper).is_ok());
