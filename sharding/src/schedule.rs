@@ -1,6 +1,6 @@
 //! The schedule of one optimizer step as data: every gather, unit computation and gradient
 //! reduction in the order the engine performs them. The engine executes exactly this list
-//! (`engine.rs` walks it event by event), and the plan's per-step traffic and memory are folds
+//! (`engine/step.rs` walks it event by event), and the plan's per-step traffic and memory are folds
 //! over the same list, so the prediction and the run cannot drift apart. Pure functions of the
 //! plan; nothing here communicates or allocates tensors.
 

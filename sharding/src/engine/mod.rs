@@ -1,0 +1,461 @@
+//! The sharded model at run time: one rank's partitions of parameters, gradients and optimizer
+//! state, all tensors on the run's device, and the training step, which executes the plan's
+//! schedule (`schedule.rs`) event by event.
+//!
+//! # Construction
+//!
+//! The caller hands over the module's skeleton, whose parameters may be lazy (Burn's
+//! `Param::uninitialized`) and are never read, and a [`ParamSource`]. Each rank asks the
+//! source only for the elements of its own optimizer shard, so no rank ever holds a parameter
+//! range it does not own; the skeleton's parameters are replaced by empty tensors.
+//!
+//! Construction and the model's state live here; the step is `step.rs` (`backward`,
+//! `apply`), what a rank holds of the shards (checkpoint ranges, the gathered module) is
+//! `shards.rs`.
+//!
+//! # One optimizer step
+//!
+//! For each micro-batch, the units run in [`Plan::visits`] order. A forward visit gathers the
+//! unit's parameters (and those of the units it `uses`), runs its forward without autodiff,
+//! keeps its input and releases the parameters. A backward visit gathers them again, rebuilds
+//! the input as an autodiff leaf, recomputes the forward with autodiff and backpropagates the
+//! gradient received from the visit after it (`sum(output * upstream)`), which yields the
+//! unit's parameter gradients and the gradient of its input for the visit before. Once a
+//! unit's gradient is complete (after the lowest stage that reads it) it goes to the reducer.
+//!
+//! A unit's computation must be a pure function of its parameters, its input and the batch:
+//! a backward visit recomputes the forward, so randomness such as dropout must be keyed by the
+//! batch (the GPT keys its masks by step and sample), never drawn from a device RNG.
+//!
+//! With replicated parameters (`ddp`, `zero1`, `zero2`) nothing is released, so each
+//! micro-batch instead runs every unit in one autodiff graph and one backward, without
+//! recompute; gradients are reduced after each backward (zero2) or once after the last
+//! micro-batch (ddp, zero1).
+//!
+//! This is activation checkpointing at unit boundaries: only one activation per unit boundary
+//! is kept per micro-batch, and every stage but the last computes its forward twice, so a step
+//! costs about 8N FLOPs per token instead of 6N (4/3 of the arithmetic). Burn's autodiff builds
+//! a graph over the tensors the module holds when the loss is computed; keeping all units'
+//! graphs alive until one backward would keep every gathered parameter alive too, which is
+//! exactly what ZeRO-3 must avoid, hence one graph per unit.
+//!
+//! Gathers and reductions run on two communication threads (`worker.rs`), each in schedule
+//! order on its own lane of communicators; the step's closing collectives (gradient norm, loss, the parameter all-gather of `zero1` /
+//! `zero2`) run on the caller once it has finished.
+
+mod shards;
+mod step;
+
+use std::collections::HashMap;
+
+use burn::tensor::{DType, Device, Tensor};
+use ember_comm::{Comm, Counters};
+
+use crate::checkpoint::Checkpoint;
+use crate::config::{Compute, ShardConfig};
+use crate::error::ShardError;
+use crate::memory::Resident;
+use crate::optim::{AdamW, FlatState, matrix_ranges};
+use crate::params::{load, param_shapes};
+use crate::plan::Plan;
+use crate::route::{self, Residuals};
+use crate::source::ParamSource;
+use crate::stage::{Staged, assign};
+use crate::staging;
+
+pub(crate) use shards::OwnedPiece;
+pub use step::Gradients;
+
+/// The hyper-parameters of one [`ShardedModel::train_step`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepHyper {
+    /// Learning rate of this step.
+    pub lr: f64,
+    /// Global gradient-norm clipping threshold (0 = off).
+    pub grad_clip: f64,
+    /// AdamW settings.
+    pub adam: AdamW,
+}
+
+/// Reads elements of an optimizer state (`exp_avg`, ...) of a parameter from a checkpoint.
+type MomentReader<'a> =
+    dyn FnMut(&str, &str, std::ops::Range<usize>) -> Result<Vec<f32>, ShardError> + 'a;
+
+/// Reads an element range of one parameter.
+type SliceReader<'a> =
+    dyn FnMut(&crate::plan::ParamSlot, std::ops::Range<usize>) -> Result<Vec<f32>, ShardError> + 'a;
+
+/// What a step did, as this rank saw it.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    /// Mean loss over the global batch (the same on every rank).
+    pub loss: f64,
+    /// Global gradient norm before clipping (the same on every rank).
+    pub grad_norm: f64,
+    /// Seconds the training thread spent blocked on communication.
+    pub comm_wait_s: f64,
+    /// Seconds the whole step took.
+    pub step_s: f64,
+    /// Bytes handed to MPI during the step, per group and op.
+    pub traffic: Counters,
+    /// This process's resident memory as the OS reports it at the end of the step (its peak
+    /// covers the whole run so far).
+    pub resident: Resident,
+    /// Bytes in use on the device's own memory at the end of the step, where the backend
+    /// reports them (CubeCL devices); `None` where the device's memory is host memory.
+    pub device_bytes: Option<u64>,
+    /// Bytes of the secondary copies held during the step.
+    pub secondary_bytes: u64,
+    /// What ran when on this rank, seconds into the step: the training thread's visits and
+    /// every stage of a gather or reduction (the plan's replay names them alike).
+    pub timeline: Vec<crate::simulate::Span>,
+}
+
+/// One rank's optimizer state for one unit: the element range of the unit's padded flat
+/// buffer it owns, and AdamW's state of those elements.
+#[derive(Debug, Clone)]
+struct UnitShard {
+    /// Element range of the unit's padded flat buffer.
+    range: std::ops::Range<usize>,
+    /// Master weights and moments, on the run's device.
+    state: FlatState,
+}
+
+/// One rank's share of a model partitioned by a [`ShardConfig`].
+pub struct ShardedModel<'c, S: Staged<D>, const D: usize> {
+    comm: &'c Comm,
+    stages: S,
+    plan: Plan,
+    shapes: HashMap<String, Vec<usize>>,
+    /// Every parameter's element count by path (the gradients a backward reads).
+    numels: HashMap<String, usize>,
+    skeleton: S::Module,
+    device: Device,
+    autodiff: Device,
+    /// Each unit's primary partition in the compute dtype (the master itself when
+    /// [`Plan::primary_is_master`]).
+    primary: Vec<Tensor<1>>,
+    optimizer: Vec<UnitShard>,
+    /// The names of the optimizer state each shard holds (empty until the first update of a
+    /// model that did not resume).
+    state_names: Vec<String>,
+    adam_step: u64,
+    residuals: Vec<Residuals>,
+    restored_residuals: bool,
+}
+
+impl<S: Staged<D>, const D: usize> std::fmt::Debug for ShardedModel<'_, S, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedModel")
+            .field("config", &self.plan.config)
+            .field("units", &self.plan.units.len())
+            .field("rank", &self.comm.rank())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
+    /// Partitions `module` per `config` over `comm`'s topology, computing on `device`. The
+    /// module is only a skeleton: its parameters' values are never read (lazy ones stay
+    /// uninitialised). Each rank reads the elements of its own optimizer shard from `source`;
+    /// optimizer moments start at zero. Every rank must call it; a source error on any rank
+    /// fails every rank.
+    pub fn new(
+        comm: &'c Comm,
+        stages: S,
+        module: S::Module,
+        config: ShardConfig,
+        device: Device,
+        source: &mut dyn ParamSource,
+    ) -> Result<Self, ShardError> {
+        Self::build(comm, stages, module, config, device, source, None)
+    }
+
+    /// [`ShardedModel::new`], with the optimizer states `kinds` read by
+    /// `moments(kind, name, range)`. Each unit's shard becomes tensors as soon as it is read,
+    /// so the host holds one unit's staging at a time.
+    fn build(
+        comm: &'c Comm,
+        stages: S,
+        module: S::Module,
+        config: ShardConfig,
+        device: Device,
+        source: &mut dyn ParamSource,
+        mut moments: Option<(&[String], &mut MomentReader<'_>)>,
+    ) -> Result<Self, ShardError> {
+        let shapes_in_order = param_shapes(&module);
+        let units = assign(&shapes_in_order, &stages.units(&module))?;
+        let plan = Plan::new(units, config, comm.topology().clone())?;
+        route::check_same_everywhere(comm, &plan, source.fingerprint())?;
+        let rank = comm.rank();
+        let optimizer = (|| -> Result<Vec<UnitShard>, ShardError> {
+            let mut out = Vec::with_capacity(plan.units.len());
+            for (u, unit) in plan.units.iter().enumerate() {
+                let range = plan.shard_range(u, plan.config.optimizer, rank);
+                // Elements of `range` from per-parameter reads; padding stays zero.
+                let shard = |read: &mut SliceReader<'_>| -> Result<Tensor<1>, ShardError> {
+                    let mut values = vec![0.0f32; range.len()];
+                    for (p, local) in pieces(unit, &range) {
+                        let start = local.start + range.start - p.offset;
+                        let got = read(p, start..start + local.len())?;
+                        if got.len() != local.len() {
+                            return Err(ShardError::Source(format!(
+                                "{}: {} values read for elements [{start}, {})",
+                                p.name,
+                                got.len(),
+                                start + local.len()
+                            )));
+                        }
+                        values[local].copy_from_slice(&got);
+                    }
+                    Ok(staging::from_f32(values, &device))
+                };
+                let master = shard(&mut |p, r| source.read(&p.name, &p.shape, r))?;
+                let slots: Vec<(usize, usize, bool)> = unit
+                    .params
+                    .iter()
+                    .map(|p| (p.offset, p.numel, p.decay))
+                    .collect();
+                let matrices = matrix_ranges(&range, &slots);
+                let state = match moments.as_mut() {
+                    None => FlatState::new(master, 0, matrices),
+                    Some((kinds, read)) => FlatState {
+                        master,
+                        slots: kinds
+                            .iter()
+                            .map(|kind| shard(&mut |p, r| read(kind, &p.name, r)))
+                            .collect::<Result<_, _>>()?,
+                        matrices,
+                    },
+                };
+                out.push(UnitShard { range, state });
+            }
+            Ok(out)
+        })();
+        let optimizer = agree(comm, optimizer)?;
+        let shapes: HashMap<String, Vec<usize>> = shapes_in_order.iter().cloned().collect();
+        let skeleton = load(module, &mut HashMap::new(), &shapes, &device, false);
+        let autodiff = device.clone().autodiff();
+        let mut model = Self {
+            comm,
+            stages,
+            numels: shapes_in_order
+                .iter()
+                .map(|(n, s)| (n.clone(), s.iter().product()))
+                .collect(),
+            shapes,
+            residuals: vec![Residuals::default(); plan.units.len()],
+            plan,
+            skeleton,
+            device,
+            autodiff,
+            primary: Vec::new(),
+            optimizer,
+            state_names: moments.map_or_else(Vec::new, |(kinds, _)| kinds.to_vec()),
+            adam_step: 0,
+            restored_residuals: false,
+        };
+        model.refresh_primary()?;
+        Ok(model)
+    }
+
+    /// The partition plan.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The communicator.
+    pub fn comm(&self) -> &'c Comm {
+        self.comm
+    }
+
+    /// The device the state lives on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Optimizer updates applied so far (from the checkpoint's count after a resume): the
+    /// number of the step to run next, counting from 0.
+    pub fn step(&self) -> u64 {
+        self.adam_step
+    }
+
+    /// Saves a checkpoint of this model at [`step`](Self::step) into `dir/step-NNNNNN`
+    /// ([`checkpoint::save`](crate::checkpoint::save)), with `options`' record of the
+    /// caller's own; returns its directory. Every rank must call it.
+    pub fn save(
+        &self,
+        dir: &std::path::Path,
+        options: &crate::SaveOptions,
+    ) -> Result<std::path::PathBuf, ShardError> {
+        crate::checkpoint::save(self, dir, self.adam_step, options)
+    }
+
+    /// The names of the optimizer state this model holds besides its master weights, in the
+    /// order of [`FlatState::slots`] (empty before the first update of a fresh model).
+    pub fn state_names(&self) -> &[String] {
+        &self.state_names
+    }
+
+    /// Whether [`ShardedModel::resume`] restored error-feedback residuals (they are kept only
+    /// when the checkpoint was written by the same layout; elsewhere they start at zero).
+    pub fn restored_residuals(&self) -> bool {
+        self.restored_residuals
+    }
+
+    /// A model partitioned per `config` over `comm`'s topology, resumed from `checkpoint` (of
+    /// any partition): each rank reads only its own ranges of the master weights and
+    /// moments, and, when the checkpoint was written by the same layout, its error-feedback
+    /// residuals. Refuses a checkpoint of another model, naming the first tensor that differs.
+    /// Every rank must call it.
+    pub fn resume(
+        comm: &'c Comm,
+        stages: S,
+        module: S::Module,
+        config: ShardConfig,
+        device: Device,
+        checkpoint: &Checkpoint,
+    ) -> Result<Self, ShardError> {
+        let manifest = checkpoint.manifest();
+        let found: HashMap<&str, &Vec<usize>> = manifest
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), &t.shape))
+            .collect();
+        let expected = param_shapes(&module);
+        for (name, shape) in &expected {
+            match found.get(name.as_str()) {
+                Some(s) if *s == shape => {}
+                Some(s) => {
+                    return Err(ShardError::Source(format!(
+                        "{}: tensor {name} has shape {s:?}, this model's is {shape:?}: the \
+                         checkpoint is of another model configuration",
+                        checkpoint.dir().display()
+                    )));
+                }
+                None => {
+                    return Err(ShardError::Source(format!(
+                        "{} has no tensor {name}: the checkpoint is of another model \
+                         configuration",
+                        checkpoint.dir().display()
+                    )));
+                }
+            }
+        }
+        if found.len() != expected.len() {
+            return Err(ShardError::Source(format!(
+                "{} holds {} tensors, this model has {}: the checkpoint is of another model \
+                 configuration",
+                checkpoint.dir().display(),
+                found.len(),
+                expected.len()
+            )));
+        }
+        let mut source = checkpoint;
+        let index = checkpoint.index();
+        let kinds = index.state_kinds();
+        let mut model = Self::build(
+            comm,
+            stages,
+            module,
+            config,
+            device,
+            &mut source,
+            Some((&kinds, &mut |kind, name, range| {
+                index.read(kind, name, range)
+            })),
+        )?;
+        model.adam_step = index.adam_step;
+        if model.plan.config.error_feedback {
+            let stored = agree(comm, index.residuals(comm.rank()))?;
+            if let Some((layout, values)) = stored
+                && layout == model.residual_layout()
+            {
+                for ((u, h), v) in values {
+                    let r = &mut model.residuals[u].per_hop;
+                    if r.len() <= h {
+                        r.resize(h + 1, None);
+                    }
+                    r[h] = Some(staging::from_f32(v, &model.device));
+                }
+                model.restored_residuals = true;
+            }
+        }
+        Ok(model)
+    }
+
+    fn dtype(&self) -> DType {
+        match self.plan.config.compute {
+            Compute::F32 => DType::F32,
+            Compute::Bf16 => DType::BF16,
+        }
+    }
+
+    /// Builds the primary parameter partition from the f32 masters.
+    fn refresh_primary(&mut self) -> Result<(), ShardError> {
+        self.primary = (0..self.optimizer.len())
+            .map(|u| self.primary_of(u))
+            .collect::<Result<_, _>>()?;
+        Ok(())
+    }
+
+    /// Unit `u`'s primary partition from its f32 master: the master itself, its cast to the
+    /// compute dtype, or (replicated parameters) the all-gather of that cast.
+    fn primary_of(&self, u: usize) -> Result<Tensor<1>, ShardError> {
+        let dtype = self.dtype();
+        let cfg = &self.plan.config;
+        let master = self.optimizer[u].state.master.clone();
+        let own = if dtype == DType::F32 {
+            master
+        } else {
+            master.cast(dtype)
+        };
+        if cfg.params == cfg.optimizer {
+            Ok(own)
+        } else {
+            route::all_gather_params(self.comm, &self.plan, own, &self.device)
+        }
+    }
+}
+
+/// The `(parameter, local range)` pieces of `range` (a shard of `unit`'s padded buffer), the
+/// local range relative to `range.start`; padding is never part of a piece.
+fn pieces<'u>(
+    unit: &'u crate::plan::UnitPlan,
+    range: &std::ops::Range<usize>,
+) -> impl Iterator<Item = (&'u crate::plan::ParamSlot, std::ops::Range<usize>)> {
+    let range = range.clone();
+    unit.params.iter().filter_map(move |p| {
+        let lo = p.offset.max(range.start);
+        let hi = (p.offset + p.numel).min(range.end);
+        (lo < hi).then(|| (p, lo - range.start..hi - range.start))
+    })
+}
+
+/// Every rank learns whether every rank's `result` is `Ok`; a failure on any rank fails all
+/// of them, each naming the first failing rank and its message.
+pub(crate) fn agree<T>(comm: &Comm, result: Result<T, ShardError>) -> Result<T, ShardError> {
+    let mine = result.as_ref().err().map(|e| e.to_string());
+    match comm.agree(mine.as_deref()) {
+        Ok(()) => result,
+        Err(failure) if failure.rank == comm.rank() => result,
+        Err(failure) => Err(ShardError::OtherRank {
+            rank: failure.rank,
+            message: failure.message,
+        }),
+    }
+}
+
+/// The sum of `x` over every rank (for metrics such as a validation loss).
+pub fn all_ranks_sum(comm: &Comm, x: f32) -> Result<f32, ShardError> {
+    let depth = comm.topology().depth();
+    route::sum_over(comm, crate::plan::Levels { lo: 0, hi: depth }, x)
+}
+
+fn scalar(t: Tensor<1>) -> f64 {
+    t.into_data()
+        .convert::<f64>()
+        .try_to_vec::<f64>()
+        .map(|v| v[0])
+        .unwrap_or(f64::NAN)
+}

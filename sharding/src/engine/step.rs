@@ -1,0 +1,618 @@
+//! The training step: `backward` runs the plan's schedule (gathers, forward and backward
+//! visits, reductions) and closes the gradients; `apply` runs an optimizer on the master
+//! shards and rebuilds the primary partition. `eval_loss` is the forward alone.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
+
+use burn::tensor::{DType, Tensor};
+
+use super::{OwnedPiece, ShardedModel, StepHyper, StepReport, scalar};
+use crate::config::Span;
+use crate::error::ShardError;
+use crate::memory;
+use crate::optim::Optimizer;
+use crate::params::{grads_of, load};
+use crate::plan::Visit;
+use crate::route;
+use crate::schedule::{Event, Source};
+use crate::stage::{Flow, Staged};
+use crate::worker::{GATHER_LANE, Job, REDUCE_LANE, Shared, Worker, add_to};
+
+/// One step's gradients, reduced over the ranks and averaged over micro-batches: this rank's
+/// shard of each unit (the elements of its optimizer shard), from [`ShardedModel::backward`].
+/// Read them, clip or scale them, then hand them to [`ShardedModel::apply`].
+#[derive(Debug)]
+pub struct Gradients {
+    /// Each unit's gradient shard, `[shard]` f32.
+    units: Vec<Tensor<1>>,
+    /// The parameter ranges the shards hold.
+    pieces: Vec<OwnedPiece>,
+    loss: f64,
+    /// The global norm as the gradients stand now.
+    norm: f64,
+    /// The global norm as the backward left it.
+    norm_before: f64,
+    start: Instant,
+    comm_wait_s: f64,
+    secondary_bytes: u64,
+    timeline: Vec<crate::simulate::Span>,
+}
+
+impl Gradients {
+    /// Mean loss over the global batch (the same on every rank).
+    pub fn loss(&self) -> f64 {
+        self.loss
+    }
+
+    /// The global L2 norm of the gradients over every parameter (the same on every rank).
+    pub fn norm(&self) -> f64 {
+        self.norm
+    }
+
+    /// Multiplies every gradient by `factor`.
+    pub fn scale(&mut self, factor: f64) {
+        self.units = std::mem::take(&mut self.units)
+            .into_iter()
+            .map(|g| g * factor)
+            .collect();
+        self.norm *= factor.abs();
+    }
+
+    /// Scales the gradients to global norm `max_norm` where their norm exceeds it (PyTorch's
+    /// `clip_grad_norm_`, factor `max_norm / (norm + 1e-6)`); 0 leaves them as they are.
+    /// Returns the norm before clipping.
+    pub fn clip_norm(&mut self, max_norm: f64) -> f64 {
+        let norm = self.norm;
+        if max_norm > 0.0 && norm > max_norm {
+            self.scale(max_norm / (norm + 1e-6));
+        }
+        norm
+    }
+
+    /// This rank's gradient ranges: `(parameter path, first element in the flattened
+    /// parameter, values)`. Each element of a parameter is held by the ranks of one optimizer
+    /// shard; a rank holds none of a parameter outside its shard.
+    pub fn pieces(&self) -> impl Iterator<Item = (&str, usize, Tensor<1>)> + '_ {
+        self.pieces.iter().map(|p| {
+            let values = self.units[p.unit].clone().slice(p.local.clone());
+            (p.name.as_str(), p.offset, values)
+        })
+    }
+}
+
+/// A stage's forward with autodiff: the module holding its gathered parameters, its input as
+/// an autodiff leaf (none for the first stage) and its output.
+struct Graph<M, const D: usize> {
+    module: M,
+    input: Option<Tensor<D>>,
+    out: Flow<D>,
+}
+
+/// The state of one step on the training thread.
+struct StepState<M, const D: usize> {
+    /// Reduced gradient shards, per unit (summed over micro-batches).
+    grads: Vec<Option<Tensor<1>>>,
+    /// Whole unit gradients being assembled, until handed to the reducer.
+    work: Vec<Option<Tensor<1>>>,
+    /// Each stage's saved input, from its forward visit to its backward.
+    inputs: Vec<Option<Tensor<D>>>,
+    /// The gradient of the last backward visit's input.
+    upstream: Option<Tensor<D>>,
+    /// Each stage's forward graph, kept for its backward without recompute.
+    graphs: Vec<Option<Graph<M, D>>>,
+    /// Each micro-batch's mean loss.
+    micro_losses: Vec<f64>,
+    /// Parameters that received a gradient.
+    reached: HashSet<String>,
+}
+
+impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
+    /// One AdamW step over `micro_batches` (this rank's share of the global batch, one per
+    /// gradient-accumulation micro-step; every rank passes the same number), with the
+    /// gradients clipped to `hyper.grad_clip`: [`backward`](Self::backward), then
+    /// [`apply`](Self::apply).
+    pub fn train_step(
+        &mut self,
+        micro_batches: &[S::Batch],
+        hyper: &StepHyper,
+    ) -> Result<StepReport, ShardError> {
+        let mut grads = self.backward(micro_batches)?;
+        grads.clip_norm(hyper.grad_clip);
+        self.apply(grads, &hyper.adam, hyper.lr)
+    }
+
+    /// The gradients of `micro_batches` (this rank's share of the global batch, one per
+    /// gradient-accumulation micro-step; every rank passes the same number): every unit's
+    /// gradient reduced over the ranks and averaged over micro-batches, this rank holding the
+    /// elements of its optimizer shard, with the step's loss and global norm. Every rank must
+    /// call it together. Nothing is updated until [`apply`](Self::apply).
+    pub fn backward(&mut self, micro_batches: &[S::Batch]) -> Result<Gradients, ShardError> {
+        let start = Instant::now();
+        self.comm.take_counters();
+        let accum = micro_batches.len();
+        if accum == 0 {
+            return Err(ShardError::setting(
+                "micro_batches",
+                0,
+                "a step needs at least one micro-batch: pass this rank's share of the global \
+                 batch",
+            ));
+        }
+        let schedule = self.plan.schedule(accum);
+        let k = self.plan.units.len();
+        let mut state = StepState {
+            grads: vec![None; k],
+            work: vec![None; k],
+            inputs: vec![None; k],
+            upstream: None,
+            graphs: (0..k).map(|_| None).collect(),
+            micro_losses: vec![0.0; accum],
+            reached: HashSet::new(),
+        };
+        let (gather_comm, reduce_comm) =
+            (self.comm.lane(GATHER_LANE)?, self.comm.lane(REDUCE_LANE)?);
+        let shared = Shared::new(k, std::mem::take(&mut self.residuals), start);
+        let comm_wait = std::thread::scope(|scope| {
+            let mut worker = Worker::new(
+                scope,
+                &gather_comm,
+                &reduce_comm,
+                &self.plan,
+                &self.primary,
+                &shared,
+                &self.device,
+            );
+            let result =
+                self.run_schedule(&schedule, micro_batches, &mut state, &mut worker, &shared);
+            let finished = worker.finish(&mut state.grads);
+            result.and(finished)
+        });
+        let secondary_bytes = shared.secondaries.bytes();
+        let timeline = std::mem::take(&mut *shared.spans.lock().unwrap_or_else(|e| e.into_inner()));
+        self.residuals = shared
+            .residuals
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner());
+        let comm_wait = comm_wait?;
+        if let Some(p) = self
+            .plan
+            .units
+            .iter()
+            .flat_map(|u| u.params.iter())
+            .find(|p| !state.reached.contains(&p.name))
+        {
+            return Err(ShardError::Model(format!(
+                "no gradient reached parameter `{}`: does a unit's forward use it?",
+                p.name
+            )));
+        }
+        let (units, loss, norm, closing_s) = self.close_gradients(state)?;
+        Ok(Gradients {
+            units,
+            pieces: self.owned_pieces(),
+            loss,
+            norm,
+            norm_before: norm,
+            start,
+            comm_wait_s: comm_wait + closing_s,
+            secondary_bytes,
+            timeline,
+        })
+    }
+
+    /// Updates the parameters with `optimizer` at learning rate `lr` from `grads` (this
+    /// model's [`backward`](Self::backward), as the caller left them): each rank updates its
+    /// optimizer shard, then the parameters the units gather are rebuilt from it. Every rank
+    /// must call it together, with the same optimizer. The optimizer's state starts at zero
+    /// on the first update, or is the checkpoint's after [`resume`](Self::resume); a model
+    /// holding another optimizer's state refuses it.
+    pub fn apply(
+        &mut self,
+        grads: Gradients,
+        optimizer: &dyn Optimizer,
+        lr: f64,
+    ) -> Result<StepReport, ShardError> {
+        let names = optimizer.state_names();
+        if grads.units.len() != self.optimizer.len() {
+            return Err(ShardError::Model(format!(
+                "gradients of {} units for a model of {}: pass the gradients this model's \
+                 backward returned",
+                grads.units.len(),
+                self.optimizer.len()
+            )));
+        }
+        if self.state_names.is_empty() && self.adam_step == 0 {
+            for shard in &mut self.optimizer {
+                shard.state.slots = names
+                    .iter()
+                    .map(|_| shard.state.master.zeros_like())
+                    .collect();
+            }
+            self.state_names = names.iter().map(|n| n.to_string()).collect();
+        }
+        if self.state_names != names {
+            return Err(ShardError::setting(
+                "optimizer",
+                format!("{names:?}"),
+                format!(
+                    "this model holds optimizer state {:?} (from its checkpoint or its earlier \
+                     steps): continue with the optimizer that keeps it",
+                    self.state_names
+                ),
+            ));
+        }
+        let cfg = &self.plan.config;
+        let mut closing_s = 0.0;
+        self.adam_step += 1;
+        for (u, g) in grads.units.into_iter().enumerate() {
+            // The primary may be the master itself: let go of it first, so the update owns
+            // the buffer (on host memory it then updates in place).
+            self.primary[u] = Tensor::empty([0], &self.device);
+            optimizer.update(self.adam_step, lr, &mut self.optimizer[u].state, g);
+            // At once, unit by unit: a primary that shares the old master would otherwise
+            // keep every old master alive until the last unit is updated.
+            let gather = Instant::now();
+            self.primary[u] = self.primary_of(u)?;
+            if cfg.params != cfg.optimizer {
+                closing_s += gather.elapsed().as_secs_f64();
+            }
+        }
+        Ok(StepReport {
+            loss: grads.loss,
+            grad_norm: grads.norm_before,
+            comm_wait_s: grads.comm_wait_s + closing_s,
+            step_s: grads.start.elapsed().as_secs_f64(),
+            traffic: self.comm.take_counters(),
+            resident: memory::resident(),
+            device_bytes: memory::device_bytes_in_use(&self.device),
+            secondary_bytes: grads.secondary_bytes,
+            timeline: grads.timeline,
+        })
+    }
+
+    /// Mean loss of `batch` on this rank (forward only; every rank must call it together when
+    /// parameters are partitioned, since it gathers them).
+    pub fn eval_loss(&self, batch: &S::Batch) -> Result<f64, ShardError> {
+        let k = self.plan.units.len();
+        let mut input: Option<Tensor<D>> = None;
+        for stage in 0..k {
+            let needs = self.plan.units[stage].needs.clone();
+            let full = if self.plan.config.params == Span(0) {
+                needs.iter().map(|&u| self.primary[u].clone()).collect()
+            } else {
+                needs
+                    .iter()
+                    .map(|&u| self.gather_here(u))
+                    .collect::<Result<_, _>>()?
+            };
+            let module = self.module_with(&needs, full, false, false);
+            match self
+                .stages
+                .forward(&module, stage, input.take(), batch, &self.device)
+            {
+                Flow::Hidden(h) if stage + 1 < k => input = Some(h),
+                Flow::Loss(l) if stage + 1 == k => return Ok(scalar(l)),
+                _ => return Err(flow_error(stage, k)),
+            }
+        }
+        unreachable!("the last stage returned")
+    }
+
+    /// Executes the step's schedule on the training thread, handing gathers and reductions to
+    /// the communication threads as they come.
+    fn run_schedule(
+        &self,
+        schedule: &[Event],
+        micro_batches: &[S::Batch],
+        state: &mut StepState<S::Module, D>,
+        worker: &mut Worker<'_, '_>,
+        shared: &Shared,
+    ) -> Result<(), ShardError> {
+        for &event in schedule {
+            match event {
+                Event::Gather { unit, source } => worker.send(Job::Gather { unit, source })?,
+                Event::Visit(v) => {
+                    let needs = &self.plan.units[v.stage].needs;
+                    let mut full = Vec::with_capacity(needs.len());
+                    // A backward visit through a kept graph has no gathers: the graph holds
+                    // the parameters.
+                    if !(v.backward && self.plan.keeps_graph(v.stage)) {
+                        for _ in needs {
+                            full.push(worker.next_gathered(&mut state.grads)?);
+                        }
+                    }
+                    let t = Instant::now();
+                    if v.backward {
+                        self.backward_visit(v, full, &micro_batches[v.micro], state)?;
+                    } else {
+                        self.forward_visit(v, full, &micro_batches[v.micro], state)?;
+                    }
+                    let dir = if v.backward { 'b' } else { 'f' };
+                    shared.record(format!("visit {dir}{}", v.stage), t);
+                }
+                Event::Whole { micro } => {
+                    let t = Instant::now();
+                    self.whole_micro_batch(micro, &micro_batches[micro], state)?;
+                    shared.record(format!("whole {micro}"), t);
+                }
+                Event::Reduce { unit } => {
+                    let grad = state.work[unit]
+                        .take()
+                        .expect("the schedule reduces a unit after its backward");
+                    worker.send(Job::Reduce {
+                        unit,
+                        grad: Box::new(grad),
+                    })?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A forward visit: the stage without autodiff, keeping its output as the next stage's
+    /// input.
+    fn forward_visit(
+        &self,
+        v: Visit,
+        full: Vec<Tensor<1>>,
+        batch: &S::Batch,
+        state: &mut StepState<S::Module, D>,
+    ) -> Result<(), ShardError> {
+        let k = self.plan.units.len();
+        let needs = &self.plan.units[v.stage].needs;
+        if self.plan.keeps_graph(v.stage) {
+            // With autodiff, kept until the backward visit (the parameters with it).
+            let graph = self.autodiff_forward(v, full, batch, state);
+            let Flow::Hidden(h) = &graph.out else {
+                return Err(flow_error(v.stage, k));
+            };
+            state.inputs[v.stage + 1] = Some(h.clone().without_autodiff());
+            state.graphs[v.stage] = Some(graph);
+            return Ok(());
+        }
+        let module = self.module_with(needs, full, false, false);
+        let input = state.inputs[v.stage].clone();
+        match self
+            .stages
+            .forward(&module, v.stage, input, batch, &self.device)
+        {
+            Flow::Hidden(h) => {
+                state.inputs[v.stage + 1] = Some(h);
+                Ok(())
+            }
+            Flow::Loss(_) => Err(flow_error(v.stage, k)),
+        }
+    }
+
+    /// The stage's forward with autodiff from its saved input, on the gathered `full` units.
+    fn autodiff_forward(
+        &self,
+        v: Visit,
+        full: Vec<Tensor<1>>,
+        batch: &S::Batch,
+        state: &mut StepState<S::Module, D>,
+    ) -> Graph<S::Module, D> {
+        let module = self.module_with(&self.plan.units[v.stage].needs, full, true, true);
+        let input = state.inputs[v.stage]
+            .take()
+            .map(|x| x.autodiff().require_grad());
+        let out = self
+            .stages
+            .forward(&module, v.stage, input.clone(), batch, &self.autodiff);
+        Graph { module, input, out }
+    }
+
+    /// A backward visit: the stage's graph (kept by its forward visit, or recomputed with
+    /// autodiff from its saved input), backpropagated from the loss (last stage) or from the
+    /// upstream gradient.
+    fn backward_visit(
+        &self,
+        v: Visit,
+        full: Vec<Tensor<1>>,
+        batch: &S::Batch,
+        state: &mut StepState<S::Module, D>,
+    ) -> Result<(), ShardError> {
+        let k = self.plan.units.len();
+        let needs = &self.plan.units[v.stage].needs;
+        let Graph { module, input, out } = match state.graphs[v.stage].take() {
+            Some(kept) => kept,
+            None => self.autodiff_forward(v, full, batch, state),
+        };
+        let grads_ad = match (out, v.stage + 1 == k) {
+            (Flow::Loss(l), true) => {
+                state.micro_losses[v.micro] = scalar(l.clone().without_autodiff());
+                l.backward()
+            }
+            (Flow::Hidden(h), false) => {
+                let up = state
+                    .upstream
+                    .take()
+                    .ok_or_else(|| unused_input(v.stage + 1, k))?;
+                (h * up.autodiff()).sum().backward()
+            }
+            _ => return Err(flow_error(v.stage, k)),
+        };
+        let mut g = grads_of(&module, &grads_ad, &self.numels);
+        state.upstream = match input {
+            Some(x) => Some(x.grad(&grads_ad).ok_or_else(|| unused_input(v.stage, k))?),
+            None => None,
+        };
+        drop(grads_ad);
+        drop(module);
+        for &u in needs {
+            let grad = self.unit_grad(u, &mut g, &mut state.reached);
+            add_to(&mut state.work[u], grad);
+        }
+        Ok(())
+    }
+
+    /// One micro-batch through every unit in one autodiff graph (replicated parameters).
+    fn whole_micro_batch(
+        &self,
+        micro: usize,
+        batch: &S::Batch,
+        state: &mut StepState<S::Module, D>,
+    ) -> Result<(), ShardError> {
+        let k = self.plan.units.len();
+        let all: Vec<usize> = (0..k).collect();
+        let module = self.module_with(&all, self.primary.clone(), true, true);
+        let mut x: Option<Tensor<D>> = None;
+        let mut loss = None;
+        for stage in 0..k {
+            match self
+                .stages
+                .forward(&module, stage, x.take(), batch, &self.autodiff)
+            {
+                Flow::Hidden(h) if stage + 1 < k => x = Some(h),
+                Flow::Loss(l) if stage + 1 == k => loss = Some(l),
+                _ => return Err(flow_error(stage, k)),
+            }
+        }
+        let loss = loss.expect("the last stage returned the loss");
+        state.micro_losses[micro] = scalar(loss.clone().without_autodiff());
+        let grads_ad = loss.backward();
+        let mut g = grads_of(&module, &grads_ad, &self.numels);
+        drop(grads_ad);
+        drop(module);
+        for u in 0..k {
+            let grad = self.unit_grad(u, &mut g, &mut state.reached);
+            add_to(&mut state.work[u], grad);
+        }
+        Ok(())
+    }
+
+    /// The gradients' end on every rank: averaged over micro-batches, the global norm over
+    /// the optimizer group, the step's mean loss over the world. Returns the gradient shards,
+    /// the loss, the norm and the seconds its collectives took.
+    fn close_gradients(
+        &mut self,
+        state: StepState<S::Module, D>,
+    ) -> Result<(Vec<Tensor<1>>, f64, f64, f64), ShardError> {
+        let accum = state.micro_losses.len();
+        let inv = 1.0 / accum as f64;
+        let grads: Vec<Tensor<1>> = state
+            .grads
+            .into_iter()
+            .map(|g| g.expect("every unit's gradient was reduced"))
+            .map(|g| if accum > 1 { g * inv } else { g })
+            .collect();
+        let sq: f64 = grads
+            .iter()
+            .map(|g| scalar((g.clone() * g.clone()).sum()))
+            .sum();
+        let cfg = &self.plan.config;
+        let closing = Instant::now();
+        let sq = route::sum_over(self.comm, self.plan.group(cfg.optimizer), sq as f32)? as f64;
+        let local_loss = state.micro_losses.iter().sum::<f64>() * inv;
+        let world = self.plan.group(Span(self.plan.topology.depth()));
+        let loss = route::sum_over(self.comm, world, local_loss as f32)? as f64
+            / self.plan.topology.world_size() as f64;
+        let closing_s = closing.elapsed().as_secs_f64();
+        let norm = sq.sqrt();
+        if !loss.is_finite() || !norm.is_finite() {
+            return Err(ShardError::Diverged { loss, norm });
+        }
+        Ok((grads, loss, norm, closing_s))
+    }
+
+    /// The skeleton with the parameters of `units` set from their gathered flat buffers
+    /// (views into them: nothing is copied), on the autodiff device when `autodiff`.
+    fn module_with(
+        &self,
+        units: &[usize],
+        full: Vec<Tensor<1>>,
+        autodiff: bool,
+        require_grad: bool,
+    ) -> S::Module {
+        let mut values = HashMap::new();
+        for (&u, flat) in units.iter().zip(full) {
+            let flat = if autodiff { flat.autodiff() } else { flat };
+            for p in &self.plan.units[u].params {
+                values.insert(
+                    p.name.clone(),
+                    flat.clone().slice(p.offset..p.offset + p.numel),
+                );
+            }
+        }
+        let device = if autodiff {
+            &self.autodiff
+        } else {
+            &self.device
+        };
+        load(
+            self.skeleton.clone(),
+            &mut values,
+            &self.shapes,
+            device,
+            require_grad,
+        )
+    }
+
+    /// Unit `u`'s gradient as one flat f32 buffer of its padded length, from the gradients `g`
+    /// holds for its parameters (zeros for parameters this computation did not reach: a unit
+    /// read by another stage gets no gradient for what that stage does not use).
+    fn unit_grad(
+        &self,
+        u: usize,
+        g: &mut HashMap<String, Tensor<1>>,
+        reached: &mut HashSet<String>,
+    ) -> Tensor<1> {
+        let unit = &self.plan.units[u];
+        let mut parts = Vec::with_capacity(unit.params.len() + 1);
+        for p in &unit.params {
+            match g.remove(&p.name) {
+                Some(t) => {
+                    reached.insert(p.name.clone());
+                    parts.push(if t.dtype() == DType::F32 {
+                        t
+                    } else {
+                        t.cast(DType::F32)
+                    });
+                }
+                None => parts.push(Tensor::zeros([p.numel], &self.device)),
+            }
+        }
+        if unit.padded > unit.numel {
+            parts.push(Tensor::zeros([unit.padded - unit.numel], &self.device));
+        }
+        Tensor::cat(parts, 0)
+    }
+
+    /// Unit `u` whole, gathered from its primary partition on the calling thread.
+    fn gather_here(&self, u: usize) -> Result<Tensor<1>, ShardError> {
+        let no_copies = route::Secondaries::new(self.plan.units.len());
+        let (tx, rx) = std::sync::mpsc::channel();
+        route::gather_flow(
+            &self.plan,
+            self.comm.rank(),
+            u,
+            Source::Primary,
+            &self.primary[u],
+            &no_copies,
+            &self.device,
+            move |r| {
+                let _ = tx.send(r);
+            },
+        )?
+        .run_here(self.comm)?;
+        rx.recv()
+            .unwrap_or_else(|_| unreachable!("a flow run here delivers"))
+    }
+}
+
+fn flow_error(stage: usize, k: usize) -> ShardError {
+    ShardError::Model(format!(
+        "unit {stage} of {k} returned the wrong kind of output: every unit but the last must \
+         return Flow::Hidden and the last Flow::Loss"
+    ))
+}
+
+/// A unit whose output does not depend on the input it was given: no gradient can reach the
+/// units before it.
+fn unused_input(stage: usize, k: usize) -> ShardError {
+    ShardError::Model(format!(
+        "unit {stage} of {k} does not use its input: its output must be computed from the \
+         tensor the unit before it returned, or no gradient reaches that unit"
+    ))
+}
