@@ -4,7 +4,7 @@
 use burn::module::Module;
 use burn::nn::Embedding;
 use burn::tensor::module::linear;
-use burn::tensor::{DType, Device, Int, Tensor};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::config::GptConfig;
 use crate::dropout::{DropoutKey, dropout};
@@ -25,24 +25,66 @@ pub struct Gpt {
     pub ln_f: LayerNorm,
     /// Dropout probability on the embeddings and the residual branches.
     dropout: f64,
+    /// Tokens in the vocabulary (kept apart from `wte`, whose values a sharded run may hold
+    /// elsewhere).
+    vocab: usize,
+    /// Longest sequence (`wpe`'s rows).
+    positions: usize,
+}
+
+/// What is wrong with a model's configuration or its input; the message names the field or
+/// the value and what would work.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelError {
+    /// An invalid [`GptConfig`].
+    Config(String),
+    /// Token ids the model cannot take.
+    Tokens(String),
+}
+
+impl std::fmt::Display for ModelError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ModelError::Config(m) => write!(f, "invalid model configuration: {m}"),
+            ModelError::Tokens(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+impl std::error::Error for ModelError {}
+
+/// Token ids `[batch, seq]` a model can take: every id below its vocabulary, `seq` at most
+/// its block size. Only [`Gpt::tokens`] makes them, after checking, so the model never
+/// indexes outside its embeddings.
+#[derive(Debug, Clone)]
+pub struct Tokens(Tensor<2, Int>);
+
+impl Tokens {
+    /// `[batch, seq]`.
+    pub fn dims(&self) -> [usize; 2] {
+        self.0.dims()
+    }
+
+    /// The ids as a tensor.
+    pub fn tensor(&self) -> Tensor<2, Int> {
+        self.0.clone()
+    }
 }
 
 impl GptConfig {
     /// Builds the model with weights drawn from seed 0 (see [`GptConfig::init_with_seed`]).
-    pub fn init(&self, device: &Device) -> Gpt {
+    pub fn init(&self, device: &Device) -> Result<Gpt, ModelError> {
         self.init_with_seed(0, device)
     }
 
     /// Builds the model; every weight is a pure function of (`seed`, its path), so all
-    /// processes that call this agree bit for bit. Panics on an invalid config: call
-    /// [`GptConfig::validate`] first where the config comes from a user.
-    pub fn init_with_seed(&self, seed: u64, device: &Device) -> Gpt {
-        if let Err(e) = self.validate() {
-            panic!("invalid GptConfig: {e}");
-        }
+    /// processes that call this agree bit for bit. Parameters are lazy: nothing is drawn
+    /// until a value is read. An invalid configuration is an error naming the field.
+    pub fn init_with_seed(&self, seed: u64, device: &Device) -> Result<Gpt, ModelError> {
+        self.validate().map_err(ModelError::Config)?;
         let (v, t, d) = (self.vocab_size, self.block_size, self.n_embd);
         let std = Init::Normal(self.init_std);
-        Gpt {
+        Ok(Gpt {
             wte: Embedding {
                 weight: param(std, seed, "wte.weight", [v, d], device),
             },
@@ -57,7 +99,9 @@ impl GptConfig {
                 bias: param(Init::Zeros, seed, "ln_f.bias", [d], device),
             },
             dropout: self.dropout,
-        }
+            vocab: v,
+            positions: t,
+        })
     }
 }
 
@@ -91,12 +135,50 @@ impl GptConfig {
 impl Gpt {
     /// Number of positions the model was built with.
     pub fn block_size(&self) -> usize {
-        self.wpe.weight.lazy_shape().dims::<2>()[0]
+        self.positions
     }
 
     /// Vocabulary size.
     pub fn vocab_size(&self) -> usize {
-        self.wte.weight.lazy_shape().dims::<2>()[0]
+        self.vocab
+    }
+
+    /// `ids` as `rows` sequences of token ids on `device`, checked against the model: every
+    /// id in `0..vocab_size`, each sequence at most `block_size` long.
+    pub fn tokens(
+        &self,
+        ids: Vec<i64>,
+        rows: usize,
+        device: &Device,
+    ) -> Result<Tokens, ModelError> {
+        if rows == 0 || ids.is_empty() || !ids.len().is_multiple_of(rows) {
+            return Err(ModelError::Tokens(format!(
+                "{} token ids do not make {rows} sequences of equal length",
+                ids.len()
+            )));
+        }
+        let t = ids.len() / rows;
+        if t > self.positions {
+            return Err(ModelError::Tokens(format!(
+                "sequences of {t} tokens exceed the model's block size of {}: cut them to at \
+                 most {} tokens",
+                self.positions, self.positions
+            )));
+        }
+        if let Some(bad) = ids
+            .iter()
+            .find(|&&i| i < 0 || i as u64 >= self.vocab as u64)
+        {
+            return Err(ModelError::Tokens(format!(
+                "token id {bad} is outside the model's vocabulary of {}: was the text encoded \
+                 with another tokenizer?",
+                self.vocab
+            )));
+        }
+        Ok(Tokens(Tensor::from_data(
+            TensorData::new(ids, [rows, t]),
+            device,
+        )))
     }
 
     /// Next-token logits for every position; with a dropout `key` (training) the embeddings
@@ -105,7 +187,7 @@ impl Gpt {
     /// # Shapes
     /// - idx: `[B, T]` token ids, `T <= block_size`
     /// - output: `[B, T, V]`
-    pub fn forward(&self, idx: Tensor<2, Int>, key: Option<&DropoutKey>) -> Tensor<3> {
+    pub fn forward(&self, idx: &Tokens, key: Option<&DropoutKey>) -> Tensor<3> {
         let mut x = self.embed(idx, key);
         for (layer, block) in self.h.iter().enumerate() {
             x = block.forward(x, key, layer);
@@ -120,13 +202,9 @@ impl Gpt {
     /// # Shapes
     /// - idx: `[B, T]`, `T <= block_size`
     /// - output: `[B, T, d]`
-    pub fn embed(&self, idx: Tensor<2, Int>, key: Option<&DropoutKey>) -> Tensor<3> {
+    pub fn embed(&self, idx: &Tokens, key: Option<&DropoutKey>) -> Tensor<3> {
         let [_, t] = idx.dims();
-        assert!(
-            t <= self.block_size(),
-            "sequence of {t} tokens exceeds block_size {}",
-            self.block_size()
-        );
+        let idx = idx.tensor();
         let device = idx.device();
         let pos = Tensor::<1, Int>::arange(0..t as i64, &device).unsqueeze::<2>(); // [1, T]
         let x = self.wte.forward(idx) + self.wpe.forward(pos); // [B, T, d]
@@ -157,8 +235,8 @@ impl Gpt {
     /// - output: (`[B, T, V]`, `[1]`)
     pub fn forward_loss(
         &self,
-        idx: Tensor<2, Int>,
-        targets: Tensor<2, Int>,
+        idx: &Tokens,
+        targets: &Tokens,
         key: Option<&DropoutKey>,
     ) -> (Tensor<3>, Tensor<1>) {
         let logits = self.forward(idx, key);
@@ -173,7 +251,8 @@ impl Gpt {
 /// # Shapes
 /// - logits: `[B, T, V]`, targets: `[B, T]`
 /// - output: `[1]`
-pub fn cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+pub fn cross_entropy(logits: Tensor<3>, targets: &Tokens) -> Tensor<1> {
+    let targets = targets.tensor();
     let [b, t, v] = logits.dims();
     // Only half types are widened: f32 stays, and f64 (the gradient check) keeps its precision.
     let logits = match logits.dtype() {
@@ -192,7 +271,7 @@ mod tests {
     #[test]
     fn init_of_draws_every_parameter_the_model_builds() {
         let config = GptConfig::new(3, 2, 16, 8, 40);
-        let model = config.init_with_seed(5, &Device::flex());
+        let model = config.init_with_seed(5, &Device::flex()).unwrap();
         for (name, shape, value) in named_values(&model) {
             let init = config
                 .init_of(&name)
@@ -210,11 +289,38 @@ mod tests {
 
     #[test]
     fn building_the_model_allocates_nothing_until_read() {
-        let model = GptConfig::gpt2_large().init_with_seed(0, &Device::flex());
+        let model = GptConfig::gpt2_large()
+            .init_with_seed(0, &Device::flex())
+            .unwrap();
         assert!(!model.h[0].attn.c_attn.weight.is_initialized());
         assert_eq!(
             model.h[0].attn.c_attn.weight.lazy_shape().dims::<2>(),
             [1280, 3840]
         );
+    }
+
+    #[test]
+    fn bad_configurations_and_token_ids_are_errors() {
+        let device = Device::flex();
+        let mut config = GptConfig::new(2, 2, 16, 8, 40);
+        config.n_head = 3;
+        match config.init(&device) {
+            Err(ModelError::Config(m)) => assert!(m.contains("n_head"), "{m}"),
+            other => panic!("n_embd 16 over 3 heads gave {other:?}"),
+        }
+        let model = GptConfig::new(2, 2, 16, 8, 40).init(&device).unwrap();
+        assert!(model.tokens(vec![0, 39, 5, 6], 2, &device).is_ok());
+        for (ids, rows, what) in [
+            (vec![0, 40], 1, "vocabulary of 40"),
+            (vec![-1, 3], 1, "vocabulary of 40"),
+            (vec![1; 9], 1, "block size of 8"),
+            (vec![1, 2, 3], 2, "equal length"),
+            (vec![], 1, "equal length"),
+        ] {
+            match model.tokens(ids.clone(), rows, &device) {
+                Err(ModelError::Tokens(m)) => assert!(m.contains(what), "{ids:?}: {m}"),
+                other => panic!("{ids:?} in {rows} rows gave {other:?}"),
+            }
+        }
     }
 }

@@ -13,4 +13,4 @@ pub mod layers;
 
 pub use config::{GptConfig, PRESETS};
 pub use dropout::DropoutKey;
-pub use gpt::{Gpt, cross_entropy};
+pub use gpt::{Gpt, ModelError, Tokens, cross_entropy};

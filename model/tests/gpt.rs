@@ -5,12 +5,12 @@ use std::collections::HashMap;
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::Gradients;
-use burn::tensor::{DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
-use ember_model::GptConfig;
+use burn::tensor::{DType, Device, Tensor, TensorCreationOptions, TensorData};
+use ember_model::{Gpt, GptConfig, Tokens};
 use ember_sharding::params::{grads_of, load, named_values, param_shapes};
 
-fn tokens(values: Vec<i64>, b: usize, t: usize, device: &Device) -> Tensor<2, Int> {
-    Tensor::from_data(TensorData::new(values, [b, t]), device)
+fn tokens(model: &Gpt, values: Vec<i64>, b: usize, device: &Device) -> Tokens {
+    model.tokens(values, b, device).unwrap()
 }
 
 fn to_vec(t: Tensor<3>) -> Vec<f32> {
@@ -21,24 +21,24 @@ fn to_vec(t: Tensor<3>) -> Vec<f32> {
 fn logits_have_batch_time_vocab_shape() {
     let device = Device::flex();
     let config = GptConfig::tiny();
-    let model = config.init(&device);
-    let idx = tokens((0..2 * 10).map(|i| i % 50).collect(), 2, 10, &device);
-    assert_eq!(model.forward(idx, None).dims(), [2, 10, config.vocab_size]);
+    let model = config.init(&device).unwrap();
+    let idx = tokens(&model, (0..2 * 10).map(|i| i % 50).collect(), 2, &device);
+    assert_eq!(model.forward(&idx, None).dims(), [2, 10, config.vocab_size]);
 }
 
 #[test]
 fn changing_a_later_token_never_changes_earlier_logits() {
     let device = Device::flex();
     let config = GptConfig::tiny();
-    let model = config.init_with_seed(3, &device);
+    let model = config.init_with_seed(3, &device).unwrap();
     let t = 16;
     let base: Vec<i64> = (0..t as i64).map(|i| (i * 7) % 500).collect();
-    let reference = to_vec(model.forward(tokens(base.clone(), 1, t, &device), None));
+    let reference = to_vec(model.forward(&tokens(&model, base.clone(), 1, &device), None));
     let v = config.vocab_size;
     for changed in [1, 8, t - 1] {
         let mut other = base.clone();
         other[changed] = (other[changed] + 123) % 500;
-        let logits = to_vec(model.forward(tokens(other, 1, t, &device), None));
+        let logits = to_vec(model.forward(&tokens(&model, other, 1, &device), None));
         // Positions before `changed` see only unchanged tokens: identical logits.
         assert_eq!(
             &logits[..changed * v],
@@ -79,7 +79,7 @@ fn hf_names(n_layer: usize) -> Vec<String> {
 fn parameters_are_named_and_shaped_as_hugging_face_gpt2() {
     let device = Device::flex();
     let config = GptConfig::new(3, 4, 32, 16, 100);
-    let named = param_shapes(&config.init(&device));
+    let named = param_shapes(&config.init(&device).unwrap());
     let names: Vec<_> = named.iter().map(|n| n.0.clone()).collect();
     assert_eq!(names, hf_names(3));
     let shape = |n: &str| named.iter().find(|t| t.0 == n).unwrap().1.clone();
@@ -97,7 +97,7 @@ fn init_is_a_function_of_the_seed() {
     let device = Device::flex();
     let config = GptConfig::tiny();
     let flat = |seed| -> Vec<f32> {
-        named_values(&config.init_with_seed(seed, &device))
+        named_values(&config.init_with_seed(seed, &device).unwrap())
             .into_iter()
             .flat_map(|(_, _, v)| v.into_data().try_to_vec::<f32>().unwrap())
             .collect()
@@ -122,6 +122,7 @@ fn gradients_match_central_finite_differences_in_f64() {
     let config = GptConfig::tiny();
     let model = config
         .init_with_seed(11, &device)
+        .unwrap()
         .map(&mut Cast(DType::F64));
     let (b, t) = (2, 12);
     let idx: Vec<i64> = (0..(b * t) as i64).map(|i| (i * 37 + 5) % 512).collect();
@@ -129,8 +130,8 @@ fn gradients_match_central_finite_differences_in_f64() {
     let loss_of = |m: &ember_model::Gpt| -> f64 {
         let loss = m
             .forward_loss(
-                tokens(idx.clone(), b, t, &device),
-                tokens(tgt.clone(), b, t, &device),
+                &tokens(m, idx.clone(), b, &device),
+                &tokens(m, tgt.clone(), b, &device),
                 None,
             )
             .1;
@@ -139,8 +140,8 @@ fn gradients_match_central_finite_differences_in_f64() {
 
     let loss = model
         .forward_loss(
-            tokens(idx.clone(), b, t, &device),
-            tokens(tgt.clone(), b, t, &device),
+            &tokens(&model, idx.clone(), b, &device),
+            &tokens(&model, tgt.clone(), b, &device),
             None,
         )
         .1;

@@ -5,11 +5,16 @@
 use burn::tensor::Device;
 use ember_model::Gpt;
 
-use crate::stages::tokens;
-
 /// Sum of the per-token losses and the number of predicted tokens over `ids`, scored in
-/// windows of at most `block` predictions, `batch` windows at a time.
-pub fn score(model: &Gpt, ids: &[u32], block: usize, batch: usize, device: &Device) -> (f64, u64) {
+/// windows of at most `block` predictions, `batch` windows at a time. Ids the model cannot
+/// take (outside its vocabulary) are an error.
+pub fn score(
+    model: &Gpt,
+    ids: &[u32],
+    block: usize,
+    batch: usize,
+    device: &Device,
+) -> Result<(f64, u64), ember_model::ModelError> {
     let windows: Vec<(usize, usize)> = (0..ids.len().saturating_sub(1))
         .step_by(block)
         .map(|s| (s, block.min(ids.len() - 1 - s)))
@@ -27,15 +32,15 @@ pub fn score(model: &Gpt, ids: &[u32], block: usize, batch: usize, device: &Devi
                 y.extend(ids[s + 1..s + len + 1].iter().map(|&v| v as i64));
             }
             let n = (chunk.len() * t) as u64;
-            let (_, loss) = model.forward_loss(
-                tokens(x, chunk.len(), t, device),
-                tokens(y, chunk.len(), t, device),
-                None,
+            let (x, y) = (
+                model.tokens(x, chunk.len(), device)?,
+                model.tokens(y, chunk.len(), device)?,
             );
+            let (_, loss) = model.forward_loss(&x, &y, None);
             let loss: f32 = loss.into_scalar();
             total += loss as f64 * n as f64;
             count += n;
         }
     }
-    (total, count)
+    Ok((total, count))
 }

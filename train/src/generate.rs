@@ -12,7 +12,6 @@ use ember_model::init::splitmix64;
 use ember_sharding::params::{load, param_shapes};
 
 use crate::checkpoint::{self, Loaded};
-use crate::stages::tokens;
 
 /// A model and its tokenizer, restored from a checkpoint.
 #[derive(Debug)]
@@ -31,7 +30,7 @@ pub fn restore(path: &Path, device: &Device) -> Result<Restored> {
     let loaded = checkpoint::load(&dir)?;
     let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))?;
     let model_config = &loaded.run.train.model;
-    let model = model_config.init_with_seed(0, device);
+    let model = model_config.init_with_seed(0, device)?;
     let values: HashMap<String, Tensor<1>> = loaded
         .tensors
         .iter()
@@ -78,14 +77,14 @@ pub fn generate(
     top_k: usize,
     seed: u64,
     device: &Device,
-) -> Vec<u32> {
+) -> Result<Vec<u32>> {
     let block = model.block_size();
     let mut ids: Vec<u32> = prompt.to_vec();
     for i in 0..max_new {
         let ctx = &ids[ids.len().saturating_sub(block)..];
         let t = ctx.len();
-        let idx = tokens(ctx.iter().map(|&x| x as i64).collect(), 1, t, device);
-        let logits = model.forward(idx, None);
+        let idx = model.tokens(ctx.iter().map(|&x| x as i64).collect(), 1, device)?;
+        let logits = model.forward(&idx, None);
         let last: Vec<f32> = logits
             .slice([0..1, t - 1..t])
             .into_data()
@@ -95,7 +94,7 @@ pub fn generate(
         let u = (splitmix64(seed ^ splitmix64(i as u64)) >> 11) as f64 / (1u64 << 53) as f64;
         ids.push(sample(&last, temperature, top_k, u));
     }
-    ids[prompt.len()..].to_vec()
+    Ok(ids[prompt.len()..].to_vec())
 }
 
 /// Draws a token from `logits` with uniform number `u` in [0, 1).

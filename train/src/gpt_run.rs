@@ -256,7 +256,7 @@ pub fn build<'c>(
     resume: Option<&Checkpoint>,
     init: Option<&mut HfDir>,
 ) -> Result<ShardedModel<'c, GptStages, 3>> {
-    let skeleton = c.model.init_with_seed(c.seed, &device);
+    let skeleton = c.model.init_with_seed(c.seed, &device)?;
     let stages = GptStages {
         n_layer: c.model.n_layer,
         seed: c.seed,

@@ -4,16 +4,20 @@
 
 use std::ops::Range;
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use ember_data::Batch;
 use ember_model::init::init_range;
 use ember_model::init::splitmix64;
-use ember_model::{DropoutKey, Gpt, GptConfig, cross_entropy};
+use ember_model::{DropoutKey, Gpt, GptConfig, Tokens, cross_entropy};
 use ember_sharding::{ActivationBytes, Flow, ParamSource, ShardError, Staged, UnitDecl, UnitSpec};
 
-/// A `[b, t]` token tensor on `device`.
-pub fn tokens(values: Vec<i64>, b: usize, t: usize, device: &Device) -> Tensor<2, Int> {
-    Tensor::from_data(TensorData::new(values, [b, t]), device)
+/// A batch's token ids for `model`. The run's batches are windows of at most `block_size`
+/// tokens of data encoded by the tokenizer whose vocabulary sized the model (`setup.rs`), so
+/// the model's check cannot fail on them.
+fn batch_tokens(model: &Gpt, ids: &[i64], batch: &Batch, device: &Device) -> Tokens {
+    model
+        .tokens(ids.to_vec(), batch.batch, device)
+        .unwrap_or_else(|e| unreachable!("a run's batch is checked when its data loads: {e}"))
 }
 
 /// The unit structure of a GPT with `n_layer` blocks.
@@ -61,13 +65,12 @@ impl Staged<3> for GptStages {
         let key = dropout_key(self.seed, batch);
         let key = Some(&key);
         match (unit, input) {
-            (0, _) => Flow::Hidden(model.embed(
-                tokens(batch.inputs.clone(), batch.batch, batch.block, device),
-                key,
-            )),
+            (0, _) => {
+                Flow::Hidden(model.embed(&batch_tokens(model, &batch.inputs, batch, device), key))
+            }
             (u, Some(x)) if u == last => Flow::Loss(cross_entropy(
                 model.head(x),
-                tokens(batch.targets.clone(), batch.batch, batch.block, device),
+                &batch_tokens(model, &batch.targets, batch, device),
             )),
             (u, Some(x)) => Flow::Hidden(model.blocks()[u - 1].forward(x, key, u - 1)),
             (u, None) => panic!("unit {u} of a GPT needs the previous unit's activation"),
@@ -227,7 +230,7 @@ mod tests {
     #[test]
     fn analytic_units_equal_those_derived_from_a_built_model() {
         let config = GptConfig::new(3, 4, 32, 16, 100);
-        let model = config.init(&Device::flex());
+        let model = config.init(&Device::flex()).unwrap();
         let stages = GptStages {
             n_layer: 3,
             seed: 0,
@@ -250,7 +253,7 @@ mod tests {
             ..GptConfig::tiny()
         };
         let device = Device::flex();
-        let model = config.init_with_seed(3, &device);
+        let model = config.init_with_seed(3, &device).unwrap();
         let stages = GptStages {
             n_layer: config.n_layer,
             seed: 11,
@@ -272,19 +275,13 @@ mod tests {
             }
         }
         let key = dropout_key(11, &batch);
-        let (_, whole) = model.forward_loss(
-            tokens(batch.inputs.clone(), 2, 8, &device),
-            tokens(batch.targets.clone(), 2, 8, &device),
-            Some(&key),
-        );
+        let inputs = model.tokens(batch.inputs.clone(), 2, &device).unwrap();
+        let targets = model.tokens(batch.targets.clone(), 2, &device).unwrap();
+        let (_, whole) = model.forward_loss(&inputs, &targets, Some(&key));
         let a: f32 = loss.unwrap().into_scalar();
         let b: f32 = whole.into_scalar();
         assert_eq!(a, b);
-        let (_, plain) = model.forward_loss(
-            tokens(batch.inputs.clone(), 2, 8, &device),
-            tokens(batch.targets.clone(), 2, 8, &device),
-            None,
-        );
+        let (_, plain) = model.forward_loss(&inputs, &targets, None);
         assert_ne!(a, plain.into_scalar::<f32>(), "dropout is on");
     }
 }

@@ -110,7 +110,7 @@ pub fn generate_cmd(args: GenerateArgs) -> CliResult<()> {
         args.top_k,
         args.seed,
         &dev,
-    );
+    )?;
     println!("{}{}", args.prompt, r.tokenizer.decode(&ids)?);
     Ok(())
 }
@@ -148,7 +148,8 @@ pub fn eval_cmd(args: EvalArgs) -> CliResult<()> {
     if ids.len() < 2 {
         return Err(usage("the text has fewer than 2 tokens: nothing to score"));
     }
-    let (total, count) = eval::score(&r.model, &ids, block, args.batch_size, &dev);
+    let (total, count) = eval::score(&r.model, &ids, block, args.batch_size, &dev)
+        .map_err(|e| CliError::Runtime(e.into()))?;
     println!(
         "{}",
         serde_json::json!({"loss": total / count as f64, "tokens": count})
