@@ -145,21 +145,6 @@ impl GptConfig {
         self.n_embd / self.n_head
     }
 
-    /// Number of parameters, the tied LM head counted once (Hugging Face's convention):
-    /// `V d + T d + L (12 d^2 + 13 d) + 2 d`.
-    pub fn num_params(&self) -> u64 {
-        let (v, t, l, d) = (
-            self.vocab_size as u64,
-            self.block_size as u64,
-            self.n_layer as u64,
-            self.n_embd as u64,
-        );
-        // Per block: ln_1 + ln_2 (4d), c_attn (3d^2 + 3d), attn c_proj (d^2 + d),
-        // c_fc (4d^2 + 4d), mlp c_proj (4d^2 + d).
-        let per_block = 12 * d * d + 13 * d;
-        v * d + t * d + l * per_block + 2 * d
-    }
-
     /// Training FLOPs per token at context `seq_len`: `6 N + 12 L d T` (forward + backward,
     /// N = all parameters, the second term the attention score and value products), the
     /// formula MFU figures in the PaLM and nanoGPT reports are based on.

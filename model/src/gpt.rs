@@ -8,9 +8,9 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::config::GptConfig;
 use crate::dropout::{DropoutKey, dropout};
-use crate::init::{Init, param};
 use crate::kernels::softmax_cross_entropy;
-use crate::layers::{Block, LayerNorm, residual_std};
+use crate::layers::{Block, LayerNorm};
+use crate::layout::Params;
 
 /// A GPT-2-architecture model. Module paths equal Hugging Face names minus `transformer.`.
 #[derive(Module, Debug)]
@@ -82,52 +82,24 @@ impl GptConfig {
     /// until a value is read. An invalid configuration is an error naming the field.
     pub fn init_with_seed(&self, seed: u64, device: &Device) -> Result<Gpt, ModelError> {
         self.validate().map_err(ModelError::Config)?;
-        let (v, t, d) = (self.vocab_size, self.block_size, self.n_embd);
-        let std = Init::Normal(self.init_std);
+        let params = Params::new(self, seed, device);
         Ok(Gpt {
             wte: Embedding {
-                weight: param(std, seed, "wte.weight", [v, d], device),
+                weight: params.get("wte.weight"),
             },
             wpe: Embedding {
-                weight: param(std, seed, "wpe.weight", [t, d], device),
+                weight: params.get("wpe.weight"),
             },
             h: (0..self.n_layer)
-                .map(|i| Block::init(self, seed, &format!("h.{i}"), device))
+                .map(|i| Block::init(self, &params, &format!("h.{i}")))
                 .collect(),
             ln_f: LayerNorm {
-                weight: param(Init::Ones, seed, "ln_f.weight", [d], device),
-                bias: param(Init::Zeros, seed, "ln_f.bias", [d], device),
+                weight: params.get("ln_f.weight"),
+                bias: params.get("ln_f.bias"),
             },
             dropout: self.dropout,
-            vocab: v,
-            positions: t,
-        })
-    }
-}
-
-impl GptConfig {
-    /// How parameter `path` of this model is initialised, or `None` for a path the model does
-    /// not have. With [`crate::init::init_range`] this draws any range of any parameter
-    /// without building the model: a rank of a sharded run draws exactly what it owns.
-    pub fn init_of(&self, path: &str) -> Option<Init> {
-        let normal = Init::Normal(self.init_std);
-        match path {
-            "wte.weight" | "wpe.weight" => return Some(normal),
-            "ln_f.weight" => return Some(Init::Ones),
-            "ln_f.bias" => return Some(Init::Zeros),
-            _ => {}
-        }
-        let (layer, name) = path.strip_prefix("h.")?.split_once('.')?;
-        if layer.parse::<usize>().ok()? >= self.n_layer {
-            return None;
-        }
-        Some(match name {
-            "ln_1.weight" | "ln_2.weight" => Init::Ones,
-            "ln_1.bias" | "ln_2.bias" | "attn.c_attn.bias" | "attn.c_proj.bias"
-            | "mlp.c_fc.bias" | "mlp.c_proj.bias" => Init::Zeros,
-            "attn.c_attn.weight" | "mlp.c_fc.weight" => normal,
-            "attn.c_proj.weight" | "mlp.c_proj.weight" => Init::Normal(residual_std(self)),
-            _ => return None,
+            vocab: self.vocab_size,
+            positions: self.block_size,
         })
     }
 }

@@ -4,13 +4,13 @@
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Tensor;
 
 use crate::config::GptConfig;
 use crate::dropout::{DropoutKey, dropout};
-use crate::init::{Init, param};
 pub use crate::kernels::gelu_tanh;
 use crate::kernels::{causal_attention, layer_norm, linear as fused_linear};
+use crate::layout::Params;
 
 /// GPT-2's LayerNorm epsilon (`layer_norm_epsilon = 1e-5`).
 pub const LAYER_NORM_EPS: f64 = 1e-5;
@@ -26,10 +26,10 @@ pub struct LayerNorm {
 }
 
 impl LayerNorm {
-    fn init(d: usize, seed: u64, path: &str, device: &Device) -> Self {
+    pub(crate) fn init(params: &Params<'_>, path: &str) -> Self {
         Self {
-            weight: param(Init::Ones, seed, &format!("{path}.weight"), [d], device),
-            bias: param(Init::Zeros, seed, &format!("{path}.bias"), [d], device),
+            weight: params.get(&format!("{path}.weight")),
+            bias: params.get(&format!("{path}.bias")),
         }
     }
 
@@ -41,30 +41,12 @@ impl LayerNorm {
     }
 }
 
-/// A `[d_in, d_out]` linear layer (Hugging Face Conv1D layout) with a zero bias.
-fn linear(d_in: usize, d_out: usize, std: f64, seed: u64, path: &str, device: &Device) -> Linear {
+/// A `[d_in, d_out]` linear layer (Hugging Face Conv1D layout) with a bias.
+fn linear(params: &Params<'_>, path: &str) -> Linear {
     Linear {
-        weight: param(
-            Init::Normal(std),
-            seed,
-            &format!("{path}.weight"),
-            [d_in, d_out],
-            device,
-        ),
-        bias: Some(param(
-            Init::Zeros,
-            seed,
-            &format!("{path}.bias"),
-            [d_out],
-            device,
-        )),
+        weight: params.get(&format!("{path}.weight")),
+        bias: Some(params.get(&format!("{path}.bias"))),
     }
-}
-
-/// GPT-2's scaled init of the projections that write into the residual stream:
-/// std / sqrt(2 L), so the stream's variance does not grow with depth (GPT-2 paper, 2.3).
-pub(crate) fn residual_std(config: &GptConfig) -> f64 {
-    config.init_std / (2.0 * config.n_layer as f64).sqrt()
 }
 
 /// Multi-head causal self-attention with a fused q, k, v projection.
@@ -80,25 +62,10 @@ pub struct CausalSelfAttention {
 }
 
 impl CausalSelfAttention {
-    fn init(config: &GptConfig, seed: u64, path: &str, device: &Device) -> Self {
-        let d = config.n_embd;
+    fn init(config: &GptConfig, params: &Params<'_>, path: &str) -> Self {
         Self {
-            c_attn: linear(
-                d,
-                3 * d,
-                config.init_std,
-                seed,
-                &format!("{path}.c_attn"),
-                device,
-            ),
-            c_proj: linear(
-                d,
-                d,
-                residual_std(config),
-                seed,
-                &format!("{path}.c_proj"),
-                device,
-            ),
+            c_attn: linear(params, &format!("{path}.c_attn")),
+            c_proj: linear(params, &format!("{path}.c_proj")),
             dropout: config.dropout,
             n_head: config.n_head,
         }
@@ -128,25 +95,10 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    fn init(config: &GptConfig, seed: u64, path: &str, device: &Device) -> Self {
-        let d = config.n_embd;
+    fn init(config: &GptConfig, params: &Params<'_>, path: &str) -> Self {
         Self {
-            c_fc: linear(
-                d,
-                4 * d,
-                config.init_std,
-                seed,
-                &format!("{path}.c_fc"),
-                device,
-            ),
-            c_proj: linear(
-                4 * d,
-                d,
-                residual_std(config),
-                seed,
-                &format!("{path}.c_proj"),
-                device,
-            ),
+            c_fc: linear(params, &format!("{path}.c_fc")),
+            c_proj: linear(params, &format!("{path}.c_proj")),
             dropout: config.dropout,
         }
     }
@@ -176,14 +128,13 @@ pub struct Block {
 }
 
 impl Block {
-    /// Block `path` (e.g. `h.3`) with weights drawn from `seed`.
-    pub fn init(config: &GptConfig, seed: u64, path: &str, device: &Device) -> Self {
-        let d = config.n_embd;
+    /// Block `path` (e.g. `h.3`) with its parameters from `params`.
+    pub(crate) fn init(config: &GptConfig, params: &Params<'_>, path: &str) -> Self {
         Self {
-            ln_1: LayerNorm::init(d, seed, &format!("{path}.ln_1"), device),
-            attn: CausalSelfAttention::init(config, seed, &format!("{path}.attn"), device),
-            ln_2: LayerNorm::init(d, seed, &format!("{path}.ln_2"), device),
-            mlp: Mlp::init(config, seed, &format!("{path}.mlp"), device),
+            ln_1: LayerNorm::init(params, &format!("{path}.ln_1")),
+            attn: CausalSelfAttention::init(config, params, &format!("{path}.attn")),
+            ln_2: LayerNorm::init(params, &format!("{path}.ln_2")),
+            mlp: Mlp::init(config, params, &format!("{path}.mlp")),
         }
     }
 
@@ -203,7 +154,7 @@ impl Block {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::tensor::TensorData;
+    use burn::tensor::{Device, TensorData};
 
     #[test]
     fn gelu_tanh_equals_the_tanh_formula() {

@@ -10,6 +10,7 @@ pub mod gpt;
 pub mod init;
 pub mod kernels;
 pub mod layers;
+pub mod layout;
 
 pub use config::{GptConfig, PRESETS};
 pub use dropout::DropoutKey;

@@ -82,44 +82,22 @@ impl Staged<3> for GptStages {
 /// plan` at sizes that would not fit in memory). Equal to what the partitioner derives from a
 /// built model (tested).
 pub fn gpt_units(config: &GptConfig) -> Vec<UnitSpec> {
-    let (d, v, t) = (config.n_embd, config.vocab_size, config.block_size);
-    let mut units = vec![UnitSpec {
-        name: "embed".into(),
-        params: vec![
-            ("wte.weight".into(), vec![v, d]),
-            ("wpe.weight".into(), vec![t, d]),
-        ],
-        uses: vec![],
-    }];
-    for i in 0..config.n_layer {
-        let p = |s: &str, shape: Vec<usize>| (format!("h.{i}.{s}"), shape);
-        units.push(UnitSpec {
-            name: format!("h.{i}"),
-            params: vec![
-                p("ln_1.weight", vec![d]),
-                p("ln_1.bias", vec![d]),
-                p("attn.c_attn.weight", vec![d, 3 * d]),
-                p("attn.c_attn.bias", vec![3 * d]),
-                p("attn.c_proj.weight", vec![d, d]),
-                p("attn.c_proj.bias", vec![d]),
-                p("ln_2.weight", vec![d]),
-                p("ln_2.bias", vec![d]),
-                p("mlp.c_fc.weight", vec![d, 4 * d]),
-                p("mlp.c_fc.bias", vec![4 * d]),
-                p("mlp.c_proj.weight", vec![4 * d, d]),
-                p("mlp.c_proj.bias", vec![d]),
-            ],
-            uses: vec![],
-        });
+    let unit = |name: String, uses: Vec<usize>| UnitSpec {
+        name,
+        params: Vec::new(),
+        uses,
+    };
+    let mut units = vec![unit("embed".into(), vec![])];
+    units.extend((0..config.n_layer).map(|i| unit(format!("h.{i}"), vec![])));
+    units.push(unit("head".into(), vec![0]));
+    for p in config.layout() {
+        let index = match p.path.split('.').collect::<Vec<_>>().as_slice() {
+            ["wte" | "wpe", ..] => 0,
+            ["h", i, ..] => 1 + i.parse::<usize>().expect("block paths are h.<index>"),
+            _ => config.n_layer + 1,
+        };
+        units[index].params.push((p.path, p.shape));
     }
-    units.push(UnitSpec {
-        name: "head".into(),
-        params: vec![
-            ("ln_f.weight".into(), vec![d]),
-            ("ln_f.bias".into(), vec![d]),
-        ],
-        uses: vec![0],
-    });
     units
 }
 
