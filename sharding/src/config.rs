@@ -1,7 +1,11 @@
 //! What is partitioned where: a [`ShardConfig`] gives each training state the topology level it
 //! is split over, plus quantization, compute dtype and prefetch. Presets (`ddp` ... `hier3`)
-//! are constructors; every combination that [`ShardConfig::validate`] accepts runs, and the
-//! ones it refuses are refused with the reason. Plain data; it deliberately touches no MPI.
+//! are constructors. The types hold only combinations that mean something: parameters are
+//! replicated or split exactly like the optimizer state, a secondary copy and weight
+//! quantization exist only for split parameters, gradient settings only for split optimizer
+//! state, error feedback only with quantized gradients. [`ShardConfig::validate`] checks what
+//! depends on the topology (spans that exist, hops that widen). Plain data; it deliberately
+//! touches no MPI.
 //!
 //! # Spans
 //!
@@ -111,31 +115,14 @@ impl Compute {
 
 /// Where every training state lives and how it moves.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "Flat", into = "Flat")]
 pub struct ShardConfig {
     /// Preset this was built from (informational; the fields below are what runs).
     pub preset: String,
-    /// Primary parameter partition (compute dtype). `Span(0)` = replicated.
-    pub params: Span,
-    /// Secondary parameter copy (hpZ), sliced from the first forward gather of a step and used
-    /// by backward and later micro-batches; `None` re-gathers from the primary.
-    pub secondary: Option<Span>,
-    /// Optimizer state partition: f32 master, first and second moments.
-    pub optimizer: Span,
-    /// The gradient reduce-scatter's hops, innermost first, as the span each hop ends at; the
-    /// last is `optimizer`. Empty when the optimizer state is replicated (an all-reduce).
-    pub grad_hops: Vec<Span>,
-    /// Whether gradients are partitioned (ZeRO-2 and up: reduced after every micro-batch into
-    /// the optimizer's shard) or kept whole until the step's last micro-batch (DDP, ZeRO-1).
-    pub shard_grads: bool,
-    /// Weight quantization of parameter gathers.
-    pub quantize_weights: WeightQuant,
-    /// Gradient quantization of the reduce-scatter.
-    pub quantize_grads: GradQuant,
+    /// Where the optimizer state, gradients and parameters live.
+    pub states: States,
     /// Elements per quantization block (one f32 scale each).
     pub quant_block: usize,
-    /// Quantized gradients: keep each rank's quantization error per hop and add it to the
-    /// next step's gradient (LoCo-style error feedback). DeepSpeed's qgZ has none.
-    pub error_feedback: bool,
     /// Forward/backward dtype.
     pub compute: Compute,
     /// Units gathered ahead of the one computing (0 = no overlap).
@@ -143,8 +130,168 @@ pub struct ShardConfig {
     /// Whether partitioned parameters' units recompute their forward in backward (and gather
     /// again for it), or keep their activations and gathered parameters from forward to
     /// backward. Replicated parameters never recompute.
-    #[serde(default)]
     pub recompute: Recompute,
+}
+
+/// Where the training states live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum States {
+    /// Every state whole on every rank; gradients all-reduced (DDP).
+    Replicated,
+    /// The optimizer state split over a group of levels (ZeRO-1 and up).
+    Sharded(Sharded),
+}
+
+/// Split optimizer state, and what follows from it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sharded {
+    /// The optimizer state's partition (f32 master, and the optimizer's own state); at
+    /// least one level.
+    pub optimizer: Span,
+    /// The gradient reduce-scatter's hops before the last, innermost first, as the span each
+    /// ends at; the last hop ends at `optimizer`. Empty: one hop.
+    pub inner_hops: Vec<Span>,
+    /// Whether gradients are partitioned (ZeRO-2 and up: reduced after every micro-batch into
+    /// the optimizer's shard) or kept whole until the step's last micro-batch (ZeRO-1).
+    pub shard_grads: bool,
+    /// Gradient quantization of the reduce-scatter (`None`: reduce in f32).
+    pub quantize_grads: Option<GradQuantize>,
+    /// The parameters.
+    pub params: Params,
+}
+
+/// Quantized gradient reduction (ZeRO++ qgZ: an all-to-all per hop).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GradQuantize {
+    /// Int8 or int4.
+    pub format: GradQuant,
+    /// Keep each rank's quantization error per hop and add it to the next step's gradient
+    /// (LoCo-style error feedback). DeepSpeed's qgZ has none.
+    pub error_feedback: bool,
+}
+
+/// The parameters of split optimizer state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Params {
+    /// Whole on every rank (ZeRO-1, ZeRO-2): the updated shards are all-gathered each step.
+    Replicated,
+    /// Split exactly like the optimizer state (ZeRO-3): the updated master shard becomes the
+    /// parameter shard.
+    Sharded {
+        /// Secondary parameter copy (hpZ), sliced from the first forward gather of a step and
+        /// used by backward and later micro-batches; `None` re-gathers from the primary.
+        secondary: Option<Span>,
+        /// Weight quantization of parameter gathers.
+        quantize_weights: WeightQuant,
+    },
+}
+
+/// The on-disk form of a [`ShardConfig`] (checkpoint manifests, `ember plan --json`): one
+/// field per setting, as earlier versions wrote it. Reading one checks that its fields
+/// combine into a [`ShardConfig`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Flat {
+    preset: String,
+    params: Span,
+    secondary: Option<Span>,
+    optimizer: Span,
+    grad_hops: Vec<Span>,
+    shard_grads: bool,
+    quantize_weights: WeightQuant,
+    quantize_grads: GradQuant,
+    quant_block: usize,
+    error_feedback: bool,
+    compute: Compute,
+    prefetch: usize,
+    #[serde(default)]
+    recompute: Recompute,
+}
+
+impl From<ShardConfig> for Flat {
+    fn from(c: ShardConfig) -> Self {
+        Flat {
+            params: c.params(),
+            secondary: c.secondary(),
+            optimizer: c.optimizer(),
+            grad_hops: c.grad_hops(),
+            shard_grads: c.shard_grads(),
+            quantize_weights: c.quantize_weights(),
+            quantize_grads: c.quantize_grads(),
+            error_feedback: c.error_feedback(),
+            preset: c.preset,
+            quant_block: c.quant_block,
+            compute: c.compute,
+            prefetch: c.prefetch,
+            recompute: c.recompute,
+        }
+    }
+}
+
+impl TryFrom<Flat> for ShardConfig {
+    type Error = ShardError;
+
+    fn try_from(f: Flat) -> Result<Self, ShardError> {
+        let hops = format!("{:?}", f.grad_hops);
+        let states = match f.grad_hops.split_last() {
+            None if f.optimizer == Span(0) && f.params == Span(0) && !f.shard_grads => {
+                States::Replicated
+            }
+            Some((&last, inner)) if last == f.optimizer && f.optimizer != Span(0) => {
+                let params = if f.params == Span(0) {
+                    Params::Replicated
+                } else if f.params == f.optimizer {
+                    Params::Sharded {
+                        secondary: None,
+                        quantize_weights: WeightQuant::Off,
+                    }
+                } else {
+                    return Err(ShardError::setting(
+                        "params",
+                        f.params.0,
+                        format!(
+                            "parameters are either replicated (span 0) or split exactly like \
+                             the optimizer state (span {}): the updated master shard becomes \
+                             the parameter shard",
+                            f.optimizer.0
+                        ),
+                    ));
+                };
+                States::Sharded(Sharded {
+                    optimizer: f.optimizer,
+                    inner_hops: inner.to_vec(),
+                    shard_grads: f.shard_grads,
+                    quantize_grads: None,
+                    params,
+                })
+            }
+            _ => {
+                return Err(ShardError::setting(
+                    "grad_hops",
+                    hops,
+                    format!(
+                        "the gradient path must end at the optimizer state's span ({}) so each \
+                         rank receives the shard it updates; replicated optimizer state (span \
+                         0) all-reduces whole gradients into replicated parameters, with no \
+                         path",
+                        f.optimizer.0
+                    ),
+                ));
+            }
+        };
+        let mut c = ShardConfig {
+            preset: f.preset,
+            states,
+            quant_block: f.quant_block,
+            compute: f.compute,
+            prefetch: f.prefetch,
+            recompute: f.recompute,
+        };
+        c.set_secondary(f.secondary)?;
+        c.set_quantize_weights(f.quantize_weights)?;
+        c.set_quantize_grads(f.quantize_grads)?;
+        c.set_error_feedback(f.error_feedback)?;
+        Ok(c)
+    }
 }
 
 /// What a unit with partitioned parameters keeps from its forward for its backward.
@@ -171,64 +318,61 @@ pub const PRESETS: [&str; 6] = ["ddp", "zero1", "zero2", "zero3", "zeropp", "hie
 pub const DEFAULT_QUANT_BLOCK: usize = 128;
 
 impl ShardConfig {
+    /// Everything replicated (DDP), in f32, one unit prefetched.
+    fn replicated(preset: &str) -> Self {
+        ShardConfig {
+            preset: preset.to_string(),
+            states: States::Replicated,
+            quant_block: DEFAULT_QUANT_BLOCK,
+            compute: Compute::F32,
+            prefetch: 1,
+            recompute: Recompute::Unit,
+        }
+    }
+
     /// A preset on a topology of `depth` levels (the level spans depend on it). Presets are
     /// defined for any depth: `zeropp`'s secondary is the outermost-but-one level (the node on
     /// a three-level topology), `hier3`'s the innermost shared one (the GPU's GCD pair).
     pub fn preset(name: &str, depth: usize) -> Result<Self, ShardError> {
         let world = Span(depth);
-        let base = ShardConfig {
-            preset: name.to_string(),
-            params: Span(0),
-            secondary: None,
-            optimizer: world,
-            grad_hops: vec![world],
-            shard_grads: false,
-            quantize_weights: WeightQuant::Off,
-            quantize_grads: GradQuant::Off,
-            quant_block: DEFAULT_QUANT_BLOCK,
-            error_feedback: false,
-            compute: Compute::F32,
-            prefetch: 1,
-            recompute: Recompute::Unit,
+        let sharded = |inner_hops: Vec<Span>, shard_grads, quantize_grads, params| {
+            States::Sharded(Sharded {
+                optimizer: world,
+                inner_hops,
+                shard_grads,
+                quantize_grads,
+                params,
+            })
         };
-        let config = match name {
-            "ddp" => ShardConfig {
-                optimizer: Span(0),
-                grad_hops: Vec::new(),
-                ..base
-            },
-            "zero1" => base,
-            "zero2" => ShardConfig {
-                shard_grads: true,
-                ..base
-            },
-            "zero3" => ShardConfig {
-                params: world,
-                shard_grads: true,
-                ..base
-            },
-            "zeropp" => ShardConfig {
-                params: world,
-                secondary: Some(Span(depth.saturating_sub(1))),
-                grad_hops: if depth >= 2 {
-                    vec![Span(depth - 1), world]
+        let int4 = Some(GradQuantize {
+            format: GradQuant::Int4,
+            error_feedback: false,
+        });
+        let split = |secondary, quantize_weights| Params::Sharded {
+            secondary,
+            quantize_weights,
+        };
+        let states = match name {
+            "ddp" => States::Replicated,
+            "zero1" => sharded(vec![], false, None, Params::Replicated),
+            "zero2" => sharded(vec![], true, None, Params::Replicated),
+            "zero3" => sharded(vec![], true, None, split(None, WeightQuant::Off)),
+            "zeropp" => sharded(
+                if depth >= 2 {
+                    vec![Span(depth - 1)]
                 } else {
-                    vec![world]
+                    vec![]
                 },
-                shard_grads: true,
-                quantize_weights: WeightQuant::Int8,
-                quantize_grads: GradQuant::Int4,
-                ..base
-            },
-            "hier3" => ShardConfig {
-                params: world,
-                secondary: Some(Span(1.min(depth))),
-                grad_hops: (1..=depth).map(Span).collect(),
-                shard_grads: true,
-                quantize_weights: WeightQuant::Int8,
-                quantize_grads: GradQuant::Int4,
-                ..base
-            },
+                true,
+                int4,
+                split(Some(Span(depth.saturating_sub(1))), WeightQuant::Int8),
+            ),
+            "hier3" => sharded(
+                (1..depth).map(Span).collect(),
+                true,
+                int4,
+                split(Some(Span(1.min(depth))), WeightQuant::Int8),
+            ),
             other => {
                 return Err(ShardError::setting(
                     "preset",
@@ -237,141 +381,236 @@ impl ShardConfig {
                 ));
             }
         };
-        Ok(config)
+        Ok(ShardConfig {
+            states,
+            ..ShardConfig::replicated(name)
+        })
     }
 
-    /// Checks the combination against `topology`; the error says what is wrong and why.
+    /// The split optimizer state's settings (`None` when everything is replicated).
+    fn sharded(&self) -> Option<&Sharded> {
+        match &self.states {
+            States::Replicated => None,
+            States::Sharded(s) => Some(s),
+        }
+    }
+
+    /// Primary parameter partition (compute dtype): `Span(0)` when replicated, else the
+    /// optimizer state's.
+    pub fn params(&self) -> Span {
+        match self.sharded() {
+            Some(s) if matches!(s.params, Params::Sharded { .. }) => s.optimizer,
+            _ => Span(0),
+        }
+    }
+
+    /// The secondary parameter copy's partition (hpZ), if any.
+    pub fn secondary(&self) -> Option<Span> {
+        match self.sharded().map(|s| s.params) {
+            Some(Params::Sharded { secondary, .. }) => secondary,
+            _ => None,
+        }
+    }
+
+    /// Optimizer state partition: `Span(0)` when replicated.
+    pub fn optimizer(&self) -> Span {
+        self.sharded().map_or(Span(0), |s| s.optimizer)
+    }
+
+    /// The gradient reduce-scatter's hops, innermost first, as the span each hop ends at; the
+    /// last is the optimizer's. Empty when the optimizer state is replicated (an all-reduce).
+    pub fn grad_hops(&self) -> Vec<Span> {
+        self.sharded().map_or_else(Vec::new, |s| {
+            s.inner_hops
+                .iter()
+                .copied()
+                .chain(std::iter::once(s.optimizer))
+                .collect()
+        })
+    }
+
+    /// Whether gradients are partitioned after every micro-batch (ZeRO-2 and up).
+    pub fn shard_grads(&self) -> bool {
+        self.sharded().is_some_and(|s| s.shard_grads)
+    }
+
+    /// Weight quantization of parameter gathers.
+    pub fn quantize_weights(&self) -> WeightQuant {
+        match self.sharded().map(|s| s.params) {
+            Some(Params::Sharded {
+                quantize_weights, ..
+            }) => quantize_weights,
+            _ => WeightQuant::Off,
+        }
+    }
+
+    /// Gradient quantization of the reduce-scatter.
+    pub fn quantize_grads(&self) -> GradQuant {
+        self.sharded()
+            .and_then(|s| s.quantize_grads)
+            .map_or(GradQuant::Off, |q| q.format)
+    }
+
+    /// Whether quantized gradients carry their error to the next step.
+    pub fn error_feedback(&self) -> bool {
+        self.sharded()
+            .and_then(|s| s.quantize_grads)
+            .is_some_and(|q| q.error_feedback)
+    }
+
+    /// Sets the secondary parameter copy; only split parameters have one.
+    pub fn set_secondary(&mut self, span: Option<Span>) -> Result<(), ShardError> {
+        match (&mut self.states, span) {
+            (
+                States::Sharded(Sharded {
+                    params: Params::Sharded { secondary, .. },
+                    ..
+                }),
+                span,
+            ) => {
+                *secondary = span;
+                Ok(())
+            }
+            (_, None) => Ok(()),
+            (_, Some(s)) => Err(ShardError::setting(
+                "secondary",
+                format!("span {}", s.0),
+                "a secondary copy needs partitioned parameters: replicated parameters are \
+                 never re-gathered",
+            )
+            .with_fix("secondary", "none")),
+        }
+    }
+
+    /// Sets weight quantization; only split parameters are gathered.
+    pub fn set_quantize_weights(&mut self, q: WeightQuant) -> Result<(), ShardError> {
+        match (&mut self.states, q) {
+            (
+                States::Sharded(Sharded {
+                    params:
+                        Params::Sharded {
+                            quantize_weights, ..
+                        },
+                    ..
+                }),
+                q,
+            ) => {
+                *quantize_weights = q;
+                Ok(())
+            }
+            (_, WeightQuant::Off) => Ok(()),
+            (_, WeightQuant::Int8) => Err(ShardError::setting(
+                "quantize_weights",
+                "int8",
+                "weight quantization applies to parameter gathers; replicated parameters are \
+                 never gathered",
+            )
+            .with_fix("quantize_weights", "off")),
+        }
+    }
+
+    /// Sets gradient quantization (keeping error feedback where it stays quantized); only a
+    /// reduce-scatter into split optimizer state is quantized.
+    pub fn set_quantize_grads(&mut self, q: GradQuant) -> Result<(), ShardError> {
+        match (&mut self.states, q) {
+            (States::Sharded(s), GradQuant::Off) => {
+                s.quantize_grads = None;
+                Ok(())
+            }
+            (States::Sharded(s), format) => {
+                let error_feedback = s.quantize_grads.is_some_and(|q| q.error_feedback);
+                s.quantize_grads = Some(GradQuantize {
+                    format,
+                    error_feedback,
+                });
+                Ok(())
+            }
+            (States::Replicated, GradQuant::Off) => Ok(()),
+            (States::Replicated, q) => Err(ShardError::setting(
+                "quantize_grads",
+                format!("{q:?}").to_lowercase(),
+                "gradient quantization rides the all-to-all reduce-scatter; with replicated \
+                 optimizer state gradients are all-reduced",
+            )
+            .with_fix("quantize_grads", "off")),
+        }
+    }
+
+    /// Turns error feedback on or off; it exists only for quantized gradients.
+    pub fn set_error_feedback(&mut self, on: bool) -> Result<(), ShardError> {
+        match &mut self.states {
+            States::Sharded(Sharded {
+                quantize_grads: Some(q),
+                ..
+            }) => {
+                q.error_feedback = on;
+                Ok(())
+            }
+            _ if !on => Ok(()),
+            _ => Err(ShardError::setting(
+                "error_feedback",
+                true,
+                "error feedback compensates gradient quantization, which is off",
+            )
+            .with_fix("quantize_grads", "int4")),
+        }
+    }
+
+    /// Checks the spans against `topology`; the error says what is wrong and why.
     pub fn validate(&self, topology: &Topology) -> Result<(), ShardError> {
         let depth = topology.depth();
-        let bad = |field: &'static str, value: String, reason: String| {
-            Err(ShardError::setting(field, value, reason))
-        };
         let name = |s: Span| s.name(topology);
-        for (field, span) in [("params", self.params), ("optimizer", self.optimizer)]
+        for (field, span) in [("optimizer", self.optimizer())]
             .into_iter()
-            .chain(self.secondary.map(|s| ("secondary", s)))
-            .chain(self.grad_hops.iter().map(|&s| ("grad_hops", s)))
+            .chain(self.secondary().map(|s| ("secondary", s)))
+            .chain(self.grad_hops().into_iter().map(|s| ("grad_hops", s)))
         {
             if span.0 > depth {
-                return bad(
+                return Err(ShardError::setting(
                     field,
                     format!("span {}", span.0),
                     format!("exceeds the topology's {depth} levels"),
-                );
+                ));
             }
         }
-        if self.params != Span(0) && self.params != self.optimizer {
-            return bad(
-                "params",
-                name(self.params),
-                format!(
-                    "parameters partitioned over the {} but optimizer state over the {}: the \
-                     updated master shard becomes the parameter shard, so parameters are \
-                     either replicated (gcd) or split exactly like the optimizer state",
-                    name(self.params),
-                    name(self.optimizer)
-                ),
-            );
-        }
-        if let Some(s) = self.secondary {
-            if self.params == Span(0) {
-                return bad(
-                    "secondary",
-                    name(s),
-                    "a secondary copy needs partitioned parameters: replicated parameters are \
-                     never re-gathered"
-                        .into(),
-                )
-                .map_err(|e| e.with_fix("secondary", "none"));
+        if let Some(s) = self.sharded() {
+            if s.optimizer == Span(0) {
+                return Err(ShardError::setting(
+                    "optimizer",
+                    name(s.optimizer),
+                    "split optimizer state needs a group of at least one level; replicated \
+                     state is States::Replicated",
+                ));
             }
-            if s >= self.params {
-                return bad(
+            let hops = self.grad_hops();
+            if hops.windows(2).any(|w| w[0] >= w[1]) || hops[0] == Span(0) {
+                return Err(ShardError::setting(
+                    "grad_hops",
+                    format!("{hops:?}"),
+                    "gradient hops must widen strictly, innermost first, starting above the \
+                     gcd level, and end at the optimizer state's",
+                ));
+            }
+            if let Some(secondary) = self.secondary()
+                && secondary >= s.optimizer
+            {
+                return Err(ShardError::setting(
                     "secondary",
-                    name(s),
+                    name(secondary),
                     format!(
                         "the secondary copy must be split over a smaller group than the \
                          primary ({}): otherwise it saves no traffic",
-                        name(self.params)
+                        name(s.optimizer)
                     ),
-                );
+                ));
             }
-        }
-        if self.optimizer == Span(0) {
-            if !self.grad_hops.is_empty() {
-                return bad(
-                    "grad_hops",
-                    format!("{:?}", self.grad_hops),
-                    "replicated optimizer state all-reduces gradients: a reduce-scatter path \
-                     does not apply"
-                        .into(),
-                );
-            }
-            if self.shard_grads {
-                return bad(
-                    "shard_grads",
-                    "true".into(),
-                    "gradients cannot be partitioned finer than the optimizer state they feed \
-                     (replicated here)"
-                        .into(),
-                );
-            }
-            if self.quantize_grads != GradQuant::Off {
-                return bad(
-                    "quantize_grads",
-                    format!("{:?}", self.quantize_grads).to_lowercase(),
-                    "gradient quantization rides the all-to-all reduce-scatter; with replicated \
-                     optimizer state gradients are all-reduced"
-                        .into(),
-                )
-                .map_err(|e| e.with_fix("quantize_grads", "off"));
-            }
-        } else {
-            let hops = &self.grad_hops;
-            if hops.last() != Some(&self.optimizer) {
-                return bad(
-                    "grad_hops",
-                    format!("{:?}", self.grad_hops),
-                    format!(
-                        "the gradient path must end at the optimizer state's level ({}) so \
-                         each rank receives the shard it updates",
-                        name(self.optimizer)
-                    ),
-                );
-            }
-            if hops.windows(2).any(|w| w[0] >= w[1]) || hops[0] == Span(0) {
-                return bad(
-                    "grad_hops",
-                    format!("{:?}", self.grad_hops),
-                    "gradient hops must widen strictly, innermost first, starting above the \
-                     gcd level"
-                        .into(),
-                );
-            }
-        }
-        if self.params == Span(0) && self.quantize_weights != WeightQuant::Off {
-            return bad(
-                "quantize_weights",
-                "int8".into(),
-                "weight quantization applies to parameter gathers; replicated parameters are \
-                 never gathered"
-                    .into(),
-            )
-            .map_err(|e| e.with_fix("quantize_weights", "off"));
-        }
-        if self.error_feedback && self.quantize_grads == GradQuant::Off {
-            return bad(
-                "error_feedback",
-                "true".into(),
-                "error feedback compensates gradient quantization, which is off".into(),
-            )
-            .map_err(|e| e.with_fix("quantize_grads", "int4"));
         }
         if self.quant_block == 0 || !self.quant_block.is_multiple_of(8) {
-            return bad(
+            return Err(ShardError::setting(
                 "quant_block",
-                self.quant_block.to_string(),
-                "must be a positive multiple of 8".into(),
-            );
+                self.quant_block,
+                "must be a positive multiple of 8",
+            ));
         }
         Ok(())
     }
@@ -379,7 +618,7 @@ impl ShardConfig {
     /// Elements each unit's flat buffer is padded to a multiple of, per world rank: the
     /// quantization block when anything is quantized, else 1 (see `plan`).
     pub fn pad_block(&self) -> usize {
-        if self.quantize_weights != WeightQuant::Off || self.quantize_grads != GradQuant::Off {
+        if self.quantize_weights() != WeightQuant::Off || self.quantize_grads() != GradQuant::Off {
             self.quant_block
         } else {
             1
@@ -394,13 +633,13 @@ impl fmt::Display for ShardConfig {
             "{} (params span {}, secondary {:?}, optimizer span {}, grad hops {:?}, \
              sharded grads {}, weights {:?}, grads {:?}, {:?}, prefetch {}, recompute {:?})",
             self.preset,
-            self.params.0,
-            self.secondary.map(|s| s.0),
-            self.optimizer.0,
-            self.grad_hops.iter().map(|s| s.0).collect::<Vec<_>>(),
-            self.shard_grads,
-            self.quantize_weights,
-            self.quantize_grads,
+            self.params().0,
+            self.secondary().map(|s| s.0),
+            self.optimizer().0,
+            self.grad_hops().iter().map(|s| s.0).collect::<Vec<_>>(),
+            self.shard_grads(),
+            self.quantize_weights(),
+            self.quantize_grads(),
             self.compute,
             self.prefetch,
             self.recompute
@@ -430,59 +669,85 @@ mod tests {
     #[test]
     fn presets_put_each_state_on_its_level() {
         let hier3 = ShardConfig::preset("hier3", 3).unwrap();
-        assert_eq!(hier3.grad_hops, vec![Span(1), Span(2), Span(3)]);
-        assert_eq!(hier3.secondary, Some(Span(1)));
+        assert_eq!(hier3.grad_hops(), vec![Span(1), Span(2), Span(3)]);
+        assert_eq!(hier3.secondary(), Some(Span(1)));
         let zpp = ShardConfig::preset("zeropp", 3).unwrap();
-        assert_eq!(zpp.grad_hops, vec![Span(2), Span(3)]);
-        assert_eq!(zpp.secondary, Some(Span(2)));
+        assert_eq!(zpp.grad_hops(), vec![Span(2), Span(3)]);
+        assert_eq!(zpp.secondary(), Some(Span(2)));
         let ddp = ShardConfig::preset("ddp", 3).unwrap();
-        assert_eq!((ddp.params, ddp.optimizer), (Span(0), Span(0)));
+        assert_eq!((ddp.params(), ddp.optimizer()), (Span(0), Span(0)));
         let z1 = ShardConfig::preset("zero1", 3).unwrap();
         let z2 = ShardConfig::preset("zero2", 3).unwrap();
-        assert!(!z1.shard_grads && z2.shard_grads);
+        assert!(!z1.shard_grads() && z2.shard_grads());
         assert!(ShardConfig::preset("zero4", 3).is_err());
     }
 
     #[test]
-    fn invalid_combinations_are_refused_with_the_reason() {
+    fn settings_that_mean_nothing_are_refused_with_the_reason() {
+        let mut ddp = ShardConfig::preset("ddp", 3).unwrap();
+        let e = ddp
+            .set_quantize_grads(GradQuant::Int4)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("all-reduced"), "{e}");
+        let mut zero1 = ShardConfig::preset("zero1", 3).unwrap();
+        let e = zero1
+            .set_quantize_weights(WeightQuant::Int8)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("never gathered"), "{e}");
+        let e = zero1.set_secondary(Some(Span(1))).unwrap_err().to_string();
+        assert!(e.contains("needs partitioned parameters"), "{e}");
+        let mut zero3 = ShardConfig::preset("zero3", 3).unwrap();
+        let e = zero3.set_error_feedback(true).unwrap_err().to_string();
+        assert!(e.contains("set quantize_grads to int4"), "{e}");
+        // Turning something off is always fine.
+        ddp.set_secondary(None).unwrap();
+        ddp.set_error_feedback(false).unwrap();
+    }
+
+    #[test]
+    fn spans_the_topology_cannot_hold_are_refused() {
         let topo = t("2x2x2");
         let mut c = ShardConfig::preset("zero3", 3).unwrap();
-        c.secondary = Some(Span(3));
+        c.set_secondary(Some(Span(3))).unwrap();
         let e = c.validate(&topo).unwrap_err().to_string();
         assert!(e.contains("smaller group"), "{e}");
-        let mut c = ShardConfig::preset("ddp", 3).unwrap();
-        c.quantize_grads = GradQuant::Int4;
-        assert!(
-            c.validate(&topo)
-                .unwrap_err()
-                .to_string()
-                .contains("all-reduced")
-        );
-        let mut c = ShardConfig::preset("zero1", 3).unwrap();
-        c.quantize_weights = WeightQuant::Int8;
-        assert!(
-            c.validate(&topo)
-                .unwrap_err()
-                .to_string()
-                .contains("never gathered")
-        );
-        let mut c = ShardConfig::preset("zero3", 3).unwrap();
-        c.grad_hops = vec![Span(2)];
-        assert!(
-            c.validate(&topo)
-                .unwrap_err()
-                .to_string()
-                .contains("must end")
-        );
-        let mut c = ShardConfig::preset("zero3", 3).unwrap();
-        c.optimizer = Span(2);
-        c.grad_hops = vec![Span(2)];
-        assert!(
-            c.validate(&topo)
-                .unwrap_err()
-                .to_string()
-                .contains("exactly like")
-        );
+        let mut c = ShardConfig::preset("hier3", 3).unwrap();
+        if let States::Sharded(s) = &mut c.states {
+            s.inner_hops = vec![Span(2), Span(1)];
+        }
+        let e = c.validate(&topo).unwrap_err().to_string();
+        assert!(e.contains("widen strictly"), "{e}");
+    }
+
+    #[test]
+    fn the_disk_form_is_read_back_and_checked() {
+        for p in PRESETS {
+            let c = ShardConfig::preset(p, 3).unwrap();
+            let json = serde_json::to_string(&c).unwrap();
+            assert!(json.contains("\"grad_hops\""), "{json}");
+            assert_eq!(
+                serde_json::from_str::<ShardConfig>(&json).unwrap(),
+                c,
+                "{p}"
+            );
+        }
+        // Parameters split over the node while the optimizer state spans the world.
+        let mut flat: serde_json::Value =
+            serde_json::to_value(ShardConfig::preset("zero3", 3).unwrap()).unwrap();
+        flat["params"] = serde_json::json!(2);
+        let e = serde_json::from_value::<ShardConfig>(flat)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("exactly like"), "{e}");
+        let mut flat: serde_json::Value =
+            serde_json::to_value(ShardConfig::preset("zero3", 3).unwrap()).unwrap();
+        flat["grad_hops"] = serde_json::json!([2]);
+        let e = serde_json::from_value::<ShardConfig>(flat)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("must end"), "{e}");
     }
 
     #[test]
@@ -490,16 +755,24 @@ mod tests {
         let topo = t("2x2x2");
         // HSDP-like: everything split inside the node, replicated across nodes.
         let mut c = ShardConfig::preset("zero3", 3).unwrap();
-        c.params = Span(2);
-        c.optimizer = Span(2);
-        c.grad_hops = vec![Span(1), Span(2)];
-        c.secondary = Some(Span(1));
-        c.quantize_grads = GradQuant::Int8;
+        c.states = States::Sharded(Sharded {
+            optimizer: Span(2),
+            inner_hops: vec![Span(1)],
+            shard_grads: true,
+            quantize_grads: Some(GradQuantize {
+                format: GradQuant::Int8,
+                error_feedback: false,
+            }),
+            params: Params::Sharded {
+                secondary: Some(Span(1)),
+                quantize_weights: WeightQuant::Off,
+            },
+        });
         c.validate(&topo).unwrap();
         // ZeRO-3 with a whole copy per rank kept through backward (FSDP's
         // reshard_after_forward=False).
         let mut c = ShardConfig::preset("zero3", 3).unwrap();
-        c.secondary = Some(Span(0));
+        c.set_secondary(Some(Span(0))).unwrap();
         c.validate(&topo).unwrap();
     }
 

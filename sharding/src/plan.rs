@@ -310,7 +310,7 @@ impl Plan {
 
     /// Ranks the primary parameter partition splits each unit over.
     pub fn params_group_size(&self) -> usize {
-        self.config.params.group_size(&self.topology)
+        self.config.params().group_size(&self.topology)
     }
 
     /// The group a span partitions over.
@@ -322,7 +322,7 @@ impl Plan {
     pub fn hops(&self) -> Vec<Levels> {
         let mut lo = 0;
         self.config
-            .grad_hops
+            .grad_hops()
             .iter()
             .map(|s| {
                 let h = Levels { lo, hi: s.0 };
@@ -359,8 +359,8 @@ impl Plan {
     /// size).
     pub fn gather_primary_collectives(&self, u: usize) -> Vec<Collective> {
         let c = self.config.compute.bytes();
-        let shard = self.shard_len(u, self.config.params);
-        let mut per_rank = match self.config.quantize_weights {
+        let shard = self.shard_len(u, self.config.params());
+        let mut per_rank = match self.config.quantize_weights() {
             WeightQuant::Off => shard * c,
             WeightQuant::Int8 => Quantized::wire_bytes(QuantFormat::Int8, self.block(), shard),
         };
@@ -372,7 +372,7 @@ impl Plan {
                 per_rank *= g;
             }
         }
-        if self.config.quantize_weights == WeightQuant::Int8
+        if self.config.quantize_weights() == WeightQuant::Int8
             && let Some(last) = out.len().checked_sub(1)
         {
             // The shard is quantized before the first hop, the whole unit dequantized after
@@ -387,7 +387,7 @@ impl Plan {
     /// primary gather delivered) when weights are quantized, else the compute dtype.
     pub fn secondary_bytes(&self, u: usize, span: Span) -> usize {
         let len = self.shard_len(u, span);
-        match self.config.quantize_weights {
+        match self.config.quantize_weights() {
             WeightQuant::Off => len * self.config.compute.bytes(),
             WeightQuant::Int8 => Quantized::wire_bytes(QuantFormat::Int8, self.block(), len),
         }
@@ -399,7 +399,7 @@ impl Plan {
         if g > 1 {
             let bytes = self.secondary_bytes(u, span) * g;
             let c = Collective::new(self.group(span), Op::AllGather, bytes as u64);
-            vec![match self.config.quantize_weights {
+            vec![match self.config.quantize_weights() {
                 WeightQuant::Off => c,
                 // The whole unit is dequantized after it.
                 WeightQuant::Int8 => c.quantizing(self.units[u].padded as f64 / 2.0),
@@ -416,7 +416,7 @@ impl Plan {
             lo: 0,
             hi: self.topology.depth(),
         };
-        let o = self.config.optimizer;
+        let o = self.config.optimizer();
         let mut out = Vec::new();
         if o == Span(0) {
             if world.size(&self.topology) > 1 {
@@ -430,7 +430,7 @@ impl Plan {
             if g == 1 {
                 continue;
             }
-            let format = match self.config.quantize_grads {
+            let format = match self.config.quantize_grads() {
                 GradQuant::Off => None,
                 GradQuant::Int8 => Some(QuantFormat::Int8),
                 GradQuant::Int4 => Some(QuantFormat::Int4),

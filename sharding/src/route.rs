@@ -35,7 +35,7 @@ pub(crate) fn scope(comm: &Comm, levels: Levels) -> Scope {
 /// The optimizer group's path: the gradient hops (parameter gathers run it outermost first).
 fn path_of(plan: &Plan) -> Result<Path, ShardError> {
     let mut bounds = vec![0];
-    bounds.extend(plan.config.grad_hops.iter().map(|s| s.0));
+    bounds.extend(plan.config.grad_hops().iter().map(|s| s.0));
     Ok(Path::new(&plan.topology, &bounds)?)
 }
 
@@ -270,7 +270,7 @@ fn cut_secondary(
         Some(wires) => {
             // The secondary slice covers primary shards [i k, (i + 1) k) of the gather.
             let per = wires.len() / plan.params_group_size();
-            let primary_len = plan.shard_len(u, plan.config.params);
+            let primary_len = plan.shard_len(u, plan.config.params());
             let k = plan.shard_len(u, span) / primary_len;
             let first = range.start / primary_len;
             let mine = &wires[first * per..(first + k) * per];
@@ -301,11 +301,11 @@ pub(crate) fn gather_flow<'e>(
     if source == Source::Secondary {
         let span = plan
             .config
-            .secondary
+            .secondary()
             .expect("the schedule gathers from a secondary copy only when one is configured");
         let group = plan.group(span);
         let moves = group.size(&plan.topology) > 1;
-        let shard_len = plan.shard_len(u, plan.config.params);
+        let shard_len = plan.shard_len(u, plan.config.params());
         let take = move |comm: Option<&Comm>| -> Result<Carry, ShardError> {
             let copy = secondaries.get(u);
             Ok(match (copy, comm) {
@@ -343,10 +343,10 @@ pub(crate) fn gather_flow<'e>(
     let hops = gather_hops(plan);
     let live = hops.len();
     let keep = (source == Source::PrimaryToSecondary)
-        .then_some(plan.config.secondary)
+        .then_some(plan.config.secondary())
         .flatten();
-    let quantized = plan.config.quantize_weights == WeightQuant::Int8;
-    let shard_len = plan.shard_len(u, plan.config.params);
+    let quantized = plan.config.quantize_weights() == WeightQuant::Int8;
+    let shard_len = plan.shard_len(u, plan.config.params());
     // The first stage starts from the shard: its host values, or its int8 wire form.
     let start = move || -> Carry {
         if quantized {
@@ -435,7 +435,7 @@ pub(crate) fn reduce_flow<'e>(
     let world = Levels { lo: 0, hi: depth };
     let world_size = plan.topology.world_size();
     let mut stages: Vec<(Levels, StageFn<'e>)> = Vec::new();
-    if cfg.optimizer == Span(0) {
+    if cfg.optimizer() == Span(0) {
         if world_size == 1 {
             return Ok(Flow {
                 stages,
@@ -475,7 +475,7 @@ pub(crate) fn reduce_flow<'e>(
         .map(|(k, &h)| (k, levels_of(h, depth)))
         .filter(|(_, h)| h.size(topology) > 1)
         .collect();
-    let format = match cfg.quantize_grads {
+    let format = match cfg.quantize_grads() {
         GradQuant::Off => None,
         GradQuant::Int8 => Some(QuantFormat::Int8),
         GradQuant::Int4 => Some(QuantFormat::Int4),
@@ -489,7 +489,7 @@ pub(crate) fn reduce_flow<'e>(
             p * block.get()
         )));
     }
-    let feedback = cfg.error_feedback;
+    let feedback = cfg.error_feedback();
     let hop_count = path_hops.len();
     // The whole gradient in hop order, so each hop hands member m its part m.
     let path_for_order = path.clone();
@@ -567,11 +567,11 @@ pub(crate) fn reduce_flow<'e>(
         stages.push((hop, stage));
     }
     let across = Levels {
-        lo: cfg.optimizer.0,
+        lo: cfg.optimizer().0,
         hi: depth,
     };
     let g_across = across.size(topology);
-    let expect = plan.shard_len(u, cfg.optimizer);
+    let expect = plan.shard_len(u, cfg.optimizer());
     let name = plan.units[u].name.clone();
     // After the path: this rank's shard, averaged over the path's group.
     let shard_of = move |carry: Carry, first: Option<Tensor<1>>| -> Tensor<1> {

@@ -56,7 +56,7 @@ impl Plan {
     /// parameters) for its backward visit, which then neither gathers nor recomputes. The
     /// last stage runs only in its backward visit.
     pub fn keeps_graph(&self, stage: usize) -> bool {
-        self.config.params != Span(0)
+        self.config.params() != Span(0)
             && self.config.recompute == Recompute::None
             && stage + 1 < self.units.len()
     }
@@ -66,10 +66,10 @@ impl Plan {
         let cfg = &self.config;
         let k = self.units.len();
         let mut out = Vec::new();
-        if cfg.params == Span(0) {
+        if cfg.params() == Span(0) {
             for micro in 0..grad_accum {
                 out.push(Event::Whole { micro });
-                if cfg.shard_grads {
+                if cfg.shard_grads() {
                     out.extend((0..k).map(|unit| Event::Reduce { unit }));
                 }
             }
@@ -88,7 +88,7 @@ impl Plan {
                         continue;
                     }
                     for &unit in &self.units[next.stage].needs {
-                        let source = match cfg.secondary {
+                        let source = match cfg.secondary() {
                             None => Source::Primary,
                             Some(_) if has_secondary[unit] => Source::Secondary,
                             Some(_) => {
@@ -101,7 +101,7 @@ impl Plan {
                     issued += 1;
                 }
                 out.push(Event::Visit(*v));
-                if v.backward && cfg.shard_grads {
+                if v.backward && cfg.shard_grads() {
                     for &unit in &self.units[v.stage].needs {
                         if self.units[unit].grad_ready_at == v.stage {
                             out.push(Event::Reduce { unit });
@@ -110,7 +110,7 @@ impl Plan {
                 }
             }
         }
-        if !cfg.shard_grads {
+        if !cfg.shard_grads() {
             out.extend((0..k).map(|unit| Event::Reduce { unit }));
         }
         out
@@ -119,7 +119,7 @@ impl Plan {
     /// The collectives of one event of the schedule, in the order they run (none for visits).
     pub fn collectives(&self, event: Event) -> Vec<Collective> {
         match event {
-            Event::Gather { unit, source } => match (source, self.config.secondary) {
+            Event::Gather { unit, source } => match (source, self.config.secondary()) {
                 (Source::Secondary, Some(span)) => self.gather_secondary_collectives(unit, span),
                 _ => self.gather_primary_collectives(unit),
             },
@@ -135,11 +135,11 @@ impl Plan {
     pub fn closing_collectives(&self) -> Vec<Collective> {
         let cfg = &self.config;
         let mut out = Vec::new();
-        if cfg.params == Span(0) && cfg.optimizer != Span(0) {
+        if cfg.params() == Span(0) && cfg.optimizer() != Span(0) {
             // Replicated parameters are rebuilt from the updated master shards.
             let c = cfg.compute.bytes();
             for u in 0..self.units.len() {
-                let mut per_rank = self.shard_len(u, cfg.optimizer) * c;
+                let mut per_rank = self.shard_len(u, cfg.optimizer()) * c;
                 for hop in self.hops().into_iter().rev() {
                     let g = hop.size(&self.topology);
                     if g > 1 {
@@ -150,7 +150,7 @@ impl Plan {
             }
         }
         for group in [
-            self.group(cfg.optimizer),
+            self.group(cfg.optimizer()),
             self.group(Span(self.topology.depth())),
         ] {
             if group.size(&self.topology) > 1 {
@@ -177,7 +177,7 @@ impl Plan {
 
     /// Whether the primary partition is the f32 master itself (no copy is kept).
     pub fn primary_is_master(&self) -> bool {
-        self.config.compute == Compute::F32 && self.config.params == self.config.optimizer
+        self.config.compute == Compute::F32 && self.config.params() == self.config.optimizer()
     }
 
     /// Bytes one rank holds in a step of `grad_accum` micro-batches, predicted by walking the
@@ -199,18 +199,18 @@ impl Plan {
         let params = if self.primary_is_master() {
             0
         } else {
-            sum(&|u| self.shard_len(u, cfg.params) as u64 * c)
+            sum(&|u| self.shard_len(u, cfg.params()) as u64 * c)
         };
         let secondary = cfg
-            .secondary
+            .secondary()
             .map_or(0, |s| sum(&|u| self.secondary_bytes(u, s) as u64));
-        let grads = if cfg.shard_grads {
-            sum(&|u| 4 * self.shard_len(u, cfg.optimizer) as u64)
+        let grads = if cfg.shard_grads() {
+            sum(&|u| 4 * self.shard_len(u, cfg.optimizer()) as u64)
         } else {
             sum(&|u| 4 * padded(u))
         };
-        let optimizer = sum(&|u| 12 * self.shard_len(u, cfg.optimizer) as u64);
-        let residuals = if cfg.error_feedback && cfg.quantize_grads != GradQuant::Off {
+        let optimizer = sum(&|u| 12 * self.shard_len(u, cfg.optimizer()) as u64);
+        let residuals = if cfg.error_feedback() && cfg.quantize_grads() != GradQuant::Off {
             sum(&|u| {
                 let mut len = padded(u);
                 let mut bytes = 0;
@@ -235,7 +235,7 @@ impl Plan {
             .filter(|h| h.size(&self.topology) > 1)
             .count();
         let gather_staging = |u: usize, source: Source| -> u64 {
-            match (cfg.quantize_weights, source) {
+            match (cfg.quantize_weights(), source) {
                 (WeightQuant::Int8, _) => {
                     let wire = Quantized::wire_bytes(
                         QuantFormat::Int8,
@@ -259,8 +259,8 @@ impl Plan {
         // state); the hop-ordered copy of a reduce-scatter over several hops; quantized, the
         // hop-ordered copy and the residual's and dequantized temporaries.
         let reduce_staging = |u: usize| -> u64 {
-            match cfg.quantize_grads {
-                _ if cfg.optimizer == Span(0) => 8 * padded(u),
+            match cfg.quantize_grads() {
+                _ if cfg.optimizer() == Span(0) => 8 * padded(u),
                 GradQuant::Off if live_hops > 1 => 4 * padded(u),
                 GradQuant::Off => 0,
                 _ => 8 * padded(u),
@@ -373,7 +373,7 @@ impl Plan {
                             boundaries -= act[v.stage - 1].output;
                         }
                         for &u in needs {
-                            if !cfg.shard_grads && self.units[u].grad_ready_at == v.stage {
+                            if !cfg.shard_grads() && self.units[u].grad_ready_at == v.stage {
                                 // Added into the step's whole-gradient buffer (`grads`).
                                 work[u] = 0;
                             }
@@ -390,7 +390,7 @@ impl Plan {
                     let acts: u64 = act.iter().map(|a| a.saved + a.output).sum();
                     let largest = (0..k).map(padded).max().unwrap_or(0);
                     let grads_built = 4 * largest
-                        + if cfg.shard_grads {
+                        + if cfg.shard_grads() {
                             sum(&|u| 4 * padded(u))
                         } else {
                             0
@@ -398,14 +398,14 @@ impl Plan {
                     let graph = acts.max(grads_built);
                     let w = working(gathered, &work, &reducing, boundaries);
                     note(graph, acts, gathered, w);
-                    if cfg.shard_grads {
+                    if cfg.shard_grads() {
                         for (u, w) in work.iter_mut().enumerate() {
                             *w = 4 * padded(u);
                         }
                     }
                 }
                 Event::Reduce { unit } => {
-                    let handed = if cfg.shard_grads {
+                    let handed = if cfg.shard_grads() {
                         std::mem::take(&mut work[unit])
                     } else {
                         0
@@ -420,7 +420,7 @@ impl Plan {
         // the old ones, about 20 bytes per element of the largest optimizer shard (measured:
         // ddp at 8 ranks, whose shards are whole units, peaked that much above the step).
         let update = (0..k)
-            .map(|u| 20 * self.shard_len(u, cfg.optimizer) as u64)
+            .map(|u| 20 * self.shard_len(u, cfg.optimizer()) as u64)
             .max()
             .unwrap_or(0);
         // Each communication thread allocates from a heap arena of its own, which keeps its

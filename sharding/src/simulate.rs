@@ -447,7 +447,7 @@ pub fn simulate(plan: &Plan, grad_accum: usize, profile: &Profile) -> Timeline {
         .sum();
     let optimizer_s = cpu.map_or(0.0, |c| {
         let elements: usize = (0..plan.units.len())
-            .map(|u| plan.shard_len(u, plan.config.optimizer))
+            .map(|u| plan.shard_len(u, plan.config.optimizer()))
             .sum();
         elements as f64 * c.optimizer_element_s / cores
     });

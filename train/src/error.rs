@@ -127,15 +127,13 @@ mod tests {
     fn library_settings_are_told_in_flags_with_the_fix_the_library_names() {
         let topology = Topology::parse("2x2x1").unwrap();
         let mut c = ShardConfig::preset("ddp", topology.depth()).unwrap();
-        c.quantize_grads = GradQuant::Int4;
-        let e = CliError::from(c.validate(&topology).unwrap_err());
+        let e = CliError::from(c.set_quantize_grads(GradQuant::Int4).unwrap_err());
         assert_eq!(e.exit_code(), 2);
         let text = e.to_string();
         assert!(text.starts_with("--quantize-grads int4: "), "{text}");
         assert!(text.ends_with("; use --quantize-grads off"), "{text}");
         let mut c = ShardConfig::preset("zero3", topology.depth()).unwrap();
-        c.error_feedback = true;
-        let text = CliError::from(c.validate(&topology).unwrap_err()).to_string();
+        let text = CliError::from(c.set_error_feedback(true).unwrap_err()).to_string();
         assert!(text.starts_with("--error-feedback: "), "{text}");
         assert!(text.ends_with("; use --quantize-grads int4"), "{text}");
     }

@@ -90,7 +90,7 @@ impl<'c, 'd> GptRun<'c, 'd> {
                     sharded.plan().config.preset,
                     comm.topology(),
                     match (
-                        sharded.plan().config.error_feedback,
+                        sharded.plan().config.error_feedback(),
                         sharded.restored_residuals()
                     ) {
                         (true, true) => "; error-feedback residuals restored",

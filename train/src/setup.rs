@@ -232,7 +232,7 @@ impl RunSetup {
     /// was not given: their graphs (`none`: no second gather, no recompute) when the plan then
     /// fits the memory available on every rank's machine, else only their inputs (`unit`).
     pub fn choose_recompute(&self, comm: &Comm, shard: &mut ShardConfig) -> CliResult<()> {
-        if shard.params == Span(0) {
+        if shard.params() == Span(0) {
             return Ok(());
         }
         let mut keep = shard.clone();
@@ -272,7 +272,7 @@ impl RunSetup {
             skip,
             planning::fitting_presets(&self.config, comm.topology()),
         );
-        let keeping = shard.params != Span(0) && shard.recompute == Recompute::None;
+        let keeping = shard.params() != Span(0) && shard.recompute == Recompute::None;
         agreed(comm, checked.map_err(CliError::Runtime)).map_err(|e| {
             let hint = if keeping {
                 " (--recompute none keeps every unit's activations and parameters for \

@@ -137,7 +137,7 @@ impl ShardArgs {
         let preset = self.shard.as_deref().unwrap_or("ddp");
         let mut c = ShardConfig::preset(preset, topology.depth())?;
         if let Some(s) = &self.secondary {
-            c.secondary = match s.as_str() {
+            c.set_secondary(match s.as_str() {
                 "none" => None,
                 name => Some(Span::parse(name, topology).map_err(|e| match e {
                     ShardError::Setting { reason, .. } => {
@@ -145,10 +145,10 @@ impl ShardArgs {
                     }
                     e => e.into(),
                 })?),
-            };
+            })?;
         }
         if let Some(q) = &self.quantize_weights {
-            c.quantize_weights = match q.as_str() {
+            c.set_quantize_weights(match q.as_str() {
                 "off" => WeightQuant::Off,
                 "int8" => WeightQuant::Int8,
                 other => {
@@ -156,10 +156,10 @@ impl ShardArgs {
                         "--quantize-weights {other}: use off or int8"
                     )));
                 }
-            };
+            })?;
         }
         if let Some(q) = &self.quantize_grads {
-            c.quantize_grads = match q.as_str() {
+            c.set_quantize_grads(match q.as_str() {
                 "off" => GradQuant::Off,
                 "int4" => GradQuant::Int4,
                 "int8" => GradQuant::Int8,
@@ -168,7 +168,7 @@ impl ShardArgs {
                         "--quantize-grads {other}: use off, int4 or int8"
                     )));
                 }
-            };
+            })?;
         }
         if let Some(p) = self.prefetch {
             c.prefetch = p;
@@ -183,7 +183,7 @@ impl ShardArgs {
                 other => return Err(usage(format!("--recompute {other}: use unit or none"))),
             };
         }
-        c.error_feedback = self.error_feedback;
+        c.set_error_feedback(self.error_feedback)?;
         c.compute = match dtype {
             Dtype::F32 => Compute::F32,
             Dtype::Bf16 => Compute::Bf16,

@@ -191,7 +191,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         let optimizer = (|| -> Result<Vec<UnitShard>, ShardError> {
             let mut out = Vec::with_capacity(plan.units.len());
             for (u, unit) in plan.units.iter().enumerate() {
-                let range = plan.shard_range(u, plan.config.optimizer, rank);
+                let range = plan.shard_range(u, plan.config.optimizer(), rank);
                 // Elements of `range` from per-parameter reads; padding stays zero.
                 let shard = |read: &mut SliceReader<'_>| -> Result<Tensor<1>, ShardError> {
                     let mut values = vec![0.0f32; range.len()];
@@ -366,7 +366,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             })),
         )?;
         model.adam_step = index.adam_step;
-        if model.plan.config.error_feedback {
+        if model.plan.config.error_feedback() {
             let stored = agree(comm, index.residuals(comm.rank()))?;
             if let Some((layout, values)) = stored
                 && layout == model.residual_layout()
@@ -410,7 +410,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         } else {
             master.cast(dtype)
         };
-        if cfg.params == cfg.optimizer {
+        if cfg.params() == cfg.optimizer() {
             Ok(own)
         } else {
             route::all_gather_params(self.comm, &self.plan, own, &self.device)

@@ -34,7 +34,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
     /// holding the same shard (all ranks when the optimizer state spans the world; rank 0
     /// alone when it is replicated).
     pub(crate) fn is_writer(&self) -> bool {
-        let o = self.plan.config.optimizer.0;
+        let o = self.plan.config.optimizer().0;
         self.plan.topology.coords(self.comm.rank())[o..]
             .iter()
             .all(|&c| c == 0)
@@ -92,8 +92,8 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         serde_json::json!({
             "rank": self.comm.rank(),
             "topology": self.plan.topology.to_string(),
-            "grad_hops": cfg.grad_hops,
-            "quantize_grads": cfg.quantize_grads,
+            "grad_hops": cfg.grad_hops(),
+            "quantize_grads": cfg.quantize_grads(),
             "quant_block": cfg.quant_block,
             "padded": self.plan.units.iter().map(|u| u.padded).collect::<Vec<_>>(),
         })
@@ -130,7 +130,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
     /// The module gathered onto every rank (`root` `None`) or onto `root` alone.
     fn gather_onto(&self, root: Option<usize>) -> Result<Option<S::Module>, ShardError> {
         let keep = root.is_none_or(|r| r == self.comm.rank());
-        let span = self.plan.config.optimizer;
+        let span = self.plan.config.optimizer();
         let group = if span.0 == 0 {
             None
         } else {

@@ -254,7 +254,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             // keep every old master alive until the last unit is updated.
             let gather = Instant::now();
             self.primary[u] = self.primary_of(u)?;
-            if cfg.params != cfg.optimizer {
+            if cfg.params() != cfg.optimizer() {
                 closing_s += gather.elapsed().as_secs_f64();
             }
         }
@@ -278,7 +278,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         let mut input: Option<Tensor<D>> = None;
         for stage in 0..k {
             let needs = self.plan.units[stage].needs.clone();
-            let full = if self.plan.config.params == Span(0) {
+            let full = if self.plan.config.params() == Span(0) {
                 needs.iter().map(|&u| self.primary[u].clone()).collect()
             } else {
                 needs
@@ -503,7 +503,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             .sum();
         let cfg = &self.plan.config;
         let closing = Instant::now();
-        let sq = route::sum_over(self.comm, self.plan.group(cfg.optimizer), sq as f32)? as f64;
+        let sq = route::sum_over(self.comm, self.plan.group(cfg.optimizer()), sq as f32)? as f64;
         let local_loss = state.micro_losses.iter().sum::<f64>() * inv;
         let world = self.plan.group(Span(self.plan.topology.depth()));
         let loss = route::sum_over(self.comm, world, local_loss as f32)? as f64
