@@ -1,7 +1,7 @@
 //! The flat collectives on one group, blocking forms: all-gather, reduce-scatter, all-reduce,
 //! broadcast, all-to-all over f32 / bf16 / u8 / i8 host buffers. Each one charges the counters
 //! with the bytes it hands to MPI and is watched by the timeout. Compositions over several hops
-//! live in `hier` (and `quantized`).
+//! live in `hier` (and qgZ's exchange in `quantized`).
 //!
 //! # Algorithms
 //!

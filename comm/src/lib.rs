@@ -1,8 +1,8 @@
 //! Topology-aware collectives over MPI for ZeRO-style sharding: flat all-gather /
 //! reduce-scatter / all-reduce / broadcast / all-to-all on host buffers over any group of
 //! consecutive levels (`Scope`), the same composed hop by hop along a `Path` with exactly the
-//! flat layout, quantized (ZeRO++ qwZ / qgZ) forms, byte accounting per scope and op, and
-//! fault handling.
+//! flat layout, the wire exchange of ZeRO++ qgZ and the blockwise quantization kernels, byte
+//! accounting per scope and op, and fault handling.
 //! It deliberately knows nothing about models, tensors or Burn.
 
 pub mod bench;

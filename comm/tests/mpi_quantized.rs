@@ -1,20 +1,24 @@
-//! Quantized collectives (qwZ, qgZ) under real `mpirun` at every topology: bit-exact against a
+//! The reference quantized collectives (qwZ, qgZ; `reference/qgz.rs`, which the product's
+//! device path is checked against in ember-sharding) under real `mpirun` at every topology,
+//! over the library's wire exchange: bit-exact against a
 //! sequential simulation built from the scalar reference kernels, error within the summed
 //! half-scales, error feedback exact and converging, and bytes equal to the formulas; over the
 //! world per level and over every path of every prefix group.
 
 mod common;
+#[path = "reference/qgz.rs"]
+mod qgz;
 
 use common::*;
 use ember_comm::counters::{Counters, formula};
 use ember_comm::path::all_paths;
 use ember_comm::quant::host::HostKernels;
 use ember_comm::quant::{BlockSize, QuantFormat, Quantized, reference};
-use ember_comm::quantized::{
+use ember_comm::{Comm, Op, Path, Role, Scope, ShardLayout, Topology};
+use qgz::{
     ErrorFeedback, Residuals, all_gather_int8, all_gather_int8_hier, all_gather_int8_path,
     reduce_scatter_int4, reduce_scatter_quantized_path,
 };
-use ember_comm::{Comm, Op, Path, Role, Scope, ShardLayout, Topology};
 
 /// Rank `rank`'s gradient: smooth values of varying magnitude per block, so scales differ.
 fn grad(rank: usize, n: usize, step: usize) -> Vec<f32> {

@@ -5,8 +5,9 @@
 //!
 //! Gathers and reductions are [`Flow`]s: one stage per group they move data over, so the
 //! communication threads (`worker`) can run consecutive jobs' stages on different links at
-//! once. The quantized reduction (qgZ) follows `ember_comm::quantized::
-//! reduce_scatter_quantized_path` step for step, with its arithmetic on device tensors.
+//! once. The quantized reduction (qgZ) follows the reference qgZ on host buffers
+//! (`comm/tests/reference/qgz.rs`) step for step, with its arithmetic on device tensors;
+//! `tests/qgz_reference.rs` checks the two agree bit for bit.
 
 use burn::tensor::{DType, Device, Int, Tensor};
 use ember_comm::collective::Reduce;

@@ -3,15 +3,15 @@
 //! size, gives its module back for greedy generation, and runs as one process without
 //! `mpirun`: this test re-runs its own binary as the ranks (or as the one process).
 
+mod common;
+
 #[path = "../examples/llama.rs"]
 #[allow(dead_code)]
 mod llama;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
 use burn::tensor::Device;
-use ember_comm::{Comm, CommConfig, Topology, TopologySource};
 
 const CHILD: &str = "EMBER_LLAMA_CHILD";
 const TEST: &str = "the_llama_example_trains_resumes_and_generates";
@@ -25,56 +25,17 @@ struct Job {
 
 /// Runs `np` ranks under `mpirun` over `topology` (`np == 0`: one process, no `mpirun`).
 fn launch(np: usize, topology: &str, run: &llama::Run) -> Job {
-    let exe = std::env::current_exe().unwrap();
-    let path = |p: &Option<PathBuf>| {
-        p.as_ref()
-            .map_or(String::new(), |p| p.display().to_string())
-    };
-    let spec = format!(
-        "{topology}|{}|{}|{}|{}",
-        run.preset,
-        run.steps,
-        path(&run.resume),
-        path(&run.save)
-    );
-    let mut command = Command::new("timeout");
-    command.args(["--kill-after=5", "300"]);
-    if np > 0 {
-        command
-            .args(["mpirun", "-np", &np.to_string(), "--oversubscribe"])
-            .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
-            .args(["-x", "RAYON_NUM_THREADS=1", "-x", CHILD]);
-    }
-    let out = command
-        .arg(&exe)
-        .args(["--exact", TEST, "--nocapture"])
-        .env(CHILD, &spec)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .output()
-        .expect("running mpirun (is openmpi-bin installed?)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{spec} failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let line = |key: &str| {
-        stdout
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .unwrap_or_else(|| panic!("{spec}: no {key} in\n{stdout}"))
-            .to_string()
-    };
-    let held: Vec<bool> = serde_json::from_str(&line("HELD ")).unwrap();
+    let spec = common::spec(topology, &run.preset, run.steps, &run.resume, &run.save);
+    let stdout = common::run_ranks(TEST, CHILD, &spec, np);
+    let line = |key: &str| common::line(&stdout, key);
+    let held: Vec<bool> = serde_json::from_str(line("HELD ")).unwrap();
     assert!(
         held[0] && !held[1..].contains(&true),
         "{spec}: ranks holding the module gathered onto rank 0: {held:?}"
     );
     Job {
-        losses: serde_json::from_str(&line("LOSSES ")).unwrap(),
-        text: serde_json::from_str(&line("TEXT ")).unwrap(),
+        losses: serde_json::from_str(line("LOSSES ")).unwrap(),
+        text: serde_json::from_str(line("TEXT ")).unwrap(),
     }
 }
 
@@ -107,20 +68,14 @@ fn largest_relative_difference(a: &[(u64, f64)], b: &[(u64, f64)]) -> f64 {
 
 #[test]
 fn the_llama_example_trains_resumes_and_generates() {
-    if let Ok(spec) = std::env::var(CHILD) {
-        let parts: Vec<&str> = spec.split('|').collect();
-        let opt = |s: &str| (!s.is_empty()).then(|| PathBuf::from(s));
+    if let Some(child) = common::child(CHILD) {
+        let comm = child.comm;
         let r = llama::Run {
-            preset: parts[1].into(),
-            steps: parts[2].parse().unwrap(),
-            resume: opt(parts[3]),
-            save: opt(parts[4]),
+            preset: child.preset,
+            steps: child.steps,
+            resume: child.resume,
+            save: child.save,
         };
-        let comm = Comm::init(CommConfig {
-            topology: TopologySource::Explicit(Topology::parse(parts[0]).unwrap()),
-            ..CommConfig::default()
-        })
-        .unwrap();
         let trained = llama::train(&comm, &r).unwrap();
         let held = comm
             .world()

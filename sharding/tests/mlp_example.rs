@@ -2,71 +2,27 @@
 //! jobs, and its checkpoints resume at another world size and preset: this test re-runs its
 //! own binary as the ranks, which call the example's `train`.
 
+mod common;
+
 #[path = "../examples/mlp.rs"]
 #[allow(dead_code)]
 mod mlp;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
 use burn::tensor::Device;
-use ember_comm::{Comm, CommConfig, Topology, TopologySource};
 
 const CHILD: &str = "EMBER_MLP_CHILD";
 
 /// Runs `np` ranks of this test's binary as `mlp::train(run)` over `topology`; returns rank
 /// 0's losses, after checking every rank's gathered module (`ShardedModel::gather`).
 fn launch(np: usize, topology: &str, run: &mlp::Run) -> Vec<(u64, f64)> {
-    let exe = std::env::current_exe().unwrap();
-    let tmp = std::env::temp_dir().join(format!(
-        "ember-mlp-{}-{np}-{}-{}",
-        std::process::id(),
-        run.preset,
-        run.steps
-    ));
-    std::fs::create_dir_all(&tmp).unwrap();
-    let path = |p: &Option<PathBuf>| {
-        p.as_ref()
-            .map_or(String::new(), |p| p.display().to_string())
-    };
-    let spec = format!(
-        "{topology}|{}|{}|{}|{}",
-        run.preset,
-        run.steps,
-        path(&run.resume),
-        path(&run.save)
-    );
-    let out = Command::new("timeout")
-        .args([
-            "--kill-after=5",
-            "300",
-            "mpirun",
-            "-np",
-            &np.to_string(),
-            "--oversubscribe",
-        ])
-        .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
-        .args(["--mca", "orte_tmpdir_base"])
-        .arg(&tmp)
-        .args(["-x", "RAYON_NUM_THREADS=1", "-x", CHILD])
-        .arg(&exe)
-        .args([
-            "--exact",
-            "the_mlp_example_trains_and_resumes_under_mpirun",
-            "--nocapture",
-        ])
-        .env(CHILD, &spec)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .output()
-        .expect("running mpirun (is openmpi-bin installed?)");
-    let _ = std::fs::remove_dir_all(&tmp);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{spec} failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
+    let spec = common::spec(topology, &run.preset, run.steps, &run.resume, &run.save);
+    let stdout = common::run_ranks(
+        "the_mlp_example_trains_and_resumes_under_mpirun",
+        CHILD,
+        &spec,
+        np,
     );
     // Every rank's gathered module, run with the model's own forward, scores the held-out
     // points as the sharded model does unit by unit: to rounding where the preset gathers f32
@@ -95,11 +51,7 @@ fn launch(np: usize, topology: &str, run: &mlp::Run) -> Vec<(u64, f64)> {
             "{spec}: ranks gathered different modules"
         );
     }
-    let line = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("LOSSES "))
-        .unwrap_or_else(|| panic!("{spec}: no losses in\n{stdout}"));
-    serde_json::from_str(line).unwrap()
+    serde_json::from_str(common::line(&stdout, "LOSSES ")).unwrap()
 }
 
 fn run(preset: &str, steps: u64, resume: Option<&Path>, save: Option<&Path>) -> mlp::Run {
@@ -114,21 +66,15 @@ fn run(preset: &str, steps: u64, resume: Option<&Path>, save: Option<&Path>) -> 
 
 #[test]
 fn the_mlp_example_trains_and_resumes_under_mpirun() {
-    if let Ok(spec) = std::env::var(CHILD) {
-        let parts: Vec<&str> = spec.split('|').collect();
-        let opt = |s: &str| (!s.is_empty()).then(|| PathBuf::from(s));
+    if let Some(child) = common::child(CHILD) {
+        let comm = child.comm;
         let r = mlp::Run {
-            preset: parts[1].into(),
-            steps: parts[2].parse().unwrap(),
+            preset: child.preset,
+            steps: child.steps,
             batch: 64,
-            resume: opt(parts[3]),
-            save: opt(parts[4]),
+            resume: child.resume,
+            save: child.save,
         };
-        let comm = Comm::init(CommConfig {
-            topology: TopologySource::Explicit(Topology::parse(parts[0]).unwrap()),
-            ..CommConfig::default()
-        })
-        .unwrap();
         let trained = mlp::train(&comm, &r).unwrap();
         let whole = mlp::mse(&trained.model, &mlp::held_out(), &Device::flex());
         // Every rank's pair reaches rank 0, which prints them all: lines printed by several
