@@ -142,7 +142,7 @@ mod worker;
 pub use blocks::{BlockModel, Blocks, InitSource, Preset, Rows, Shard};
 pub use checkpoint::{Checkpoint, SaveOptions};
 pub use config::{Compute, GradQuant, PRESETS, Recompute, ShardConfig, Span, WeightQuant};
-pub use engine::{Gradients, ShardedModel, StepHyper, StepReport};
+pub use engine::{Gradients, Layout, ShardedModel, StepHyper, StepReport};
 pub use error::ShardError;
 pub use optim::{Adam, AdamW, DecayOn, FlatState, Optimizer, Sgd};
 pub use plan::{ActivationBytes, Collective, Levels, Memory, Plan, UnitSpec};

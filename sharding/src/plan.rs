@@ -196,6 +196,51 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// This plan, if it lays out exactly `units` over `topology` (the same units in the same
+    /// order, each with the same parameters, shapes and uses); else an error naming the first
+    /// difference.
+    pub fn checked_against(
+        self,
+        units: &[UnitSpec],
+        topology: &Topology,
+    ) -> Result<Self, ShardError> {
+        if self.topology != *topology {
+            return Err(ShardError::Units(format!(
+                "the plan is for topology {}, the job's is {topology}",
+                self.topology
+            )));
+        }
+        if self.units.len() != units.len() {
+            return Err(ShardError::Units(format!(
+                "the plan has {} units, the module {}",
+                self.units.len(),
+                units.len()
+            )));
+        }
+        for (k, (planned, spec)) in self.units.iter().zip(units).enumerate() {
+            let params: Vec<(&str, &[usize])> = planned
+                .params
+                .iter()
+                .map(|p| (p.name.as_str(), p.shape.as_slice()))
+                .collect();
+            let wanted: Vec<(&str, &[usize])> = spec
+                .params
+                .iter()
+                .map(|(n, s)| (n.as_str(), s.as_slice()))
+                .collect();
+            let same = planned.name == spec.name
+                && params == wanted
+                && planned.needs[1..] == spec.uses[..];
+            if !same {
+                return Err(ShardError::Units(format!(
+                    "unit {k} is `{}` with {params:?} in the plan but `{}` with {wanted:?} in                      the module: make the plan from the module's units",
+                    planned.name, spec.name
+                )));
+            }
+        }
+        Ok(self)
+    }
+
     /// Lays `units` out; refuses an invalid config, unknown `uses`, empty or duplicate units.
     pub fn new(
         units: Vec<UnitSpec>,
@@ -536,6 +581,30 @@ mod tests {
     fn plan(preset: &str, spec: &str) -> Plan {
         let t = Topology::parse(spec).unwrap();
         Plan::new(units(), ShardConfig::preset(preset, 3).unwrap(), t).unwrap()
+    }
+
+    #[test]
+    fn a_plan_made_beforehand_is_kept_only_for_its_own_units() {
+        let t = Topology::parse("2x2x1").unwrap();
+        let made = plan("hier3", "2x2x1");
+        assert_eq!(made.clone().checked_against(&units(), &t).unwrap().units, made.units);
+        let other_shape = {
+            let mut u = units();
+            u[1].params[0].1 = vec![4, 5];
+            u
+        };
+        let err = made.clone().checked_against(&other_shape, &t).unwrap_err();
+        assert!(err.to_string().contains("unit 1 is `h.0`"), "{err}");
+        let other_uses = {
+            let mut u = units();
+            u[2].uses.clear();
+            u
+        };
+        assert!(made.clone().checked_against(&other_uses, &t).is_err());
+        assert!(made.clone().checked_against(&units()[..2], &t).is_err());
+        let elsewhere = Topology::parse("4x1x1").unwrap();
+        let err = made.checked_against(&units(), &elsewhere).unwrap_err();
+        assert!(err.to_string().contains("topology"), "{err}");
     }
 
     /// Units large enough that quantization blocks are a small part of them.

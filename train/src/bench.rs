@@ -16,7 +16,6 @@ use crate::error::CliResult;
 use crate::gpt_run::{GptRun, traffic_by_name};
 use crate::host_memory::rss_peaks;
 use crate::planning::estimate;
-use crate::planning::run_plan;
 use crate::run_loop::{self, Output, Stepped};
 use crate::setup::{Purpose, RunArgs, RunSetup};
 use crate::shard_args::ShardArgs;
@@ -73,7 +72,8 @@ pub fn bench_train(
         let mut setup = bench_setup(comm, settings, steps + warmup)?;
         let shard = ShardArgs::default().resolve(comm.topology(), setup.config.dtype)?;
         let config = setup.config.clone();
-        let mut run = GptRun::start(comm, &mut setup, shard)?;
+        let plan = setup.plan(comm, shard, true)?;
+        let mut run = GptRun::start(comm, &mut setup, plan)?;
         let (stepped, _) = run_loop::run(&mut run, &config, 0, 0, Output::Quiet)?;
         out.push(summarise(&config, step_times(&stepped, warmup))?);
     }
@@ -221,16 +221,14 @@ pub fn bench_shard(
             shard: Some(shard.clone()),
             ..shard_flags.clone()
         };
-        let mut shard_config = flags.resolve(&topology, config.dtype)?;
-        if shard_flags.recompute.is_none() {
-            setup.choose_recompute(comm, &mut shard_config)?;
-        }
-        let plan = run_plan(&config, &topology, shard_config.clone())?;
+        let shard_config = flags.resolve(&topology, config.dtype)?;
+        let plan = setup.plan(comm, shard_config, shard_flags.recompute.is_none())?;
+        let recompute = plan.config.recompute;
         let plan_memory = plan.memory(config.grad_accum);
         let predicted = profile.map(|p| estimate(&plan, config.grad_accum, p));
         // Each preset's peak is its own: the previous preset's memory is freed by now.
         ember_sharding::memory::reset_peak();
-        let mut run = GptRun::start(comm, &mut setup, shard_config.clone())?;
+        let mut run = GptRun::start(comm, &mut setup, plan)?;
         let (mut stepped, _) = run_loop::run(&mut run, &warm, 0, 0, Output::Quiet)?;
         comm.barrier();
         let before = cluster.as_ref().map(|c| c.link_bytes()).transpose()?;
@@ -287,7 +285,7 @@ pub fn bench_shard(
             batch_size: config.batch_size,
             block_size: config.block_size,
             steps,
-            recompute: format!("{:?}", shard_config.recompute).to_lowercase(),
+            recompute: format!("{recompute:?}").to_lowercase(),
             step_ms_median: step_ms,
             step_ms_range: (times[0] * 1e3, times[times.len() - 1] * 1e3),
             step_ms_predicted: predicted.as_ref().map(|e| e.step_s * 1e3),

@@ -11,7 +11,8 @@ use burn::tensor::Device;
 use ember_comm::Comm;
 use ember_data::{Batch, BatchPlan, STREAM_TRAIN, STREAM_VAL, Sampler};
 use ember_sharding::{
-    AdamW, Checkpoint, DecayOn, SaveOptions, ShardConfig, ShardedModel, StepHyper, StepReport,
+    AdamW, Checkpoint, DecayOn, Layout, Plan, SaveOptions, ShardConfig, ShardedModel, StepHyper,
+    StepReport,
 };
 
 use crate::checkpoint::RunRecord;
@@ -20,7 +21,6 @@ use crate::export::HfDir;
 use crate::host_memory::{gather_u64, rss_peaks, set_allocator_for_training};
 use crate::log0;
 use crate::metrics::StepMetrics;
-use crate::planning::run_plan;
 use crate::run_loop::{Stepped, Trainee};
 use crate::schedule::LrSchedule;
 use crate::setup::{Resumed, RunSetup, batch_plan};
@@ -56,12 +56,12 @@ impl std::fmt::Debug for GptRun<'_, '_> {
 impl<'c, 'd> GptRun<'c, 'd> {
     /// Builds the run `setup` resolved, partitioned per `shard` over `comm`: from its
     /// checkpoint, its Hugging Face directory, or the seed.
-    pub fn start(comm: &'c Comm, setup: &'d mut RunSetup, shard: ShardConfig) -> Result<Self> {
+    pub fn start(comm: &'c Comm, setup: &'d mut RunSetup, plan: Plan) -> Result<Self> {
         let rank = comm.rank();
         let world = comm.topology().world_size();
         set_allocator_for_training(world);
         let c = setup.config.clone();
-        let memory = run_plan(&c, comm.topology(), shard.clone())?.memory(c.grad_accum);
+        let memory = plan.memory(c.grad_accum);
         let checkpoint = match &setup.resume {
             Some(r) => Some(Checkpoint::open(comm, &r.dir)?),
             None => None,
@@ -69,7 +69,7 @@ impl<'c, 'd> GptRun<'c, 'd> {
         let sharded = build(
             comm,
             &c,
-            shard,
+            plan,
             setup.device.clone(),
             checkpoint.as_ref(),
             setup.init.as_mut(),
@@ -251,27 +251,28 @@ impl Trainee for GptRun<'_, '_> {
 pub fn build<'c>(
     comm: &'c Comm,
     c: &TrainConfig,
-    shard: ShardConfig,
+    layout: impl Into<Layout>,
     device: Device,
     resume: Option<&Checkpoint>,
     init: Option<&mut HfDir>,
 ) -> Result<ShardedModel<'c, GptStages, 3>> {
     let skeleton = c.model.init_with_seed(c.seed, &device)?;
+    let layout = layout.into();
     let stages = GptStages {
         n_layer: c.model.n_layer,
         seed: c.seed,
     };
     Ok(match (resume, init) {
         (Some(checkpoint), _) => {
-            ShardedModel::resume(comm, stages, skeleton, shard, device, checkpoint)?
+            ShardedModel::resume(comm, stages, skeleton, layout, device, checkpoint)?
         }
-        (None, Some(hf)) => ShardedModel::new(comm, stages, skeleton, shard, device, hf)?,
+        (None, Some(hf)) => ShardedModel::new(comm, stages, skeleton, layout, device, hf)?,
         (None, None) => {
             let mut source = SeededGpt {
                 config: &c.model,
                 seed: c.seed,
             };
-            ShardedModel::new(comm, stages, skeleton, shard, device, &mut source)?
+            ShardedModel::new(comm, stages, skeleton, layout, device, &mut source)?
         }
     })
 }

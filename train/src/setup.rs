@@ -11,7 +11,7 @@ use anyhow::anyhow;
 use burn::tensor::Device;
 use ember_comm::Comm;
 use ember_data::{DataError, PreparedData, STREAM_TRAIN, STREAM_VAL};
-use ember_sharding::{Recompute, ShardConfig, Span};
+use ember_sharding::{Plan, Recompute, ShardConfig, Span};
 
 use crate::checkpoint::{self, RunRecord};
 use crate::config::{Dtype, TrainConfig, TrainOverrides};
@@ -228,25 +228,22 @@ impl RunSetup {
         Ok((config, resume, init))
     }
 
-    /// Chooses what units with partitioned parameters keep for backward when `--recompute`
-    /// was not given: their graphs (`none`: no second gather, no recompute) when the plan then
-    /// fits the memory available on every rank's machine, else only their inputs (`unit`).
-    pub fn choose_recompute(&self, comm: &Comm, shard: &mut ShardConfig) -> CliResult<()> {
-        if shard.params() == Span(0) {
-            return Ok(());
+    /// The run's plan, made once: per `shard`, except that when `choose` (no `--recompute`
+    /// given) units with partitioned parameters keep their graphs for backward (`none`: no
+    /// second gather, no recompute) when the plan then fits the memory available on every
+    /// rank's machine, and only their inputs (`unit`) otherwise.
+    pub fn plan(&self, comm: &Comm, mut shard: ShardConfig, choose: bool) -> CliResult<Plan> {
+        let plan = |shard: ShardConfig| run_plan(&self.config, comm.topology(), shard);
+        if !choose || shard.params() == Span(0) {
+            return Ok(plan(shard)?);
         }
-        let mut keep = shard.clone();
-        keep.recompute = Recompute::None;
-        let memory = run_plan(&self.config, comm.topology(), keep)?.memory(self.config.grad_accum);
+        shard.recompute = Recompute::None;
+        let keep = plan(shard.clone())?;
+        let memory = keep.memory(self.config.grad_accum);
         let fits =
             planning::check_memory(&memory, comm.ranks_on_this_node(), false, |_| Vec::new())
                 .is_ok();
         let everywhere = comm.agree((!fits).then_some("no room")).is_ok();
-        shard.recompute = if everywhere {
-            Recompute::None
-        } else {
-            Recompute::Unit
-        };
         log0!(
             comm.rank(),
             "recompute {}: keeping every unit's activations and parameters for backward needs \
@@ -259,13 +256,17 @@ impl RunSetup {
                 ", more than this machine has: each unit is recomputed in backward"
             }
         );
-        Ok(())
+        if everywhere {
+            return Ok(keep);
+        }
+        shard.recompute = Recompute::Unit;
+        Ok(plan(shard)?)
     }
 
     /// Refuses, on every rank, a run whose plan times the ranks on this machine exceeds the
     /// memory available (unless `skip`), naming both and the presets that would fit.
-    pub fn check_memory(&self, comm: &Comm, shard: &ShardConfig, skip: bool) -> CliResult<()> {
-        let plan = run_plan(&self.config, comm.topology(), shard.clone())?;
+    pub fn check_memory(&self, comm: &Comm, plan: &Plan, skip: bool) -> CliResult<()> {
+        let shard = &plan.config;
         let checked = planning::check_memory(
             &plan.memory(self.config.grad_accum),
             comm.ranks_on_this_node(),

@@ -144,6 +144,30 @@ pub struct ShardedModel<'c, S: Staged<D>, const D: usize> {
     restored_residuals: bool,
 }
 
+/// What a [`ShardedModel`] is laid out by: a configuration, which it plans from the module's
+/// units, or a plan made beforehand (with the activation and FLOP estimates a launcher checks
+/// memory and predicts time with), which it checks against the module's units and keeps, so a
+/// run plans once.
+#[derive(Debug, Clone)]
+pub enum Layout {
+    /// Plan the module's units per this configuration.
+    Config(ShardConfig),
+    /// Use this plan of the module's units.
+    Plan(Box<Plan>),
+}
+
+impl From<ShardConfig> for Layout {
+    fn from(config: ShardConfig) -> Self {
+        Layout::Config(config)
+    }
+}
+
+impl From<Plan> for Layout {
+    fn from(plan: Plan) -> Self {
+        Layout::Plan(Box::new(plan))
+    }
+}
+
 impl<S: Staged<D>, const D: usize> std::fmt::Debug for ShardedModel<'_, S, D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShardedModel")
@@ -155,7 +179,7 @@ impl<S: Staged<D>, const D: usize> std::fmt::Debug for ShardedModel<'_, S, D> {
 }
 
 impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
-    /// Partitions `module` per `config` over `comm`'s topology, computing on `device`. The
+    /// Partitions `module` per `layout` (a [`ShardConfig`] or a [`Plan`]) over `comm`'s topology, computing on `device`. The
     /// module is only a skeleton: its parameters' values are never read (lazy ones stay
     /// uninitialised). Each rank reads the elements of its own optimizer shard from `source`;
     /// optimizer moments start at zero. Every rank must call it; a source error on any rank
@@ -164,11 +188,11 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         comm: &'c Comm,
         stages: S,
         module: S::Module,
-        config: ShardConfig,
+        layout: impl Into<Layout>,
         device: Device,
         source: &mut dyn ParamSource,
     ) -> Result<Self, ShardError> {
-        Self::build(comm, stages, module, config, device, source, None)
+        Self::build(comm, stages, module, layout.into(), device, source, None)
     }
 
     /// [`ShardedModel::new`], with the optimizer states `kinds` read by
@@ -178,14 +202,17 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         comm: &'c Comm,
         stages: S,
         module: S::Module,
-        config: ShardConfig,
+        layout: Layout,
         device: Device,
         source: &mut dyn ParamSource,
         mut moments: Option<(&[String], &mut MomentReader<'_>)>,
     ) -> Result<Self, ShardError> {
         let shapes_in_order = param_shapes(&module);
         let units = assign(&shapes_in_order, &stages.units(&module))?;
-        let plan = Plan::new(units, config, comm.topology().clone())?;
+        let plan = match layout {
+            Layout::Config(config) => Plan::new(units, config, comm.topology().clone())?,
+            Layout::Plan(plan) => plan.checked_against(&units, comm.topology())?,
+        };
         route::check_same_everywhere(comm, &plan, source.fingerprint())?;
         let rank = comm.rank();
         let optimizer = (|| -> Result<Vec<UnitShard>, ShardError> {
@@ -303,7 +330,8 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         self.restored_residuals
     }
 
-    /// A model partitioned per `config` over `comm`'s topology, resumed from `checkpoint` (of
+    /// A model partitioned per `layout` (a [`ShardConfig`] or a [`Plan`]) over `comm`'s
+    /// topology, resumed from `checkpoint` (of
     /// any partition): each rank reads only its own ranges of the master weights and
     /// moments, and, when the checkpoint was written by the same layout, its error-feedback
     /// residuals. Refuses a checkpoint of another model, naming the first tensor that differs.
@@ -312,7 +340,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         comm: &'c Comm,
         stages: S,
         module: S::Module,
-        config: ShardConfig,
+        layout: impl Into<Layout>,
         device: Device,
         checkpoint: &Checkpoint,
     ) -> Result<Self, ShardError> {
@@ -358,7 +386,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             comm,
             stages,
             module,
-            config,
+            layout.into(),
             device,
             &mut source,
             Some((&kinds, &mut |kind, name, range| {

@@ -48,11 +48,9 @@ pub fn run(args: TrainArgs) -> CliResult<()> {
         purpose: Purpose::Train,
     };
     let mut setup = RunSetup::resolve(&comm, &run_args)?;
-    let mut shard = args.shard.resolve(comm.topology(), setup.config.dtype)?;
-    if args.shard.recompute.is_none() {
-        setup.choose_recompute(&comm, &mut shard)?;
-    }
-    setup.check_memory(&comm, &shard, args.no_memory_check)?;
+    let shard = args.shard.resolve(comm.topology(), setup.config.dtype)?;
+    let plan = setup.plan(&comm, shard, args.shard.recompute.is_none())?;
+    setup.check_memory(&comm, &plan, args.no_memory_check)?;
     let c = setup.config.clone();
     log0!(
         rank,
@@ -64,7 +62,7 @@ pub fn run(args: TrainArgs) -> CliResult<()> {
         c.batch_size,
         c.block_size
     );
-    let mut run = GptRun::start(&comm, &mut setup, shard)?;
+    let mut run = GptRun::start(&comm, &mut setup, plan)?;
     let (first, tokens) = run.start;
     run_loop::run(&mut run, &c, first, tokens, Output::Run)?;
     let peaks = rss_peaks(&comm)?;
