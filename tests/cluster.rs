@@ -293,7 +293,7 @@ fn an_emulated_cluster_trains_counts_its_links_survives_a_link_down_and_cleans_u
         "no unreachable ranks named:\n{stderr}"
     );
     eprintln!("every rank ended {ended:.1} s after the uplink went down");
-    let last = ember_sharding::checkpoint::locate(&run).unwrap();
+    let last = ember_sharding::plumbing::checkpoint::locate(&run).unwrap();
     let step: u64 = last
         .file_name()
         .unwrap()

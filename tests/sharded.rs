@@ -697,7 +697,7 @@ fn damaged_sharded_checkpoints_are_refused_naming_the_file() {
                 ]);
                 safetensors::serialize_to_file(vec![(key, view)], Some(meta), &f).unwrap();
                 let bytes = std::fs::metadata(&f).unwrap().len();
-                let sha256 = ember_sharding::checkpoint::sha256_file(&f).unwrap();
+                let sha256 = ember_sharding::plumbing::checkpoint::sha256_file(&f).unwrap();
                 let m = d.join("manifest.json");
                 let mut manifest: serde_json::Value =
                     serde_json::from_str(&std::fs::read_to_string(&m).unwrap()).unwrap();

@@ -401,7 +401,7 @@ pub trait Rows: Sized {
 
 /// Rank `rank`'s rows of a global batch of `rows` rows over `world` ranks, refusing a batch that
 /// does not split evenly (every rank's loss weighs the same in the step's mean).
-pub fn share_of(rows: usize, rank: usize, world: usize) -> Result<Range<usize>, ShardError> {
+pub(crate) fn share_of(rows: usize, rank: usize, world: usize) -> Result<Range<usize>, ShardError> {
     if rows == 0 || !rows.is_multiple_of(world) {
         return Err(ShardError::setting(
             "batch",

@@ -118,24 +118,25 @@
 //! (`rayon`, `simd`) and the AVX-512 matrix kernels, chosen at run time.
 
 pub mod blocks;
-pub mod checkpoint;
+mod checkpoint;
 pub mod config;
 #[cfg(feature = "cubecl")]
 mod cube;
-pub mod engine;
+mod engine;
 pub mod error;
 mod kernels;
-pub mod memory;
-pub mod network;
+mod memory;
+mod network;
 pub mod optim;
 pub mod params;
-pub mod plan;
-pub mod profile;
+mod plan;
+pub mod plumbing;
+mod profile;
 mod route;
-pub mod schedule;
-pub mod simulate;
-pub mod source;
-pub mod stage;
+mod schedule;
+mod simulate;
+mod source;
+mod stage;
 mod staging;
 mod worker;
 
@@ -145,6 +146,6 @@ pub use config::{Compute, GradQuant, PRESETS, Recompute, ShardConfig, Span, Weig
 pub use engine::{Gradients, Layout, ShardedModel, StepHyper, StepReport};
 pub use error::ShardError;
 pub use optim::{Adam, AdamW, DecayOn, FlatState, Optimizer, Sgd};
-pub use plan::{ActivationBytes, Collective, Levels, Memory, Plan, UnitSpec};
+pub use plan::{Memory, Plan};
 pub use source::{FnSource, ParamSource};
 pub use stage::{Flow, Staged, UnitDecl};

@@ -77,7 +77,7 @@ pub fn named_values<M: Module>(module: &M) -> Vec<(String, Vec<usize>, Tensor<1>
 /// Parameter `name`'s values (flattened), materialising it alone, and the module with that
 /// parameter replaced by a zero-element tensor; every other parameter is left as it was (a
 /// lazy one stays unmaterialised). `None` when the module has no parameter `name`.
-pub fn take_value<M: Module>(module: M, name: &str) -> (M, Option<Tensor<1>>) {
+pub(crate) fn take_value<M: Module>(module: M, name: &str) -> (M, Option<Tensor<1>>) {
     struct Taker<'a> {
         path: Path,
         name: &'a str,

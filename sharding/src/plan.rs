@@ -124,7 +124,7 @@ pub fn levels_of(scope: ember_comm::Scope, depth: usize) -> Levels {
 
 /// Bytes one rank holds during a step, as the plan predicts them from the step's schedule
 /// (the same [`crate::schedule::Event`]s the engine executes). Runs measure the process's
-/// resident memory instead (see [`crate::memory`]); tests compare the two.
+/// resident memory instead (see [`plumbing::memory`](crate::plumbing::memory)); tests compare the two.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Memory {
     /// Primary parameter partition in the compute dtype; 0 when it is the f32 master itself

@@ -19,7 +19,7 @@ use crate::planning::estimate;
 use crate::run_loop::{self, Output, Stepped};
 use crate::setup::{Purpose, RunArgs, RunSetup};
 use crate::shard_args::ShardArgs;
-use ember_sharding::profile::Profile;
+use ember_sharding::plumbing::profile::Profile;
 
 /// One benchmark result.
 #[derive(Debug, Clone, Serialize)]
@@ -165,9 +165,9 @@ pub struct ShardBench {
     /// The same, predicted by `ember plan` (payload only: no TCP/IP headers).
     pub link_bytes_predicted: Option<BTreeMap<String, f64>>,
     /// What ran when in rank 0's last timed step.
-    pub timeline: Vec<ember_sharding::simulate::Span>,
+    pub timeline: Vec<ember_sharding::plumbing::simulate::Span>,
     /// The same in `ember plan`'s replay of the step.
-    pub timeline_predicted: Vec<ember_sharding::simulate::Span>,
+    pub timeline_predicted: Vec<ember_sharding::plumbing::simulate::Span>,
     /// Median step time over the `ddp` preset's, when `ddp` was measured first.
     pub vs_ddp: Option<f64>,
     /// Job-wide training tokens per second at the median step.
@@ -227,7 +227,7 @@ pub fn bench_shard(
         let plan_memory = plan.memory(config.grad_accum);
         let predicted = profile.map(|p| estimate(&plan, config.grad_accum, p));
         // Each preset's peak is its own: the previous preset's memory is freed by now.
-        ember_sharding::memory::reset_peak();
+        ember_sharding::plumbing::memory::reset_peak();
         let mut run = GptRun::start(comm, &mut setup, plan)?;
         let (mut stepped, _) = run_loop::run(&mut run, &warm, 0, 0, Output::Quiet)?;
         comm.barrier();
@@ -267,7 +267,7 @@ pub fn bench_shard(
         let outermost_bytes = last
             .traffic
             .entries()
-            .filter(|(scope, _, _)| ember_sharding::plan::levels_of(*scope, depth).hi == depth)
+            .filter(|(scope, _, _)| ember_sharding::plumbing::plan::levels_of(*scope, depth).hi == depth)
             .map(|(_, _, t)| t.sent)
             .sum();
         let vs_ddp = out

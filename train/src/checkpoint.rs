@@ -6,12 +6,12 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Result, anyhow};
-use ember_sharding::checkpoint::Checkpoint;
+use ember_sharding::plumbing::checkpoint::Checkpoint;
 use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
 
-pub use ember_sharding::checkpoint::{
+pub use ember_sharding::plumbing::checkpoint::{
     Index, KINDS, MANIFEST, Manifest, TensorMeta, locate, prune, read_manifest, shard_file_name,
     step_dir_name,
 };

@@ -105,7 +105,7 @@ pub struct Measured {
     /// Sustained TFLOP/s of one rank when every rank computes.
     pub rank_tflops: f64,
     /// The CPU costs of communication and of the engine's bookkeeping.
-    pub cpu: ember_sharding::profile::CpuProfile,
+    pub cpu: ember_sharding::plumbing::profile::CpuProfile,
     /// What the compute rate was measured on.
     pub calibration: String,
 }
@@ -481,7 +481,7 @@ fn build(spec: &ClusterSpec, topology: &Topology, calibration: &Calibration) -> 
         mpi: None,
         measured: Measured {
             rank_tflops: 0.0,
-            cpu: ember_sharding::profile::CpuProfile {
+            cpu: ember_sharding::plumbing::profile::CpuProfile {
                 cores_per_rank: 0.0,
                 message_byte_s: Vec::new(),
                 copy_byte_s: 0.0,
@@ -655,7 +655,7 @@ pub fn profile_toml(c: &Cluster) -> Result<String> {
         rank_tflops: f64,
         peak_tflops: f64,
         mfu: f64,
-        cpu: &'a ember_sharding::profile::CpuProfile,
+        cpu: &'a ember_sharding::plumbing::profile::CpuProfile,
     }
     let names = ["gcd", "gpu", "node"].map(String::from);
     let file = File {
@@ -723,7 +723,7 @@ pub fn calibrate(
     let tcp = |tier: &str| tcp_byte_s.get(tier).copied().unwrap_or(0.0);
     Ok(Measured {
         rank_tflops: cores_per_rank / flop_s / 1e12,
-        cpu: ember_sharding::profile::CpuProfile {
+        cpu: ember_sharding::plumbing::profile::CpuProfile {
             cores_per_rank,
             // A shared-memory message is copied out and in.
             message_byte_s: vec![
@@ -806,7 +806,7 @@ fn kernel_costs() -> (f64, f64, f64) {
 /// Seconds per FLOP and per parameter a visit computes, fitted to two single-process, one-thread
 /// runs of the engine on the calibration model (1 and 4 sequences).
 fn engine_costs(c: &Calibration, optimizer_element_s: f64) -> Result<(f64, f64)> {
-    use ember_sharding::schedule::Event;
+    use ember_sharding::plumbing::schedule::Event;
     let exe = std::env::current_exe().context("locating this binary")?;
     let one = Topology::parse("1").expect("valid");
     let mut points = Vec::new();
@@ -920,8 +920,8 @@ fn probe_through_mpi(c: &Cluster) -> Result<MpiProbe> {
 /// could. Rank 0 writes the result to `out`.
 pub fn probe_links(out: &Path) -> Result<()> {
     use ember_comm::{Comm, CommConfig, Op, Scope};
-    use ember_sharding::network::Network;
-    use ember_sharding::plan::{Collective, Levels};
+    use ember_sharding::plumbing::network::Network;
+    use ember_sharding::plumbing::plan::{Collective, Levels};
     const PER_RANK: usize = 1 << 20;
     let comm = Comm::init(CommConfig::default())?;
     let t = comm.topology().clone();
@@ -929,7 +929,7 @@ pub fn probe_links(out: &Path) -> Result<()> {
         .map_err(|_| anyhow!("{CLUSTER_ENV} is not set: run the probe through ember cluster"))?;
     let spec = Cluster::load(Path::new(&state))?.spec;
     let shaped = [f64::INFINITY, spec.gpu_link_mbit, spec.uplink_mbit].map(|m| m / 8e3);
-    let mut unit = ember_sharding::profile::Profile::frontier();
+    let mut unit = ember_sharding::plumbing::profile::Profile::frontier();
     unit.link_gbps = Some(t.levels().iter().map(|l| (l.name.clone(), 1.0)).collect());
     let mut net = Network::new(&t, &unit);
     // The slowest rank's time of `f`, from a common start.

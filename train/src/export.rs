@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, anyhow, ensure};
 use ember_model::GptConfig;
 use ember_sharding::Checkpoint;
-use ember_sharding::checkpoint::{FileDtype, ShardWriter};
+use ember_sharding::plumbing::checkpoint::{FileDtype, ShardWriter};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors};
 use serde_json::json;
 

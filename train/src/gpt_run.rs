@@ -188,7 +188,7 @@ impl Trainee for GptRun<'_, '_> {
                 .eval_loss(&sampler.batch(i, lo as u64..hi as u64))?;
         }
         let local = total / c.eval_iters as f64;
-        let sum = ember_sharding::engine::all_ranks_sum(comm, local as f32)?;
+        let sum = ember_sharding::plumbing::engine::all_ranks_sum(comm, local as f32)?;
         comm.take_counters();
         Ok(sum as f64 / world as f64)
     }
@@ -306,7 +306,7 @@ pub fn traffic_by_name(comm: &Comm, traffic: &ember_comm::Counters) -> BTreeMap<
         .entries()
         .filter(|(_, _, t)| t.sent > 0)
         .map(|(scope, op, t)| {
-            let levels = ember_sharding::plan::levels_of(scope, topology.depth());
+            let levels = ember_sharding::plumbing::plan::levels_of(scope, topology.depth());
             (format!("{}/{}", levels.name(topology), op.name()), t.sent)
         })
         .collect()
@@ -327,7 +327,7 @@ pub fn save(
         files: vec![tokenizer.0.clone()],
         keep_last: c.keep_last as usize,
     };
-    ember_sharding::checkpoint::save(sharded, &c.out_dir, step, &options).with_context(|| {
+    ember_sharding::plumbing::checkpoint::save(sharded, &c.out_dir, step, &options).with_context(|| {
         format!(
             "the checkpoint of step {step} was not completed; earlier checkpoints are untouched"
         )

@@ -6,7 +6,7 @@ use ember_comm::Comm;
 
 /// Peak resident memory of every rank (rank 0 first), gathered to all.
 pub fn rss_peaks(comm: &Comm) -> Result<Vec<u64>> {
-    gather_u64(comm, ember_sharding::memory::resident().peak)
+    gather_u64(comm, ember_sharding::plumbing::memory::resident().peak)
 }
 
 /// Every rank's `mine` (rank 0 first), gathered to all.

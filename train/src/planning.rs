@@ -7,8 +7,8 @@ use std::path::Path;
 
 use ember_comm::Topology;
 use ember_model::GptConfig;
-use ember_sharding::plan::TrafficTable;
-use ember_sharding::profile::Profile;
+use ember_sharding::plumbing::plan::TrafficTable;
+use ember_sharding::plumbing::profile::Profile;
 use ember_sharding::{Memory, Plan, ShardConfig};
 use serde::Serialize;
 
@@ -46,7 +46,7 @@ pub struct Estimate {
     /// Bytes per step over all links of each level, both directions, by level name.
     pub link_bytes: Vec<(String, f64)>,
     /// What ran when in the replayed step (visits, and the stages of gathers and reductions).
-    pub timeline: Vec<ember_sharding::simulate::Span>,
+    pub timeline: Vec<ember_sharding::plumbing::simulate::Span>,
 }
 
 /// Everything `ember plan` prints.
@@ -182,15 +182,15 @@ pub fn report(
 
 /// The step of `plan` (with its FLOPs) replayed on `profile`'s machine.
 pub fn estimate(plan: &Plan, grad_accum: usize, profile: &Profile) -> Estimate {
-    let timeline = ember_sharding::simulate::simulate(plan, grad_accum, profile);
+    let timeline = ember_sharding::plumbing::simulate::simulate(plan, grad_accum, profile);
     let schedule = plan.schedule(grad_accum);
     let flops = schedule.iter().map(|e| match *e {
-        ember_sharding::schedule::Event::Visit(v) if !v.backward => plan.flops[v.stage],
-        ember_sharding::schedule::Event::Visit(v) if plan.keeps_graph(v.stage) => {
+        ember_sharding::plumbing::schedule::Event::Visit(v) if !v.backward => plan.flops[v.stage],
+        ember_sharding::plumbing::schedule::Event::Visit(v) if plan.keeps_graph(v.stage) => {
             2.0 * plan.flops[v.stage]
         }
-        ember_sharding::schedule::Event::Visit(v) => 3.0 * plan.flops[v.stage],
-        ember_sharding::schedule::Event::Whole { .. } => 3.0 * plan.flops.iter().sum::<f64>(),
+        ember_sharding::plumbing::schedule::Event::Visit(v) => 3.0 * plan.flops[v.stage],
+        ember_sharding::plumbing::schedule::Event::Whole { .. } => 3.0 * plan.flops.iter().sum::<f64>(),
         _ => 0.0,
     });
     Estimate {
@@ -313,12 +313,12 @@ pub fn check_memory(
     skip: bool,
     fitting: impl FnOnce(u64) -> Vec<String>,
 ) -> anyhow::Result<()> {
-    let Some(available) = ember_sharding::memory::available() else {
+    let Some(available) = ember_sharding::plumbing::memory::available() else {
         return Ok(());
     };
     // What this process already holds (libraries, MPI, the prepared data) comes on top of
     // the plan, on every rank.
-    let held = ember_sharding::memory::resident().current;
+    let held = ember_sharding::plumbing::memory::resident().current;
     let per_rank = memory.total() + held;
     let need = per_rank.saturating_mul(ranks as u64);
     if skip || need <= available {

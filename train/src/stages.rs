@@ -9,7 +9,8 @@ use ember_data::Batch;
 use ember_model::init::init_range;
 use ember_model::init::splitmix64;
 use ember_model::{DropoutKey, Gpt, GptConfig, Tokens, cross_entropy};
-use ember_sharding::{ActivationBytes, Flow, ParamSource, ShardError, Staged, UnitDecl, UnitSpec};
+use ember_sharding::plumbing::plan::{ActivationBytes, UnitSpec};
+use ember_sharding::{Flow, ParamSource, ShardError, Staged, UnitDecl};
 
 /// A batch's token ids for `model`. The run's batches are windows of at most `block_size`
 /// tokens of data encoded by the tokenizer whose vocabulary sized the model (`setup.rs`), so
@@ -203,7 +204,7 @@ pub fn gpt_flops(config: &GptConfig, batch: usize, block: usize) -> Vec<f64> {
 mod tests {
     use super::*;
     use ember_sharding::params::param_shapes;
-    use ember_sharding::stage::assign;
+    use ember_sharding::plumbing::stage::assign;
 
     #[test]
     fn analytic_units_equal_those_derived_from_a_built_model() {
