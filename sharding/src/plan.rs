@@ -587,7 +587,10 @@ mod tests {
     fn a_plan_made_beforehand_is_kept_only_for_its_own_units() {
         let t = Topology::parse("2x2x1").unwrap();
         let made = plan("hier3", "2x2x1");
-        assert_eq!(made.clone().checked_against(&units(), &t).unwrap().units, made.units);
+        assert_eq!(
+            made.clone().checked_against(&units(), &t).unwrap().units,
+            made.units
+        );
         let other_shape = {
             let mut u = units();
             u[1].params[0].1 = vec![4, 5];

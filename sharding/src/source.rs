@@ -27,7 +27,7 @@ pub trait ParamSource {
 /// A source from a closure `(name, shape, range) -> values`, with the fingerprint given.
 ///
 /// ```
-/// use ember_sharding::source::{FnSource, ParamSource};
+/// use ember_sharding::{FnSource, ParamSource};
 /// let mut zeros = FnSource::new(0, |_name: &str, _shape: &[usize], r: std::ops::Range<usize>| {
 ///     Ok(vec![0.0; r.len()])
 /// });

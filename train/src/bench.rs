@@ -267,7 +267,9 @@ pub fn bench_shard(
         let outermost_bytes = last
             .traffic
             .entries()
-            .filter(|(scope, _, _)| ember_sharding::plumbing::plan::levels_of(*scope, depth).hi == depth)
+            .filter(|(scope, _, _)| {
+                ember_sharding::plumbing::plan::levels_of(*scope, depth).hi == depth
+            })
             .map(|(_, _, t)| t.sent)
             .sum();
         let vs_ddp = out

@@ -327,11 +327,13 @@ pub fn save(
         files: vec![tokenizer.0.clone()],
         keep_last: c.keep_last as usize,
     };
-    ember_sharding::plumbing::checkpoint::save(sharded, &c.out_dir, step, &options).with_context(|| {
-        format!(
-            "the checkpoint of step {step} was not completed; earlier checkpoints are untouched"
-        )
-    })
+    ember_sharding::plumbing::checkpoint::save(sharded, &c.out_dir, step, &options).with_context(
+        || {
+            format!(
+                "the checkpoint of step {step} was not completed; earlier checkpoints are untouched"
+            )
+        },
+    )
 }
 
 /// `ember reshard`: loads `resumed` into this job's partition and writes it again under

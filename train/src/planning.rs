@@ -190,7 +190,9 @@ pub fn estimate(plan: &Plan, grad_accum: usize, profile: &Profile) -> Estimate {
             2.0 * plan.flops[v.stage]
         }
         ember_sharding::plumbing::schedule::Event::Visit(v) => 3.0 * plan.flops[v.stage],
-        ember_sharding::plumbing::schedule::Event::Whole { .. } => 3.0 * plan.flops.iter().sum::<f64>(),
+        ember_sharding::plumbing::schedule::Event::Whole { .. } => {
+            3.0 * plan.flops.iter().sum::<f64>()
+        }
         _ => 0.0,
     });
     Estimate {
