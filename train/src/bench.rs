@@ -334,6 +334,8 @@ pub struct PairedBench {
     pub params: (u64, u64),
     /// Threads each used.
     pub threads: usize,
+    /// Compute dtype: ember's `--dtype`, and PyTorch's forward under bf16 autocast for bf16.
+    pub dtype: String,
     /// Each round's median step time, ms, ember's.
     pub ember_ms: Vec<f64>,
     /// The same, PyTorch's.
@@ -369,6 +371,14 @@ pub fn against_torch(
         .collect();
     let _ = std::fs::remove_file(&script);
     result
+}
+
+/// The `--dtype` both sides of `--against-torch` run.
+fn dtype_flag(base: &TrainOverrides) -> &'static str {
+    match base.dtype {
+        Some(crate::config::Dtype::Bf16) => "bf16",
+        _ => "f32",
+    }
 }
 
 /// Refuses an interpreter that cannot import torch, saying how to install it.
@@ -420,6 +430,7 @@ fn pair(
                 &warmup.to_string(),
             ])
             .args(["--threads", &e.threads.to_string()])
+            .args(["--dtype", dtype_flag(base)])
             .output()
             .map_err(|e| anyhow::anyhow!("running {python}: {e}"))?;
         if !out.status.success() {
@@ -451,6 +462,7 @@ fn pair(
         preset: preset.to_string(),
         params: (e.params, torch_params),
         threads: e.threads,
+        dtype: dtype_flag(base).to_owned(),
         ember_ms,
         torch_ms,
         ember_median_ms: em,

@@ -67,6 +67,12 @@ def main():
     a.add_argument("--warmup", type=int, default=3)
     a.add_argument("--threads", type=int, default=0)
     a.add_argument(
+        "--dtype",
+        choices=["f32", "bf16"],
+        default="f32",
+        help="bf16: the forward pass under CPU autocast to bfloat16 (f32 weights and optimizer)",
+    )
+    a.add_argument(
         "--profile",
         action="store_true",
         help="after the timed steps, profile 3 more with torch.profiler and print its table",
@@ -90,7 +96,8 @@ def main():
         idx = torch.randint(args.vocab_size, shape)
         targets = torch.randint(args.vocab_size, shape)
         t0 = time.perf_counter()
-        loss = model(idx, targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+            loss = model(idx, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -5,11 +5,16 @@
 //! Under autodiff Burn builds these from chains of element-wise ops (attention included),
 //! each a pass over memory and a node of the graph. Here each is one Burn backend extension
 //! ([`FusedOps`]) implemented for `Flex` and, with a hand-written backward, for
-//! `Autodiff<Flex>`. The functions below take the fused path on a `flex` device with f32
-//! tensors and compose Burn's ops everywhere else (wgpu, ndarray, f64, half types), so the
+//! `Autodiff<Flex>`. The functions below take the fused path on a `flex` device with f32 or
+//! bf16 tensors and compose Burn's ops everywhere else (wgpu, ndarray, f64, f16), so the
 //! op definitions are the same on every backend.
+//!
+//! A bf16 tensor is widened to f32 on entry and each result rounded back to bf16
+//! ([`bf16`]); the linear layers multiply in bf16 with f32 sums, on the CPU's bf16
+//! dot-product instructions where it has them.
 
 mod attention;
+mod bf16;
 mod linear;
 mod product;
 mod rows;
@@ -29,6 +34,7 @@ use burn::tensor::{DType, Device, Int, Shape, Tensor, TensorData};
 use burn_flex::FlexTensor;
 
 use attention::Dims;
+pub use bf16::has_bf16_dot;
 
 /// The fused operations, as a Burn backend extension.
 #[backend_extension(Flex, Autodiff)]
@@ -57,10 +63,10 @@ pub trait FusedOps: Backend {
     ) -> FloatTensor<Self>;
 }
 
-/// Whether ops on `x` take the fused kernels: f32 on the `flex` device, with or without
-/// autodiff. Other tensors use Burn's composed ops.
+/// Whether ops on `x` take the fused kernels: f32 or bf16 on the `flex` device, with or
+/// without autodiff. Other tensors use Burn's composed ops.
 pub fn uses_fused_kernels<const D: usize>(x: &Tensor<D>) -> bool {
-    x.dtype() == DType::F32 && x.device().inner() == Device::flex()
+    matches!(x.dtype(), DType::F32 | DType::BF16) && x.device().inner() == Device::flex()
 }
 
 /// A linear layer with a bias, `x W + b` (Burn's `[d_in, d_out]` weight layout): one
@@ -165,20 +171,47 @@ pub fn softmax_cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tens
     logp.gather(1, targets.reshape([n, 1])).mean().neg()
 }
 
-/// The elements of a float tensor, in row-major order.
+/// The elements of an f32 or bf16 tensor as f32, in row-major order.
 fn floats(t: &FlexTensor) -> Vec<f32> {
+    if t.dtype() == DType::BF16 {
+        let widen = |s: &[burn::tensor::bf16]| bf16::widen(bf16_bits(s));
+        return match t.as_slice() {
+            Some(s) => widen(s),
+            None => widen(t.to_contiguous().as_slice().unwrap()),
+        };
+    }
     match t.as_slice::<f32>() {
         Some(s) => s.to_vec(),
         None => t.to_contiguous().as_slice::<f32>().unwrap().to_vec(),
     }
 }
 
-/// Runs `f` on the elements of a float tensor, in row-major order, copying only when the
-/// tensor is not contiguous.
+/// Runs `f` on the elements of an f32 or bf16 tensor, in row-major order, copying only when
+/// the tensor is not contiguous.
+fn with_matrix<R>(t: &FlexTensor, f: impl FnOnce(linear::Matrix) -> R) -> R {
+    if t.dtype() == DType::BF16 {
+        return match t.as_slice() {
+            Some(s) => f(linear::Matrix::Bf16(bf16_bits(s))),
+            None => f(linear::Matrix::Bf16(bf16_bits(
+                t.to_contiguous().as_slice().unwrap(),
+            ))),
+        };
+    }
+    with_floats(t, |v| f(linear::Matrix::F32(v)))
+}
+
+/// The bits of bf16 values.
+fn bf16_bits(s: &[burn::tensor::bf16]) -> &[u16] {
+    // SAFETY: `bf16` is a transparent wrapper of its `u16` bits.
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), s.len()) }
+}
+
+/// Runs `f` on the elements of a float tensor as f32, in row-major order, copying only when
+/// the tensor is not contiguous f32.
 fn with_floats<R>(t: &FlexTensor, f: impl FnOnce(&[f32]) -> R) -> R {
     match t.as_slice::<f32>() {
-        Some(s) => f(s),
-        None => f(&floats(t)),
+        Some(s) if t.dtype() == DType::F32 => f(s),
+        _ => f(&floats(t)),
     }
 }
 
@@ -202,8 +235,21 @@ fn indices(t: &FlexTensor) -> Vec<usize> {
     }
 }
 
-fn flex(values: Vec<f32>, shape: Shape) -> FlexTensor {
+/// A tensor of `values`, rounded to bf16 when `dtype` is bf16.
+fn flex(values: Vec<f32>, shape: Shape, dtype: DType) -> FlexTensor {
+    if dtype == DType::BF16 {
+        return FlexTensor::from_data(TensorData::new(bf16::round_to_bf16(&values), shape));
+    }
     FlexTensor::from_data(TensorData::new(values, shape))
+}
+
+/// How the linear layers of tensors of `dtype` multiply.
+fn precision(dtype: DType) -> linear::Precision {
+    if dtype == DType::BF16 {
+        linear::Precision::Bf16
+    } else {
+        linear::Precision::F32
+    }
 }
 
 fn dims(t: &FlexTensor) -> Vec<usize> {
@@ -247,14 +293,16 @@ fn with_last(shape: &Shape, last: usize) -> Shape {
 impl FusedOps for Flex {
     fn fused_linear(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) -> FlexTensor {
         let b = floats(&bias);
-        let shape = with_last(x.layout().shape(), b.len());
-        let y = with_floats(&x, |x| with_floats(&weight, |w| linear::forward(x, w, &b)));
-        flex(y, shape)
+        let (shape, dtype) = (with_last(x.layout().shape(), b.len()), x.dtype());
+        let y = with_matrix(&x, |x| {
+            with_matrix(&weight, |w| linear::forward(x, w, &b, precision(dtype)))
+        });
+        flex(y, shape, dtype)
     }
 
     fn fused_gelu_tanh(x: FlexTensor) -> FlexTensor {
         let shape = x.layout().shape().clone();
-        flex(with_floats(&x, rows::gelu), shape)
+        flex(with_floats(&x, rows::gelu), shape, x.dtype())
     }
 
     fn fused_layer_norm(
@@ -267,13 +315,14 @@ impl FusedOps for Flex {
         let [y, _, _] = with_floats(&x, |x| {
             rows::layer_norm(x, &floats(&weight), &floats(&bias), eps as f32)
         });
-        flex(y, shape)
+        flex(y, shape, x.dtype())
     }
 
     fn fused_causal_attention(qkv: FlexTensor, n_head: usize) -> FlexTensor {
         let dims = attention_dims(&qkv, n_head);
         let (out, _) = with_floats(&qkv, |qkv| attention::forward(qkv, dims));
-        flex(out, Shape::from(vec![dims.b, dims.t, dims.h * dims.hd]))
+        let shape = Shape::from(vec![dims.b, dims.t, dims.h * dims.hd]);
+        flex(out, shape, qkv.dtype())
     }
 
     fn fused_cross_entropy(logits: FlexTensor, targets: FlexTensor) -> FlexTensor {
@@ -281,7 +330,7 @@ impl FusedOps for Flex {
         let v = dims(&logits)[1];
         check_targets(&targets, v);
         let (loss, _) = with_floats(&logits, |l| rows::cross_entropy(l, &targets));
-        flex(vec![loss], Shape::from(vec![1]))
+        flex(vec![loss], Shape::from(vec![1]), logits.dtype())
     }
 }
 
@@ -289,29 +338,31 @@ impl FusedOps for Flex {
 struct LinearBackward;
 
 impl Backward<Flex, 3> for LinearBackward {
-    /// The input and the weight.
-    type State = (FlexTensor, FlexTensor);
+    /// The input, the weight and the bias's dtype.
+    type State = (FlexTensor, FlexTensor, DType);
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [px, pw, pb] = ops.parents;
         let dy = grads.consume::<Flex>(&ops.node);
-        let (x, w) = &ops.state;
+        let (x, w, bias) = &ops.state;
         let [d_in, d_out] = dims(w)[..] else {
             panic!("a linear layer's weight is [d_in, d_out]");
         };
-        let [dx, dw, db] = with_floats(x, |xs| {
-            with_floats(w, |ws| {
-                with_floats(&dy, |dy| linear::backward(xs, ws, dy, d_out))
+        let how = precision(x.dtype());
+        let [dx, dw, db] = with_matrix(x, |xs| {
+            with_matrix(w, |ws| {
+                with_matrix(&dy, |dy| linear::backward(xs, ws, dy, d_out, how))
             })
         });
         if let Some(p) = px {
-            grads.register::<Flex>(p.id, flex(dx, x.layout().shape().clone()));
+            grads.register::<Flex>(p.id, flex(dx, x.layout().shape().clone(), x.dtype()));
         }
         if let Some(p) = pw {
-            grads.register::<Flex>(p.id, flex(dw, Shape::from(vec![d_in, d_out])));
+            let shape = Shape::from(vec![d_in, d_out]);
+            grads.register::<Flex>(p.id, flex(dw, shape, w.dtype()));
         }
         if let Some(p) = pb {
-            grads.register::<Flex>(p.id, flex(db, Shape::from(vec![d_out])));
+            grads.register::<Flex>(p.id, flex(db, Shape::from(vec![d_out]), *bias));
         }
     }
 }
@@ -329,7 +380,8 @@ impl Backward<Flex, 1> for GeluBackward {
         if let Some(parent) = parent {
             let x = &ops.state;
             let dx = with_floats(x, |x| with_floats(&dy, |dy| rows::gelu_backward(x, dy)));
-            grads.register::<Flex>(parent.id, flex(dx, x.layout().shape().clone()));
+            let shape = x.layout().shape().clone();
+            grads.register::<Flex>(parent.id, flex(dx, shape, x.dtype()));
         }
     }
 }
@@ -338,13 +390,14 @@ impl Backward<Flex, 1> for GeluBackward {
 struct LayerNormBackward;
 
 impl Backward<Flex, 3> for LayerNormBackward {
-    /// The input, weight, and each row's mean and reciprocal standard deviation.
-    type State = (FlexTensor, FlexTensor, Vec<f32>, Vec<f32>);
+    /// The input, weight, the bias's dtype, and each row's mean and reciprocal standard
+    /// deviation.
+    type State = (FlexTensor, FlexTensor, DType, Vec<f32>, Vec<f32>);
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [px, pw, pb] = ops.parents;
         let dy = grads.consume::<Flex>(&ops.node);
-        let (x, w, mean, rstd) = &ops.state;
+        let (x, w, bias, mean, rstd) = &ops.state;
         let [dx, dw, db] = with_floats(x, |xs| {
             with_floats(&dy, |dy| {
                 rows::layer_norm_backward(xs, &floats(w), mean, rstd, dy)
@@ -352,13 +405,13 @@ impl Backward<Flex, 3> for LayerNormBackward {
         });
         let d = dw.len();
         if let Some(p) = px {
-            grads.register::<Flex>(p.id, flex(dx, x.layout().shape().clone()));
+            grads.register::<Flex>(p.id, flex(dx, x.layout().shape().clone(), x.dtype()));
         }
         if let Some(p) = pw {
-            grads.register::<Flex>(p.id, flex(dw, Shape::from(vec![d])));
+            grads.register::<Flex>(p.id, flex(dw, Shape::from(vec![d]), w.dtype()));
         }
         if let Some(p) = pb {
-            grads.register::<Flex>(p.id, flex(db, Shape::from(vec![d])));
+            grads.register::<Flex>(p.id, flex(db, Shape::from(vec![d]), *bias));
         }
     }
 }
@@ -382,7 +435,8 @@ impl Backward<Flex, 1> for AttentionBackward {
                     })
                 })
             });
-            grads.register::<Flex>(parent.id, flex(dqkv, qkv.layout().shape().clone()));
+            let shape = qkv.layout().shape().clone();
+            grads.register::<Flex>(parent.id, flex(dqkv, shape, qkv.dtype()));
         }
     }
 }
@@ -401,7 +455,8 @@ impl Backward<Flex, 1> for CrossEntropyBackward {
             let (logits, targets, lse) = &ops.state;
             let g = floats(&grad)[0];
             let dlogits = with_floats(logits, |l| rows::cross_entropy_backward(l, targets, lse, g));
-            grads.register::<Flex>(parent.id, flex(dlogits, logits.layout().shape().clone()));
+            let shape = logits.layout().shape().clone();
+            grads.register::<Flex>(parent.id, flex(dlogits, shape, logits.dtype()));
         }
     }
 }
@@ -421,9 +476,10 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
             .prepare::<C>([x.node(), weight.node(), bias.node()])
             .compute_bound()
             .stateful();
+        let bias = bp.dtype();
         let y = Flex::fused_linear(xp.clone(), wp.clone(), bp);
         match prep {
-            OpsKind::Tracked(prep) => prep.finish((xp, wp), y),
+            OpsKind::Tracked(prep) => prep.finish((xp, wp, bias), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
@@ -462,9 +518,9 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         let [y, mean, rstd] = with_floats(&xp, |xs| {
             rows::layer_norm(xs, &floats(&wp), &floats(&bp), eps as f32)
         });
-        let y = flex(y, shape);
+        let y = flex(y, shape, xp.dtype());
         match prep {
-            OpsKind::Tracked(prep) => prep.finish((xp, wp, mean, rstd), y),
+            OpsKind::Tracked(prep) => prep.finish((xp, wp, bp.dtype(), mean, rstd), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
@@ -477,7 +533,8 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
             .compute_bound()
             .stateful();
         let (out, lse) = with_floats(&input, |q| attention::forward(q, dims));
-        let out = flex(out, Shape::from(vec![dims.b, dims.t, dims.h * dims.hd]));
+        let shape = Shape::from(vec![dims.b, dims.t, dims.h * dims.hd]);
+        let out = flex(out, shape, input.dtype());
         match prep {
             OpsKind::Tracked(prep) => prep.finish((input, out.clone(), lse, dims), out),
             OpsKind::UnTracked(prep) => prep.finish(out),
@@ -493,7 +550,7 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
             .compute_bound()
             .stateful();
         let (loss, lse) = with_floats(&input, |l| rows::cross_entropy(l, &targets));
-        let loss = flex(vec![loss], Shape::from(vec![1]));
+        let loss = flex(vec![loss], Shape::from(vec![1]), input.dtype());
         match prep {
             OpsKind::Tracked(prep) => prep.finish((input, targets, lse), loss),
             OpsKind::UnTracked(prep) => prep.finish(loss),
@@ -503,6 +560,8 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
 
 #[cfg(test)]
 mod tests {
+    use super::linear::Matrix;
+    use super::linear::Precision::F32;
     use super::simd::LEVEL_CAP;
     use super::{attention, linear, rows};
 
@@ -554,8 +613,10 @@ mod tests {
             out.push(attention::backward(&qkv, &o, &lse, &dout, dims));
             out.extend([o, lse]);
             let wl = values(70 * 9, 7, 0.5);
-            out.push(linear::forward(&x, &wl, &values(9, 8, 0.5)));
-            out.extend(linear::backward(&x, &wl, &values(120 * 9, 9, 1.0), 9));
+            let (xm, wm) = (Matrix::F32(&x), Matrix::F32(&wl));
+            out.push(linear::forward(xm, wm, &values(9, 8, 0.5), F32));
+            let dy = values(120 * 9, 9, 1.0);
+            out.extend(linear::backward(xm, wm, Matrix::F32(&dy), 9, F32));
             out
         })
     }

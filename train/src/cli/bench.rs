@@ -321,14 +321,16 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
                 format!("{lo:.1}-{hi:.1}")
             };
             println!(
-                "{:<10} {} threads  ember {:>8.1} ms/step ({} over {} rounds)  PyTorch {} {:>8.1} \
-                 ms/step ({})  ember/PyTorch tokens/s {:.2}x",
+                "{:<10} {} {} threads  ember {:>8.1} ms/step ({} over {} rounds)  PyTorch {}{} \
+                 {:>8.1} ms/step ({})  ember/PyTorch tokens/s {:.2}x",
                 r.preset,
+                r.dtype,
                 r.threads,
                 r.ember_median_ms,
                 spread(&r.ember_ms),
                 r.ember_ms.len(),
                 r.torch,
+                if r.dtype == "bf16" { " bf16 autocast" } else { "" },
                 r.torch_median_ms,
                 spread(&r.torch_ms),
                 r.ratio

@@ -1,0 +1,657 @@
+//! bf16 storage and the bf16 matrix product.
+//!
+//! A bf16 tensor enters a kernel as f32 (every bf16 value is exactly an f32) and leaves it
+//! rounded to the nearest bf16, ties to even. Inside, the kernels compute in f32 as they do
+//! for f32 tensors, except the linear layers' products: [`product`] rounds its operands to
+//! bf16 and accumulates in f32. On a CPU with AVX512_BF16 it runs on `vdpbf16ps`, which
+//! multiplies pairs of bf16 values and adds them into f32 lanes: twice the multiply-adds per
+//! instruction of an f32 FMA. Elsewhere the rounded operands go through the f32 product.
+
+use std::mem::MaybeUninit;
+
+use rayon::prelude::*;
+
+use super::simd::multiversion;
+
+/// The nearest bf16 to `x` (ties to even) as its bits; NaN stays NaN.
+#[inline(always)]
+pub(crate) fn bits_of(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    if x.is_nan() { 0x7fc0 } else { rounded }
+}
+
+/// The f32 of bf16 bits.
+#[inline(always)]
+pub(crate) fn value_of(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+multiversion! {
+    /// `out[i] = bits_of(x[i])`.
+    fn round_into(x: &[f32], out: &mut [MaybeUninit<u16>]) {
+        for (o, &x) in out.iter_mut().zip(x) {
+            o.write(bits_of(x));
+        }
+    }
+}
+
+multiversion! {
+    /// `out[i] = value_of(bits[i])`.
+    fn widen_into(bits: &[u16], out: &mut [MaybeUninit<f32>]) {
+        for (o, &b) in out.iter_mut().zip(bits) {
+            o.write(value_of(b));
+        }
+    }
+}
+
+/// A vector of `len` elements, each written by `fill`.
+fn filled<T>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
+    let mut out = Vec::with_capacity(len);
+    fill(&mut out.spare_capacity_mut()[..len]);
+    // SAFETY: every caller's `fill` writes all `len` elements.
+    unsafe { out.set_len(len) };
+    out
+}
+
+/// `x` rounded to bf16, as bits.
+#[cfg(test)]
+fn round(x: &[f32]) -> Vec<u16> {
+    filled(x.len(), |out| round_into(x, out))
+}
+
+/// `x` rounded to bf16.
+pub(crate) fn round_to_bf16(x: &[f32]) -> Vec<burn::tensor::bf16> {
+    filled(x.len(), |out: &mut [MaybeUninit<burn::tensor::bf16>]| {
+        // SAFETY: `bf16` is a transparent wrapper of its `u16` bits.
+        let out = unsafe { &mut *(out as *mut [MaybeUninit<_>] as *mut [MaybeUninit<u16>]) };
+        round_into(x, out)
+    })
+}
+
+/// bf16 bits widened to f32.
+pub(crate) fn widen(bits: &[u16]) -> Vec<f32> {
+    filled(bits.len(), |out| widen_into(bits, out))
+}
+
+/// Whether [`product`] runs on the CPU's bf16 dot-product instructions.
+pub fn has_bf16_dot() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::simd::level_cap() >= 2
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// A matrix operand of [`product`]: its first element, as f32 values or as bf16 bits.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Src {
+    F32(*const f32),
+    Bf16(*const u16),
+}
+
+/// The elements [`pack`] reads: f32 values (rounded on the way) or bf16 bits.
+trait Element: Copy + Send + Sync {
+    const ZERO: Self;
+    fn bits(self) -> u16;
+    /// `out[i]` = the pair of `src[2i]` (low half) and `src[2i + 1]` (high half).
+    fn pair_adjacent(src: &[Self], out: &mut [u32]);
+    /// `out[i]` = the pair of `lo[i]` (low half) and `hi[i]` (high half).
+    fn pair_rows(lo: &[Self], hi: &[Self], out: &mut [u32]);
+}
+
+multiversion! {
+    fn pair_adjacent_f32(src: &[f32], out: &mut [u32]) {
+        for (o, x) in out.iter_mut().zip(src.chunks_exact(2)) {
+            *o = bits_of(x[0]) as u32 | (bits_of(x[1]) as u32) << 16;
+        }
+    }
+}
+
+multiversion! {
+    fn pair_rows_f32(lo: &[f32], hi: &[f32], out: &mut [u32]) {
+        for ((o, &a), &b) in out.iter_mut().zip(lo).zip(hi) {
+            *o = bits_of(a) as u32 | (bits_of(b) as u32) << 16;
+        }
+    }
+}
+
+multiversion! {
+    fn pair_adjacent_bits(src: &[u16], out: &mut [u32]) {
+        for (o, x) in out.iter_mut().zip(src.chunks_exact(2)) {
+            *o = x[0] as u32 | (x[1] as u32) << 16;
+        }
+    }
+}
+
+multiversion! {
+    fn pair_rows_bits(lo: &[u16], hi: &[u16], out: &mut [u32]) {
+        for ((o, &a), &b) in out.iter_mut().zip(lo).zip(hi) {
+            *o = a as u32 | (b as u32) << 16;
+        }
+    }
+}
+
+impl Element for f32 {
+    const ZERO: Self = 0.0;
+    fn bits(self) -> u16 {
+        bits_of(self)
+    }
+    fn pair_adjacent(src: &[Self], out: &mut [u32]) {
+        pair_adjacent_f32(src, out)
+    }
+    fn pair_rows(lo: &[Self], hi: &[Self], out: &mut [u32]) {
+        pair_rows_f32(lo, hi, out)
+    }
+}
+
+impl Element for u16 {
+    const ZERO: Self = 0;
+    fn bits(self) -> u16 {
+        self
+    }
+    fn pair_adjacent(src: &[Self], out: &mut [u32]) {
+        pair_adjacent_bits(src, out)
+    }
+    fn pair_rows(lo: &[Self], hi: &[Self], out: &mut [u32]) {
+        pair_rows_bits(lo, hi, out)
+    }
+}
+
+thread_local! {
+    /// The packed operands of this thread's last product, kept to spare the allocation.
+    static PACKED: std::cell::Cell<(Vec<u32>, Vec<u32>)> = const {
+        std::cell::Cell::new((Vec::new(), Vec::new()))
+    };
+}
+
+/// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`, with `lhs` and `rhs`
+/// rounded to bf16 and the products summed in f32. Arguments as in
+/// [`super::product::product`], except that the operands may be bf16 bits.
+///
+/// # Safety
+/// As for [`super::product::product`].
+pub(crate) unsafe fn product(
+    [m, n, k]: [usize; 3],
+    dst: (*mut f32, isize),
+    lhs: (Src, [isize; 2]),
+    rhs: (Src, [isize; 2]),
+    beta: f32,
+    accumulate: bool,
+    parallel: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_bf16_dot() && k > 0 {
+        let (mut a, mut b) = PACKED.take();
+        // Column i of rhs is row i of its transpose.
+        let rhs_t = (rhs.0, [rhs.1[1], rhs.1[0]]);
+        pack_src::<MR>([m, k], lhs, &mut a);
+        pack_src::<NR>([n, k], rhs_t, &mut b);
+        // SAFETY: as the caller guarantees; the CPU has AVX512_BF16.
+        unsafe {
+            dot::product([m, n, k], &a, &b, (Out(dst.0), dst.1), beta, accumulate, parallel)
+        };
+        PACKED.set((a, b));
+        return;
+    }
+    // Without bf16 instructions: the f32 product of the rounded operands.
+    let gather = |[r, c]: [usize; 2], (p, [rs, cs]): (Src, [isize; 2])| {
+        let mut v = Vec::with_capacity(r * c);
+        let at = |i: usize, j: usize| i as isize * rs + j as isize * cs;
+        for i in 0..r {
+            // SAFETY: the caller guarantees every element of the r x c operand is in bounds.
+            v.extend((0..c).map(|j| unsafe {
+                match p {
+                    Src::F32(p) => bits_of(*p.offset(at(i, j))),
+                    Src::Bf16(p) => *p.offset(at(i, j)),
+                }
+            }));
+        }
+        widen(&v)
+    };
+    let (a, b) = (gather([m, k], lhs), gather([k, n], rhs));
+    // SAFETY: `a` is m x k and `b` is k x n, row-major; `dst` as the caller guarantees.
+    unsafe {
+        super::product::product(
+            [m, n, k],
+            dst,
+            (a.as_ptr(), [k as isize, 1]),
+            (b.as_ptr(), [n as isize, 1]),
+            beta,
+            accumulate,
+            parallel,
+        )
+    }
+}
+
+/// Rows of the output one micro-kernel call computes.
+const MR: usize = 8;
+/// Columns of the output one micro-kernel call computes (two vectors of 16 lanes).
+const NR: usize = 32;
+/// Pairs of the inner dimension per cache block.
+const KC: usize = 128;
+/// Rows per parallel task.
+const ROWS: usize = 64;
+const _: () = assert!(NR % MR == 0);
+
+/// [`pack`] of either kind of operand into `out`, resized to fit.
+fn pack_src<const WIDTH: usize>(dims: [usize; 2], (p, strides): (Src, [isize; 2]), out: &mut Vec<u32>) {
+    let [rows, k] = dims;
+    out.clear();
+    out.reserve(rows.next_multiple_of(WIDTH) * k.div_ceil(2));
+    let spare = &mut out.spare_capacity_mut()[..rows.next_multiple_of(WIDTH) * k.div_ceil(2)];
+    // SAFETY: `u32` and `MaybeUninit<u32>` have one layout; `pack` writes every element.
+    let spare = unsafe { &mut *(spare as *mut [MaybeUninit<u32>] as *mut [u32]) };
+    match p {
+        Src::F32(p) => pack::<WIDTH, f32>(dims, (p, strides), spare),
+        Src::Bf16(p) => pack::<WIDTH, u16>(dims, (p, strides), spare),
+    }
+    // SAFETY: `pack` wrote every element of the spare capacity taken.
+    unsafe { out.set_len(rows.next_multiple_of(WIDTH) * k.div_ceil(2)) };
+}
+
+/// Packs a `rows x k` operand (pointer and [row stride, column stride]) in bf16 pairs along
+/// `k`, in panels of `WIDTH` rows: the pair of columns `2q` and `2q + 1` of row `i` goes to
+/// `out[(i / WIDTH * pairs + q) * WIDTH + i % WIDTH]`. Every element of `out`
+/// (`rows.next_multiple_of(WIDTH) * pairs`) is written, padding with zeros. Rows go in
+/// parallel blocks of [`NR`], a multiple of `WIDTH`.
+fn pack<const WIDTH: usize, E: Element>(
+    [rows, k]: [usize; 2],
+    (p, [rs, cs]): (*const E, [isize; 2]),
+    out: &mut [u32],
+) {
+    let pairs = k.div_ceil(2);
+    let padded = rows.next_multiple_of(WIDTH);
+    assert!(NR % WIDTH == 0 && out.len() == padded * pairs);
+    let (src, dst) = (In(p), Out(out.as_mut_ptr().cast()));
+    let block = |b: usize| {
+        let (i0, i1) = (b * NR, (b * NR + NR).min(rows));
+        let dst = dst.get().cast::<u32>();
+        let at = |i: usize, q: usize| (i / WIDTH * pairs + q) * WIDTH + i % WIDTH;
+        // SAFETY (every write below): `at(i, q)` for i < padded and q < pairs is below
+        // `out.len()` (asserted), and only this block writes its rows' elements.
+        let put = |i: usize, q: usize, v: u32| unsafe { *dst.add(at(i, q)) = v };
+        // SAFETY (every read below): rows below `rows` and columns below `k` are in bounds,
+        // as the caller guarantees.
+        let line = |from: isize, len: usize| unsafe {
+            std::slice::from_raw_parts(src.get().offset(from), len)
+        };
+        if cs == 1 {
+            // Each row's columns are contiguous: pair neighbours, a panel's rows at a time,
+            // and interleave them.
+            let mut tmp = vec![0u32; WIDTH * pairs];
+            for p0 in (i0..i1).step_by(WIDTH) {
+                let p1 = (p0 + WIDTH).min(i1);
+                for (i, tmp) in (p0..p1).zip(tmp.chunks_exact_mut(pairs)) {
+                    let row = line(i as isize * rs, k);
+                    E::pair_adjacent(row, tmp);
+                    if k % 2 == 1 {
+                        tmp[pairs - 1] = row[k - 1].bits() as u32;
+                    }
+                }
+                tmp[(p1 - p0) * pairs..].fill(0);
+                // SAFETY: the panel of rows p0.. is `WIDTH * pairs` elements from `at(p0, 0)`,
+                // in bounds and written by this block only.
+                let panel = unsafe {
+                    std::slice::from_raw_parts_mut(dst.add(at(p0, 0)), WIDTH * pairs)
+                };
+                for (q, lanes) in panel.chunks_exact_mut(WIDTH).enumerate() {
+                    for (i, v) in lanes.iter_mut().enumerate() {
+                        *v = tmp[i * pairs + q];
+                    }
+                }
+            }
+            return;
+        }
+        if rs == 1 {
+            // Each column's rows are contiguous: pair two columns element by element.
+            let mut tmp = vec![0u32; i1 - i0];
+            let zeros = vec![E::ZERO; i1 - i0];
+            for q in 0..pairs {
+                let col = |c: usize| line(c as isize * cs + i0 as isize, i1 - i0);
+                let hi = if 2 * q + 1 < k { col(2 * q + 1) } else { &zeros[..] };
+                E::pair_rows(col(2 * q), hi, &mut tmp);
+                for (c, lanes) in tmp.chunks(WIDTH).enumerate() {
+                    // SAFETY: the lanes of one panel at pair q are contiguous and in bounds.
+                    unsafe {
+                        let to = dst.add(at(i0 + c * WIDTH, q));
+                        std::ptr::copy_nonoverlapping(lanes.as_ptr(), to, lanes.len());
+                    }
+                }
+            }
+        } else {
+            let value = |i: usize, c: usize| line(i as isize * rs + c as isize * cs, 1)[0];
+            for i in i0..i1 {
+                for q in 0..pairs {
+                    let hi = if 2 * q + 1 < k { value(i, 2 * q + 1).bits() as u32 } else { 0 };
+                    put(i, q, value(i, 2 * q).bits() as u32 | hi << 16);
+                }
+            }
+        }
+        // The rows that pad the last panel.
+        for i in i1..i1.next_multiple_of(WIDTH).min(padded) {
+            for q in 0..pairs {
+                put(i, q, 0);
+            }
+        }
+    };
+    (0..rows.div_ceil(NR)).into_par_iter().for_each(block);
+}
+
+/// An operand's pointer, read by parallel tasks.
+#[derive(Clone, Copy)]
+struct In<E>(*const E);
+impl<E> In<E> {
+    /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
+    fn get(self) -> *const E {
+        self.0
+    }
+}
+// SAFETY: the operands are only read while the product runs.
+unsafe impl<E> Send for In<E> {}
+// SAFETY: as above.
+unsafe impl<E> Sync for In<E> {}
+
+/// The output pointer, shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+impl Out {
+    /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+// SAFETY: every task writes its own rows of the output.
+unsafe impl Send for Out {}
+// SAFETY: as above.
+unsafe impl Sync for Out {}
+
+#[cfg(target_arch = "x86_64")]
+mod dot {
+    use std::arch::x86_64::*;
+
+    use rayon::prelude::*;
+
+    use super::{KC, MR, NR, Out, ROWS};
+
+    /// The product of packed operands: `a` from [`super::rows_of`], `b` from
+    /// [`super::panels_of`].
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and BF16; `dst` addresses `m` rows of `n` elements at row
+    /// stride `dst.1`, written by no other thread.
+    pub(super) unsafe fn product(
+        [m, n, k]: [usize; 3],
+        a: &[u32],
+        b: &[u32],
+        (out, rs): (Out, isize),
+        beta: f32,
+        accumulate: bool,
+        parallel: bool,
+    ) {
+        let pairs = k.div_ceil(2);
+        let task = |r0: usize| {
+            let r1 = (r0 + ROWS).min(m);
+            // SAFETY: rows r0..r1 are this task's; the rest as the caller guarantees.
+            unsafe { rows(r0, r1, [n, pairs], a, b, (out, rs), beta, accumulate) };
+        };
+        if parallel && m * n * k >= 1 << 20 && m > ROWS {
+            (0..m.div_ceil(ROWS)).into_par_iter().for_each(|t| task(t * ROWS));
+        } else {
+            (0..m.div_ceil(ROWS)).for_each(|t| task(t * ROWS));
+        }
+    }
+
+    /// Rows `r0..r1` of the output, block by block of the inner dimension.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn rows(
+        r0: usize,
+        r1: usize,
+        [n, pairs]: [usize; 2],
+        a: &[u32],
+        b: &[u32],
+        (out, rs): (Out, isize),
+        beta: f32,
+        accumulate: bool,
+    ) {
+        for q0 in (0..pairs).step_by(KC) {
+            let q1 = (q0 + KC).min(pairs);
+            let add = accumulate || q0 > 0;
+            for j in 0..n.div_ceil(NR) {
+                let panel = &b[j * pairs * NR..][..pairs * NR];
+                let cols = (n - j * NR).min(NR);
+                for r in (r0..r1).step_by(MR) {
+                    let tile = &a[r * pairs..][..MR * pairs]; // r is a multiple of MR
+                    let acc = tile_product(tile, panel, pairs, q0, q1);
+                    // SAFETY: rows r..min(r + MR, r1) and columns j NR..j NR + cols are in
+                    // the output.
+                    unsafe {
+                        let dst = out.0.offset(r as isize * rs + (j * NR) as isize);
+                        store(acc, dst, rs, (r1 - r).min(MR), cols, beta, add);
+                    }
+                }
+            }
+        }
+    }
+
+    /// `MR x NR` sums over pairs `q0..q1` of `tile`'s rows times `panel`'s columns.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    fn tile_product(
+        tile: &[u32],
+        panel: &[u32],
+        pairs: usize,
+        q0: usize,
+        q1: usize,
+    ) -> [[__m512; 2]; MR] {
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        assert!(tile.len() >= MR * pairs && panel.len() >= pairs * NR && q1 <= pairs);
+        for q in q0..q1 {
+            // SAFETY: q < pairs, so the panel's 32 lanes at q are in bounds (asserted).
+            let (b0, b1) = unsafe {
+                let p = panel.as_ptr().add(q * NR) as *const __m512i;
+                (
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p)),
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p.add(1))),
+                )
+            };
+            for (i, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: i < MR and q < pairs (asserted).
+                let pair = unsafe { *tile.get_unchecked(q * MR + i) };
+                // SAFETY: both are 512 bits of plain data.
+                let a = unsafe {
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair as i32))
+                };
+                acc[0] = _mm512_dpbf16_ps(acc[0], a, b0);
+                acc[1] = _mm512_dpbf16_ps(acc[1], a, b1);
+            }
+        }
+        acc
+    }
+
+    /// Writes `beta * acc` (added to what is there when `add`) to the first `rows` rows and
+    /// `cols` columns at `dst`.
+    ///
+    /// # Safety
+    /// Those elements are in bounds.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn store(
+        acc: [[__m512; 2]; MR],
+        dst: *mut f32,
+        rs: isize,
+        rows: usize,
+        cols: usize,
+        beta: f32,
+        add: bool,
+    ) {
+        let beta = _mm512_set1_ps(beta);
+        let masks = [
+            lanes(cols.min(16)),
+            lanes(cols.saturating_sub(16)),
+        ];
+        for (i, acc) in acc.iter().enumerate().take(rows) {
+            for (h, &mask) in masks.iter().enumerate() {
+                if mask == 0 {
+                    continue;
+                }
+                // SAFETY: the masked lanes are in bounds, as the caller guarantees.
+                unsafe {
+                    let p = dst.offset(i as isize * rs + 16 * h as isize);
+                    let mut v = _mm512_mul_ps(acc[h], beta);
+                    if add {
+                        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p));
+                    }
+                    _mm512_mask_storeu_ps(p, mask, v);
+                }
+            }
+        }
+    }
+
+    /// The mask of the first `n` of 16 lanes.
+    fn lanes(n: usize) -> __mmask16 {
+        ((1u32 << n) - 1) as __mmask16
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut z = seed.wrapping_mul(2_654_435_761) | 1;
+        (0..n)
+            .map(|_| {
+                z ^= z << 13;
+                z ^= z >> 17;
+                z ^= z << 5;
+                z as f32 / u32::MAX as f32 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rounding_is_to_nearest_even() {
+        assert_eq!(bits_of(1.0), 0x3f80);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties go to the even 1.
+        assert_eq!(bits_of(1.0 + 1.0 / 256.0), 0x3f80);
+        // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties go to the even one.
+        assert_eq!(bits_of(1.0 + 3.0 / 256.0), 0x3f82);
+        assert_eq!(bits_of(1.0 + 1.0 / 256.0 + 1.0 / 65536.0), 0x3f81);
+        assert_eq!(bits_of(-2.5), 0xc020);
+        assert!(value_of(bits_of(f32::NAN)).is_nan());
+        assert_eq!(value_of(bits_of(f32::INFINITY)), f32::INFINITY);
+        assert_eq!(widen(&round(&[0.1, -3.0])), [0.100_097_656_25, -3.0]);
+    }
+
+    /// The product of the rounded operands in f64, against [`product`] for every transpose
+    /// and shape edge, on the bf16 instructions where the CPU has them and on the f32
+    /// product: within `2^-20` of the sum of the magnitudes (f32 accumulation over `k` terms
+    /// of exactly represented products).
+    #[test]
+    fn product_matches_f64_of_rounded_operands() {
+        for cap in [2, 1] {
+            crate::kernels::simd::LEVEL_CAP.with(|c| c.set(cap));
+            product_at_this_level();
+        }
+        crate::kernels::simd::LEVEL_CAP.with(|c| c.set(2));
+    }
+
+    fn product_at_this_level() {
+        for &[m, n, k] in &[[1, 1, 1], [8, 32, 2], [13, 45, 7], [70, 33, 300], [130, 97, 257]] {
+            for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                let (a, b) = (values(m * k, 1), values(k * n, 2));
+                let sa = if ta { [1, m as isize] } else { [k as isize, 1] };
+                let sb = if tb { [1, k as isize] } else { [n as isize, 1] };
+                let prior = values(m * n, 3);
+                let mut got = prior.clone();
+                // SAFETY: a holds m x k and b k x n under their strides; got is m x n.
+                unsafe {
+                    product(
+                        [m, n, k],
+                        (got.as_mut_ptr(), n as isize),
+                        (Src::F32(a.as_ptr()), sa),
+                        (Src::F32(b.as_ptr()), sb),
+                        0.5,
+                        true,
+                        true,
+                    );
+                }
+                // The same operands given as bf16 bits give the same bits.
+                let (a16, b16) = (round(&a), round(&b));
+                let mut from_bits = prior.clone();
+                // SAFETY: as above.
+                unsafe {
+                    product(
+                        [m, n, k],
+                        (from_bits.as_mut_ptr(), n as isize),
+                        (Src::Bf16(a16.as_ptr()), sa),
+                        (Src::Bf16(b16.as_ptr()), sb),
+                        0.5,
+                        true,
+                        true,
+                    );
+                }
+                assert!(got.iter().zip(&from_bits).all(|(x, y)| x.to_bits() == y.to_bits()));
+                let at = |v: &[f32], [rs, cs]: [isize; 2], i: usize, j: usize| {
+                    value_of(bits_of(v[(i as isize * rs + j as isize * cs) as usize])) as f64
+                };
+                for i in 0..m {
+                    for j in 0..n {
+                        let (mut want, mut mag) = (0.0f64, 0.0f64);
+                        for l in 0..k {
+                            let p = at(&a, sa, i, l) * at(&b, sb, l, j);
+                            want += p;
+                            mag += p.abs();
+                        }
+                        let want = prior[i * n + j] as f64 + 0.5 * want;
+                        let err = (got[i * n + j] as f64 - want).abs();
+                        assert!(
+                            err <= (mag + 1.0) * 2f64.powi(-20),
+                            "[{m}, {n}, {k}] {ta} {tb} at ({i}, {j}): {} against {want}",
+                            got[i * n + j]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    #[test]
+    #[ignore]
+    fn time_products() {
+        for &[m, n, k] in &[[1024, 768, 256], [1024, 256, 1024], [1024, 1024, 256], [256, 768, 1024], [1024, 256, 768]] {
+            let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 * 0.1).collect();
+            let mut c = vec![0.0f32; m * n];
+            for bf in [false, true] {
+                let t = std::time::Instant::now();
+                for _ in 0..20 {
+                    unsafe {
+                        let args = ([m, n, k], (c.as_mut_ptr(), n as isize), (a.as_ptr(), [k as isize, 1]), (b.as_ptr(), [n as isize, 1]));
+                        if bf {
+                            super::product(args.0, args.1, (super::Src::F32(args.2.0), args.2.1), (super::Src::F32(args.3.0), args.3.1), 1.0, false, true)
+                        } else {
+                            crate::kernels::product::product(args.0, args.1, args.2, args.3, 1.0, false, true)
+                        }
+                    }
+                }
+                let s = t.elapsed().as_secs_f64() / 20.0;
+                println!("{m}x{n}x{k} bf16={bf}: {:.3} ms, {:.1} GFLOP/s", s * 1e3, 2.0 * (m * n * k) as f64 / s / 1e9);
+            }
+        }
+    }
+}
