@@ -3,12 +3,11 @@
 
 use burn::module::Module;
 use burn::nn::Embedding;
-use burn::tensor::module::linear;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::config::GptConfig;
 use crate::dropout::{DropoutKey, dropout};
-use crate::kernels::softmax_cross_entropy;
+use crate::kernels::{linear_transposed, softmax_cross_entropy};
 use crate::layers::{Block, LayerNorm};
 use crate::layout::Params;
 
@@ -196,7 +195,7 @@ impl Gpt {
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
         let x = self.ln_f.forward(x); // [B, T, d]
         // Tied head: logits = x wte^T.
-        linear(x, self.wte.weight.val().transpose(), None) // [B, T, V]
+        linear_transposed(x, self.wte.weight.val()) // [B, T, V]
     }
 
     /// Logits and mean cross-entropy of predicting `targets` (dropout as in

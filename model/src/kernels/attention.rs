@@ -10,7 +10,7 @@
 
 use rayon::prelude::*;
 
-use super::product::product;
+use super::product::{Precision, product_in};
 use super::simd::{dot, exp, max, multiversion, sum};
 
 /// Query rows per block of the causal score computation.
@@ -105,13 +105,14 @@ multiversion! {
 ///
 /// # Safety
 /// `q` and `k` address `T` rows of stride `3d` and `hd` columns each.
-unsafe fn causal_scores(dims: Dims, q: *const f32, k: *const f32, s: &mut [f32]) {
+unsafe fn causal_scores(how: Precision, dims: Dims, q: *const f32, k: *const f32, s: &mut [f32]) {
     let (t, rs) = (dims.t, 3 * dims.d() as isize);
     for r0 in (0..t).step_by(BLOCK) {
         let r1 = (r0 + BLOCK).min(t);
         // SAFETY: rows r0..r1 of q, rows 0..r1 of k, and s[r0 * t..r1 * t] are in bounds.
         unsafe {
-            product(
+            product_in(
+                how,
                 [r1 - r0, r1, dims.hd],
                 (s[r0 * t..].as_mut_ptr(), t as isize),
                 (q.add(r0 * 3 * dims.d()), [rs, 1]),
@@ -126,7 +127,9 @@ unsafe fn causal_scores(dims: Dims, q: *const f32, k: *const f32, s: &mut [f32])
 
 /// Causal attention of the packed projection `qkv` (`[B, T, 3d]`, heads side by side in each
 /// of q, k, v). Returns the output in `[B, T, d]` and each query's log-sum-exp (`[B, H, T]`).
-pub(crate) fn forward(qkv: &[f32], dims: Dims) -> (Vec<f32>, Vec<f32>) {
+/// With [`Precision::Bf16`] both products round their operands (the probabilities too) to
+/// bf16; the softmax is f32.
+pub(crate) fn forward(qkv: &[f32], dims: Dims, how: Precision) -> (Vec<f32>, Vec<f32>) {
     let Dims { b, t, h, .. } = dims;
     let d = dims.d();
     let mut out = vec![0.0f32; b * t * d];
@@ -139,14 +142,15 @@ pub(crate) fn forward(qkv: &[f32], dims: Dims) -> (Vec<f32>, Vec<f32>) {
         .for_each_init(scratch, |s, (task, lse)| {
             let q = qkv[dims.qkv_base(task)..].as_ptr();
             // SAFETY: q, k, v are this task's head within qkv (its length is B T 3d).
-            unsafe { causal_scores(dims, q, q.add(d), s) };
+            unsafe { causal_scores(how, dims, q, q.add(d), s) };
             for (i, (row, lse)) in s.chunks_exact_mut(t).zip(lse.iter_mut()).enumerate() {
                 softmax_row(row, i, lse);
             }
             // SAFETY: the output block of this head is T rows of stride d, hd columns; no
             // other task writes it.
             unsafe {
-                product(
+                product_in(
+                    how,
                     [t, dims.hd, t],
                     (out_ptr.get().add(dims.out_base(task)), d as isize),
                     (s.as_ptr(), [t as isize, 1]),
@@ -161,13 +165,15 @@ pub(crate) fn forward(qkv: &[f32], dims: Dims) -> (Vec<f32>, Vec<f32>) {
 }
 
 /// The gradient of [`forward`] with respect to `qkv`, given its output `out`, the saved
-/// `lse` and the output's gradient `dout` (`[B, T, d]`).
+/// `lse` and the output's gradient `dout` (`[B, T, d]`). With [`Precision::Bf16`] every
+/// product rounds its operands to bf16, the probabilities and their gradients included.
 pub(crate) fn backward(
     qkv: &[f32],
     out: &[f32],
     lse: &[f32],
     dout: &[f32],
     dims: Dims,
+    how: Precision,
 ) -> Vec<f32> {
     let Dims { b, t, hd, .. } = dims;
     let d = dims.d();
@@ -187,14 +193,15 @@ pub(crate) fn backward(
             // SAFETY: all pointers address this task's head: T rows of hd columns, within
             // their buffers; the three gradient blocks are written by this task only.
             unsafe {
-                causal_scores(dims, q, k, p);
+                causal_scores(how, dims, q, k, p);
                 for (i, row) in p.chunks_exact_mut(t).enumerate() {
                     probabilities_row(row, i, lse[i]);
                 }
                 // dP = dO V^T, per query block against the keys it sees.
                 for r0 in (0..t).step_by(BLOCK) {
                     let r1 = (r0 + BLOCK).min(t);
-                    product(
+                    product_in(
+                        how,
                         [r1 - r0, r1, hd],
                         (dp[r0 * t..].as_mut_ptr(), t_s),
                         (dout_h.add(r0 * d), [rs, 1]),
@@ -214,7 +221,8 @@ pub(crate) fn backward(
                 }
                 let dq = dqkv_ptr.get().add(base);
                 // dV = P^T dO.
-                product(
+                product_in(
+                    how,
                     [t, hd, t],
                     (dq.add(2 * d), rs3),
                     (p.as_ptr(), [1, t_s]),
@@ -224,7 +232,8 @@ pub(crate) fn backward(
                     false,
                 );
                 // dQ = dS K / sqrt(hd).
-                product(
+                product_in(
+                    how,
                     [t, hd, t],
                     (dq, rs3),
                     (dp.as_ptr(), [t_s, 1]),
@@ -234,7 +243,8 @@ pub(crate) fn backward(
                     false,
                 );
                 // dK = dS^T Q / sqrt(hd).
-                product(
+                product_in(
+                    how,
                     [t, hd, t],
                     (dq.add(d), rs3),
                     (dp.as_ptr(), [1, t_s]),

@@ -194,11 +194,19 @@ pub(crate) unsafe fn product(
         let (mut a, mut b) = PACKED.take();
         // Column i of rhs is row i of its transpose.
         let rhs_t = (rhs.0, [rhs.1[1], rhs.1[0]]);
-        pack_src::<MR>([m, k], lhs, &mut a);
-        pack_src::<NR>([n, k], rhs_t, &mut b);
+        pack_src::<MR>([m, k], lhs, &mut a, parallel);
+        pack_src::<NR>([n, k], rhs_t, &mut b, parallel);
         // SAFETY: as the caller guarantees; the CPU has AVX512_BF16.
         unsafe {
-            dot::product([m, n, k], &a, &b, (Out(dst.0), dst.1), beta, accumulate, parallel)
+            dot::product(
+                [m, n, k],
+                &a,
+                &b,
+                (Out(dst.0), dst.1),
+                beta,
+                accumulate,
+                parallel,
+            )
         };
         PACKED.set((a, b));
         return;
@@ -241,10 +249,15 @@ const NR: usize = 32;
 const KC: usize = 128;
 /// Rows per parallel task.
 const ROWS: usize = 64;
-const _: () = assert!(NR % MR == 0);
+const _: () = assert!(NR.is_multiple_of(MR));
 
 /// [`pack`] of either kind of operand into `out`, resized to fit.
-fn pack_src<const WIDTH: usize>(dims: [usize; 2], (p, strides): (Src, [isize; 2]), out: &mut Vec<u32>) {
+fn pack_src<const WIDTH: usize>(
+    dims: [usize; 2],
+    (p, strides): (Src, [isize; 2]),
+    out: &mut Vec<u32>,
+    parallel: bool,
+) {
     let [rows, k] = dims;
     out.clear();
     out.reserve(rows.next_multiple_of(WIDTH) * k.div_ceil(2));
@@ -252,8 +265,8 @@ fn pack_src<const WIDTH: usize>(dims: [usize; 2], (p, strides): (Src, [isize; 2]
     // SAFETY: `u32` and `MaybeUninit<u32>` have one layout; `pack` writes every element.
     let spare = unsafe { &mut *(spare as *mut [MaybeUninit<u32>] as *mut [u32]) };
     match p {
-        Src::F32(p) => pack::<WIDTH, f32>(dims, (p, strides), spare),
-        Src::Bf16(p) => pack::<WIDTH, u16>(dims, (p, strides), spare),
+        Src::F32(p) => pack::<WIDTH, f32>(dims, (p, strides), spare, parallel),
+        Src::Bf16(p) => pack::<WIDTH, u16>(dims, (p, strides), spare, parallel),
     }
     // SAFETY: `pack` wrote every element of the spare capacity taken.
     unsafe { out.set_len(rows.next_multiple_of(WIDTH) * k.div_ceil(2)) };
@@ -262,29 +275,62 @@ fn pack_src<const WIDTH: usize>(dims: [usize; 2], (p, strides): (Src, [isize; 2]
 /// Packs a `rows x k` operand (pointer and [row stride, column stride]) in bf16 pairs along
 /// `k`, in panels of `WIDTH` rows: the pair of columns `2q` and `2q + 1` of row `i` goes to
 /// `out[(i / WIDTH * pairs + q) * WIDTH + i % WIDTH]`. Every element of `out`
-/// (`rows.next_multiple_of(WIDTH) * pairs`) is written, padding with zeros. Rows go in
-/// parallel blocks of [`NR`], a multiple of `WIDTH`.
+/// (`rows.next_multiple_of(WIDTH) * pairs`) is written, padding with zeros. With `parallel`,
+/// pieces go to rayon's threads.
 fn pack<const WIDTH: usize, E: Element>(
     [rows, k]: [usize; 2],
     (p, [rs, cs]): (*const E, [isize; 2]),
     out: &mut [u32],
+    parallel: bool,
 ) {
     let pairs = k.div_ceil(2);
     let padded = rows.next_multiple_of(WIDTH);
-    assert!(NR % WIDTH == 0 && out.len() == padded * pairs);
+    assert!(NR.is_multiple_of(WIDTH) && out.len() == padded * pairs);
     let (src, dst) = (In(p), Out(out.as_mut_ptr().cast()));
+    let at = |i: usize, q: usize| (i / WIDTH * pairs + q) * WIDTH + i % WIDTH;
+    // SAFETY (every read below): rows below `rows` and columns below `k` are in bounds, as the
+    // caller guarantees.
+    let line = |from: isize, len: usize| unsafe {
+        std::slice::from_raw_parts(src.get().offset(from), len)
+    };
+    if rs == 1 && cs != 1 {
+        // Each column's rows are contiguous: pair two columns element by element, all rows
+        // at once, in parallel pieces of pairs.
+        const PAIRS: usize = 16;
+        let piece = |piece: usize| {
+            let mut tmp = vec![0u32; padded];
+            let zeros = vec![E::ZERO; rows];
+            for q in piece * PAIRS..(piece * PAIRS + PAIRS).min(pairs) {
+                let col = |c: usize| line(c as isize * cs, rows);
+                let hi = if 2 * q + 1 < k {
+                    col(2 * q + 1)
+                } else {
+                    &zeros[..]
+                };
+                E::pair_rows(col(2 * q), hi, &mut tmp[..rows]);
+                for (c, lanes) in tmp.chunks_exact(WIDTH).enumerate() {
+                    // SAFETY: the lanes of one panel at pair q are contiguous, in bounds, and
+                    // written by this piece only.
+                    unsafe {
+                        let to = dst.get().cast::<u32>().add(at(c * WIDTH, q));
+                        std::ptr::copy_nonoverlapping(lanes.as_ptr(), to, WIDTH);
+                    }
+                }
+            }
+        };
+        if parallel {
+            (0..pairs.div_ceil(PAIRS)).into_par_iter().for_each(piece);
+        } else {
+            (0..pairs.div_ceil(PAIRS)).for_each(piece);
+        }
+        return;
+    }
     let block = |b: usize| {
         let (i0, i1) = (b * NR, (b * NR + NR).min(rows));
         let dst = dst.get().cast::<u32>();
-        let at = |i: usize, q: usize| (i / WIDTH * pairs + q) * WIDTH + i % WIDTH;
         // SAFETY (every write below): `at(i, q)` for i < padded and q < pairs is below
         // `out.len()` (asserted), and only this block writes its rows' elements.
         let put = |i: usize, q: usize, v: u32| unsafe { *dst.add(at(i, q)) = v };
-        // SAFETY (every read below): rows below `rows` and columns below `k` are in bounds,
-        // as the caller guarantees.
-        let line = |from: isize, len: usize| unsafe {
-            std::slice::from_raw_parts(src.get().offset(from), len)
-        };
         if cs == 1 {
             // Each row's columns are contiguous: pair neighbours, a panel's rows at a time,
             // and interleave them.
@@ -301,9 +347,8 @@ fn pack<const WIDTH: usize, E: Element>(
                 tmp[(p1 - p0) * pairs..].fill(0);
                 // SAFETY: the panel of rows p0.. is `WIDTH * pairs` elements from `at(p0, 0)`,
                 // in bounds and written by this block only.
-                let panel = unsafe {
-                    std::slice::from_raw_parts_mut(dst.add(at(p0, 0)), WIDTH * pairs)
-                };
+                let panel =
+                    unsafe { std::slice::from_raw_parts_mut(dst.add(at(p0, 0)), WIDTH * pairs) };
                 for (q, lanes) in panel.chunks_exact_mut(WIDTH).enumerate() {
                     for (i, v) in lanes.iter_mut().enumerate() {
                         *v = tmp[i * pairs + q];
@@ -312,29 +357,15 @@ fn pack<const WIDTH: usize, E: Element>(
             }
             return;
         }
-        if rs == 1 {
-            // Each column's rows are contiguous: pair two columns element by element.
-            let mut tmp = vec![0u32; i1 - i0];
-            let zeros = vec![E::ZERO; i1 - i0];
+        let value = |i: usize, c: usize| line(i as isize * rs + c as isize * cs, 1)[0];
+        for i in i0..i1 {
             for q in 0..pairs {
-                let col = |c: usize| line(c as isize * cs + i0 as isize, i1 - i0);
-                let hi = if 2 * q + 1 < k { col(2 * q + 1) } else { &zeros[..] };
-                E::pair_rows(col(2 * q), hi, &mut tmp);
-                for (c, lanes) in tmp.chunks(WIDTH).enumerate() {
-                    // SAFETY: the lanes of one panel at pair q are contiguous and in bounds.
-                    unsafe {
-                        let to = dst.add(at(i0 + c * WIDTH, q));
-                        std::ptr::copy_nonoverlapping(lanes.as_ptr(), to, lanes.len());
-                    }
-                }
-            }
-        } else {
-            let value = |i: usize, c: usize| line(i as isize * rs + c as isize * cs, 1)[0];
-            for i in i0..i1 {
-                for q in 0..pairs {
-                    let hi = if 2 * q + 1 < k { value(i, 2 * q + 1).bits() as u32 } else { 0 };
-                    put(i, q, value(i, 2 * q).bits() as u32 | hi << 16);
-                }
+                let hi = if 2 * q + 1 < k {
+                    value(i, 2 * q + 1).bits() as u32
+                } else {
+                    0
+                };
+                put(i, q, value(i, 2 * q).bits() as u32 | hi << 16);
             }
         }
         // The rows that pad the last panel.
@@ -344,7 +375,11 @@ fn pack<const WIDTH: usize, E: Element>(
             }
         }
     };
-    (0..rows.div_ceil(NR)).into_par_iter().for_each(block);
+    if parallel {
+        (0..rows.div_ceil(NR)).into_par_iter().for_each(block);
+    } else {
+        (0..rows.div_ceil(NR)).for_each(block);
+    }
 }
 
 /// An operand's pointer, read by parallel tasks.
@@ -405,7 +440,9 @@ mod dot {
             unsafe { rows(r0, r1, [n, pairs], a, b, (out, rs), beta, accumulate) };
         };
         if parallel && m * n * k >= 1 << 20 && m > ROWS {
-            (0..m.div_ceil(ROWS)).into_par_iter().for_each(|t| task(t * ROWS));
+            (0..m.div_ceil(ROWS))
+                .into_par_iter()
+                .for_each(|t| task(t * ROWS));
         } else {
             (0..m.div_ceil(ROWS)).for_each(|t| task(t * ROWS));
         }
@@ -496,10 +533,7 @@ mod dot {
         add: bool,
     ) {
         let beta = _mm512_set1_ps(beta);
-        let masks = [
-            lanes(cols.min(16)),
-            lanes(cols.saturating_sub(16)),
-        ];
+        let masks = [lanes(cols.min(16)), lanes(cols.saturating_sub(16))];
         for (i, acc) in acc.iter().enumerate().take(rows) {
             for (h, &mask) in masks.iter().enumerate() {
                 if mask == 0 {
@@ -568,7 +602,13 @@ mod tests {
     }
 
     fn product_at_this_level() {
-        for &[m, n, k] in &[[1, 1, 1], [8, 32, 2], [13, 45, 7], [70, 33, 300], [130, 97, 257]] {
+        for &[m, n, k] in &[
+            [1, 1, 1],
+            [8, 32, 2],
+            [13, 45, 7],
+            [70, 33, 300],
+            [130, 97, 257],
+        ] {
             for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
                 let (a, b) = (values(m * k, 1), values(k * n, 2));
                 let sa = if ta { [1, m as isize] } else { [k as isize, 1] };
@@ -602,7 +642,11 @@ mod tests {
                         true,
                     );
                 }
-                assert!(got.iter().zip(&from_bits).all(|(x, y)| x.to_bits() == y.to_bits()));
+                assert!(
+                    got.iter()
+                        .zip(&from_bits)
+                        .all(|(x, y)| x.to_bits() == y.to_bits())
+                );
                 let at = |v: &[f32], [rs, cs]: [isize; 2], i: usize, j: usize| {
                     value_of(bits_of(v[(i as isize * rs + j as isize * cs) as usize])) as f64
                 };
@@ -623,34 +667,6 @@ mod tests {
                         );
                     }
                 }
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod timing {
-    #[test]
-    #[ignore]
-    fn time_products() {
-        for &[m, n, k] in &[[1024, 768, 256], [1024, 256, 1024], [1024, 1024, 256], [256, 768, 1024], [1024, 256, 768]] {
-            let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 * 0.1).collect();
-            let b: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 * 0.1).collect();
-            let mut c = vec![0.0f32; m * n];
-            for bf in [false, true] {
-                let t = std::time::Instant::now();
-                for _ in 0..20 {
-                    unsafe {
-                        let args = ([m, n, k], (c.as_mut_ptr(), n as isize), (a.as_ptr(), [k as isize, 1]), (b.as_ptr(), [n as isize, 1]));
-                        if bf {
-                            super::product(args.0, args.1, (super::Src::F32(args.2.0), args.2.1), (super::Src::F32(args.3.0), args.3.1), 1.0, false, true)
-                        } else {
-                            crate::kernels::product::product(args.0, args.1, args.2, args.3, 1.0, false, true)
-                        }
-                    }
-                }
-                let s = t.elapsed().as_secs_f64() / 20.0;
-                println!("{m}x{n}x{k} bf16={bf}: {:.3} ms, {:.1} GFLOP/s", s * 1e3, 2.0 * (m * n * k) as f64 / s / 1e9);
             }
         }
     }

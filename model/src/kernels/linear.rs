@@ -4,6 +4,7 @@
 
 use rayon::prelude::*;
 
+use super::product::Precision;
 use super::simd::multiversion;
 use super::{bf16, product};
 
@@ -36,15 +37,6 @@ impl Matrix<'_> {
             Matrix::Bf16(v) => f(&bf16::widen(v)),
         }
     }
-}
-
-/// How a linear layer's products round their operands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Precision {
-    /// f32 operands.
-    F32,
-    /// Operands rounded to bf16, products summed in f32.
-    Bf16,
 }
 
 /// [`product::product`] or [`bf16::product`], as `how` says, of row-major operands read

@@ -35,6 +35,7 @@ use burn_flex::FlexTensor;
 
 use attention::Dims;
 pub use bf16::has_bf16_dot;
+use product::Precision;
 
 /// The fused operations, as a Burn backend extension.
 #[backend_extension(Flex, Autodiff)]
@@ -84,6 +85,26 @@ pub fn linear<const D: usize>(x: Tensor<D>, layer: &Linear) -> Tensor<D> {
         )),
         _ => layer.forward(x),
     }
+}
+
+/// A linear layer without a bias whose weight is stored transposed, `x W^T` for `W` of
+/// `[d_out, d_in]`: the output head tied to the token embedding. On the fused path it is
+/// [`linear`] with a zero bias that takes no gradient.
+///
+/// # Shapes
+/// - x: `[..., d_in]`, weight: `[d_out, d_in]`
+/// - output: `[..., d_out]`
+pub fn linear_transposed<const D: usize>(x: Tensor<D>, weight: Tensor<2>) -> Tensor<D> {
+    if uses_fused_kernels(&x) {
+        let [d_out, _] = weight.dims();
+        let bias = Tensor::<1>::zeros([d_out], (&x.device(), x.dtype()));
+        return Tensor::from_dispatch(Dispatch::fused_linear(
+            x.into_dispatch(),
+            weight.transpose().into_dispatch(),
+            bias.into_dispatch(),
+        ));
+    }
+    burn::tensor::module::linear(x, weight.transpose(), None)
 }
 
 /// GELU, tanh approximation (GPT-2's `gelu_new`): `0.5 x (1 + tanh(u))` with
@@ -243,12 +264,12 @@ fn flex(values: Vec<f32>, shape: Shape, dtype: DType) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, shape))
 }
 
-/// How the linear layers of tensors of `dtype` multiply.
-fn precision(dtype: DType) -> linear::Precision {
+/// How the products of kernels on tensors of `dtype` round their operands.
+fn precision(dtype: DType) -> Precision {
     if dtype == DType::BF16 {
-        linear::Precision::Bf16
+        Precision::Bf16
     } else {
-        linear::Precision::F32
+        Precision::F32
     }
 }
 
@@ -319,8 +340,8 @@ impl FusedOps for Flex {
     }
 
     fn fused_causal_attention(qkv: FlexTensor, n_head: usize) -> FlexTensor {
-        let dims = attention_dims(&qkv, n_head);
-        let (out, _) = with_floats(&qkv, |qkv| attention::forward(qkv, dims));
+        let (dims, how) = (attention_dims(&qkv, n_head), precision(qkv.dtype()));
+        let (out, _) = with_floats(&qkv, |qkv| attention::forward(qkv, dims, how));
         let shape = Shape::from(vec![dims.b, dims.t, dims.h * dims.hd]);
         flex(out, shape, qkv.dtype())
     }
@@ -428,10 +449,11 @@ impl Backward<Flex, 1> for AttentionBackward {
         let dout = grads.consume::<Flex>(&ops.node);
         if let Some(parent) = parent {
             let (qkv, out, lse, dims) = &ops.state;
+            let how = precision(qkv.dtype());
             let dqkv = with_floats(qkv, |qkv| {
                 with_floats(out, |out| {
                     with_floats(&dout, |dout| {
-                        attention::backward(qkv, out, lse, dout, *dims)
+                        attention::backward(qkv, out, lse, dout, *dims, how)
                     })
                 })
             });
@@ -532,7 +554,8 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
             .prepare::<C>([qkv.node()])
             .compute_bound()
             .stateful();
-        let (out, lse) = with_floats(&input, |q| attention::forward(q, dims));
+        let how = precision(input.dtype());
+        let (out, lse) = with_floats(&input, |q| attention::forward(q, dims, how));
         let shape = Shape::from(vec![dims.b, dims.t, dims.h * dims.hd]);
         let out = flex(out, shape, input.dtype());
         match prep {
@@ -561,7 +584,7 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
 #[cfg(test)]
 mod tests {
     use super::linear::Matrix;
-    use super::linear::Precision::F32;
+    use super::product::Precision::F32;
     use super::simd::LEVEL_CAP;
     use super::{attention, linear, rows};
 
@@ -609,8 +632,8 @@ mod tests {
             };
             let qkv = values(2 * 70 * 72, 5, 2.0);
             let dout = values(2 * 70 * 24, 6, 1.0);
-            let (o, lse) = attention::forward(&qkv, dims);
-            out.push(attention::backward(&qkv, &o, &lse, &dout, dims));
+            let (o, lse) = attention::forward(&qkv, dims, F32);
+            out.push(attention::backward(&qkv, &o, &lse, &dout, dims, F32));
             out.extend([o, lse]);
             let wl = values(70 * 9, 7, 0.5);
             let (xm, wm) = (Matrix::F32(&x), Matrix::F32(&wl));

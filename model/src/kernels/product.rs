@@ -54,3 +54,45 @@ pub(crate) unsafe fn product(
         )
     }
 }
+
+/// How a product rounds its operands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Precision {
+    /// f32 operands.
+    F32,
+    /// Operands rounded to bf16, products summed in f32 ([`super::bf16::product`]).
+    Bf16,
+}
+
+/// [`product`] with f32 operands, or [`super::bf16::product`] of them, as `how` says.
+///
+/// # Safety
+/// As for [`product`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn product_in(
+    how: Precision,
+    mnk: [usize; 3],
+    dst: (*mut f32, isize),
+    lhs: (*const f32, [isize; 2]),
+    rhs: (*const f32, [isize; 2]),
+    beta: f32,
+    accumulate: bool,
+    parallel: bool,
+) {
+    use super::bf16::{Src, product as bf16_product};
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        match how {
+            Precision::F32 => product(mnk, dst, lhs, rhs, beta, accumulate, parallel),
+            Precision::Bf16 => bf16_product(
+                mnk,
+                dst,
+                (Src::F32(lhs.0), lhs.1),
+                (Src::F32(rhs.0), rhs.1),
+                beta,
+                accumulate,
+                parallel,
+            ),
+        }
+    }
+}

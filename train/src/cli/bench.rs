@@ -330,7 +330,11 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
                 spread(&r.ember_ms),
                 r.ember_ms.len(),
                 r.torch,
-                if r.dtype == "bf16" { " bf16 autocast" } else { "" },
+                if r.dtype == "bf16" {
+                    " bf16 autocast"
+                } else {
+                    ""
+                },
                 r.torch_median_ms,
                 spread(&r.torch_ms),
                 r.ratio
