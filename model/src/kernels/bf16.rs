@@ -585,7 +585,7 @@ mod tests {
         assert_eq!(bits_of(-2.5), 0xc020);
         assert!(value_of(bits_of(f32::NAN)).is_nan());
         assert_eq!(value_of(bits_of(f32::INFINITY)), f32::INFINITY);
-        assert_eq!(widen(&round(&[0.1, -3.0])), [0.100_097_656_25, -3.0]);
+        assert_eq!(widen(&round(&[0.1, -3.0])), [value_of(0x3dcd), -3.0]);
     }
 
     /// The product of the rounded operands in f64, against [`product`] for every transpose
