@@ -262,7 +262,27 @@ fn plan_bytes_equal_what_runs_hand_to_mpi() {
             "--recompute",
             "unit",
         ],
+        // The same unquantized run in f32 and in bf16: compared below.
+        vec![
+            "--shard",
+            "zero3",
+            "--topology",
+            "2x2x1",
+            "--recompute",
+            "unit",
+        ],
+        vec![
+            "--shard",
+            "zero3",
+            "--topology",
+            "2x2x1",
+            "--recompute",
+            "unit",
+            "--dtype",
+            "bf16",
+        ],
     ];
+    let mut runs = Vec::new();
     for (i, flags) in cases.iter().enumerate() {
         let out = tmp.path().join(format!("case-{i}"));
         let topology = flags[3];
@@ -284,7 +304,26 @@ fn plan_bytes_equal_what_runs_hand_to_mpi() {
             }
         }
         assert_eq!(bytes, &expected, "bytes per group and op of {flags:?}");
+        runs.push(bytes.clone());
     }
+    // bf16 halves every gather and gradient reduce-scatter; the all-reduces of the gradient
+    // norm and the loss stay one f32 each.
+    let (f32_run, bf16_run) = (&runs[runs.len() - 2], &runs[runs.len() - 1]);
+    assert_eq!(
+        f32_run.keys().collect::<Vec<_>>(),
+        bf16_run.keys().collect::<Vec<_>>()
+    );
+    let mut halved = 0;
+    for (key, &f) in f32_run {
+        let b = bf16_run[key];
+        if key.ends_with("all_gather") || key.ends_with("reduce_scatter") {
+            assert_eq!(2 * b, f, "{key}: bf16 {b} bytes, f32 {f}");
+            halved += 1;
+        } else {
+            assert_eq!(b, f, "{key}: bf16 {b} bytes, f32 {f}");
+        }
+    }
+    assert!(halved >= 2, "gathers and reductions halved: {f32_run:?}");
 }
 
 #[test]

@@ -85,7 +85,7 @@ pub enum WeightQuant {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum GradQuant {
-    /// Reduce in f32.
+    /// Reduce in the compute dtype (f32, or bf16 when computing in bf16).
     Off,
     /// Symmetric blockwise int8.
     Int8,
@@ -99,7 +99,7 @@ pub enum GradQuant {
 pub enum Compute {
     /// 4 bytes per parameter.
     F32,
-    /// 2 bytes per parameter; gathers move bf16.
+    /// 2 bytes per parameter; gathers and unquantized gradient reductions move bf16.
     Bf16,
 }
 
@@ -154,7 +154,7 @@ pub struct Sharded {
     /// Whether gradients are partitioned (ZeRO-2 and up: reduced after every micro-batch into
     /// the optimizer's shard) or kept whole until the step's last micro-batch (ZeRO-1).
     pub shard_grads: bool,
-    /// Gradient quantization of the reduce-scatter (`None`: reduce in f32).
+    /// Gradient quantization of the reduce-scatter (`None`: reduce in the compute dtype).
     pub quantize_grads: Option<GradQuantize>,
     /// The parameters.
     pub params: Params,

@@ -462,10 +462,12 @@ impl Plan {
             hi: self.topology.depth(),
         };
         let o = self.config.optimizer();
+        // Unquantized reductions move the compute dtype.
+        let c = self.config.compute.bytes();
         let mut out = Vec::new();
         if o == Span(0) {
             if world.size(&self.topology) > 1 {
-                out.push(Collective::new(world, Op::AllReduce, (padded * 4) as u64));
+                out.push(Collective::new(world, Op::AllReduce, (padded * c) as u64));
             }
             return out;
         }
@@ -481,7 +483,7 @@ impl Plan {
                 GradQuant::Int4 => Some(QuantFormat::Int4),
             };
             match format {
-                None => out.push(Collective::new(hop, Op::ReduceScatter, (len * 4) as u64)),
+                None => out.push(Collective::new(hop, Op::ReduceScatter, (len * c) as u64)),
                 Some(f) => {
                     let part = Quantized::wire_bytes(f, self.block(), len / g);
                     // The hop's buffer is quantized, and as much arrives to dequantize.
@@ -498,7 +500,7 @@ impl Plan {
             hi: self.topology.depth(),
         };
         if across.size(&self.topology) > 1 {
-            out.push(Collective::new(across, Op::AllReduce, (len * 4) as u64));
+            out.push(Collective::new(across, Op::AllReduce, (len * c) as u64));
         }
         out
     }

@@ -422,7 +422,9 @@ pub struct Residuals {
 /// is replicated; else a reduce-scatter over the gradient path's hops, innermost first (qgZ's
 /// int4 / int8 all-to-all per hop when gradients are quantized, with the residuals of
 /// `residuals[u]`), then an all-reduce across the levels the optimizer state is replicated
-/// over. `deliver` gets the shard.
+/// over. Unquantized reductions move the compute dtype: bf16 when computing in bf16 (each hop
+/// adds in f32 and rounds to bf16), as DeepSpeed and FSDP reduce by default. `deliver` gets
+/// the shard, in f32.
 pub(crate) fn reduce_flow<'e>(
     plan: &'e Plan,
     u: usize,
@@ -435,6 +437,7 @@ pub(crate) fn reduce_flow<'e>(
     let depth = plan.topology.depth();
     let world = Levels { lo: 0, hi: depth };
     let world_size = plan.topology.world_size();
+    let bf16 = cfg.compute == Compute::Bf16;
     let mut stages: Vec<(Levels, StageFn<'e>)> = Vec::new();
     if cfg.optimizer() == Span(0) {
         if world_size == 1 {
@@ -448,20 +451,12 @@ pub(crate) fn reduce_flow<'e>(
         }
         stages.push((
             world,
-            Box::new(move |c: &Comm, _| {
-                let g = c.try_group(scope(c, world))?;
-                Ok(Carry::F32(
-                    g.all_reduce(&staging::to_f32(grad), Reduce::Sum)?,
-                ))
-            }),
+            Box::new(move |c: &Comm, _| all_reduce_carry(c, world, grad, bf16)),
         ));
         return Ok(Flow {
             stages,
             finish: Box::new(move |carry| {
-                let Carry::F32(sum) = carry else {
-                    unreachable!("the all-reduce carries values")
-                };
-                deliver(Ok(staging::from_f32(sum, device) / world_size as f32));
+                deliver(Ok(host_to_f32(carry, device) / world_size as f32));
                 Ok(())
             }),
         });
@@ -519,18 +514,21 @@ pub(crate) fn reduce_flow<'e>(
         let path = path.clone();
         let stage: StageFn<'e> = match format {
             None => Box::new(move |c: &Comm, carry: Carry| {
-                let buf = match (first, carry) {
-                    (Some(g), _) => {
-                        let layout = ShardLayout::new(n, p, 1);
-                        to_hop_order(topology, &path, &staging::to_f32(g), layout)
-                    }
-                    (None, Carry::F32(v)) => v,
-                    _ => unreachable!("an f32 reduce-scatter carries values"),
-                };
+                let layout = ShardLayout::new(n, p, 1);
                 let g = c.try_group(scope(c, hop))?;
-                let mut out = vec![0.0f32; buf.len() / g.size()];
-                g.reduce_scatter_into(&buf, &mut out, Reduce::Sum)?;
-                Ok(Carry::F32(out))
+                match (first, carry) {
+                    (Some(t), _) if bf16 => {
+                        let buf = to_hop_order(topology, &path, &staging::to_bf16(t), layout);
+                        Ok(Carry::Bf16(g.reduce_scatter(&buf, Reduce::Sum)?))
+                    }
+                    (Some(t), _) => {
+                        let buf = to_hop_order(topology, &path, &staging::to_f32(t), layout);
+                        Ok(Carry::F32(g.reduce_scatter(&buf, Reduce::Sum)?))
+                    }
+                    (None, Carry::F32(v)) => Ok(Carry::F32(g.reduce_scatter(&v, Reduce::Sum)?)),
+                    (None, Carry::Bf16(v)) => Ok(Carry::Bf16(g.reduce_scatter(&v, Reduce::Sum)?)),
+                    _ => unreachable!("an unquantized reduce-scatter carries values"),
+                }
             }),
             Some(format) => Box::new(move |c: &Comm, carry: Carry| {
                 let mut buf = match (first, carry) {
@@ -579,7 +577,7 @@ pub(crate) fn reduce_flow<'e>(
         match (carry, first) {
             // A group of one owns the whole unit, and its mean over one rank is itself.
             (_, Some(g)) => g,
-            (Carry::F32(v), None) => staging::from_f32(v, device) / p as f32,
+            (c @ (Carry::F32(_) | Carry::Bf16(_)), None) => host_to_f32(c, device) / p as f32,
             (Carry::Tensor(t), None) => *t / p as f32,
             _ => unreachable!("the path's last stage carries the shard"),
         }
@@ -600,19 +598,13 @@ pub(crate) fn reduce_flow<'e>(
             Box::new(move |c: &Comm, carry: Carry| {
                 let shard = shard_of(carry, leftover);
                 check(&shard)?;
-                let g = c.try_group(scope(c, across))?;
-                Ok(Carry::F32(
-                    g.all_reduce(&staging::to_f32(shard), Reduce::Sum)?,
-                ))
+                all_reduce_carry(c, across, shard, bf16)
             }),
         ));
         return Ok(Flow {
             stages,
             finish: Box::new(move |carry| {
-                let Carry::F32(sum) = carry else {
-                    unreachable!("the all-reduce carries values")
-                };
-                deliver(Ok(staging::from_f32(sum, device) / g_across as f32));
+                deliver(Ok(host_to_f32(carry, device) / g_across as f32));
                 Ok(())
             }),
         });
@@ -625,6 +617,30 @@ pub(crate) fn reduce_flow<'e>(
             Ok(())
         }),
     })
+}
+
+/// The sum of `t` over the group of `levels`, in bf16 when `bf16`, else in f32.
+fn all_reduce_carry(
+    c: &Comm,
+    levels: Levels,
+    t: Tensor<1>,
+    bf16: bool,
+) -> Result<Carry, ShardError> {
+    let g = c.try_group(scope(c, levels))?;
+    Ok(if bf16 {
+        Carry::Bf16(g.all_reduce(&staging::to_bf16(t), Reduce::Sum)?)
+    } else {
+        Carry::F32(g.all_reduce(&staging::to_f32(t), Reduce::Sum)?)
+    })
+}
+
+/// Host values reduced in f32 or bf16, as an f32 tensor on `device`.
+fn host_to_f32(carry: Carry, device: &Device) -> Tensor<1> {
+    match carry {
+        Carry::F32(v) => staging::from_f32(v, device),
+        Carry::Bf16(v) => staging::from_bf16(&v, device).cast(DType::F32),
+        _ => unreachable!("a reduction carries host values"),
+    }
 }
 
 /// One qgZ hop: all-to-all the group's parts of `q`, dequantize and sum what arrives.

@@ -14,7 +14,7 @@ use ember_data::{DataError, PreparedData, STREAM_TRAIN, STREAM_VAL};
 use ember_sharding::{Plan, Recompute, ShardConfig, Span};
 
 use crate::checkpoint::{self, RunRecord};
-use crate::config::{Dtype, TrainConfig, TrainOverrides};
+use crate::config::{DeviceKind, Dtype, TrainConfig, TrainOverrides};
 use crate::error::{CliError, CliResult, usage};
 use crate::export::HfDir;
 use crate::planning::run_plan;
@@ -109,6 +109,17 @@ impl RunSetup {
                 "--dtype bf16 is not supported by --device {:?}; use --dtype f32",
                 config.device
             )));
+        }
+        if config.dtype == Dtype::Bf16
+            && config.device == DeviceKind::Flex
+            && !ember_model::kernels::has_bf16_dot()
+        {
+            crate::log0!(
+                rank,
+                "--dtype bf16: this CPU has no bf16 dot-product instructions (AVX512_BF16), so \
+                 products run in f32 on widened bf16 values; bf16 still halves parameter, \
+                 activation and communication bytes, but steps are no faster than --dtype f32"
+            );
         }
         let data = load_data(comm, &config)?;
         let vocab = data.tokenizer.vocab_size();

@@ -74,14 +74,19 @@ pub(crate) fn widen(bits: &[u16]) -> Vec<f32> {
     filled(bits.len(), |out| widen_into(bits, out))
 }
 
-/// Whether [`product`] runs on the CPU's bf16 dot-product instructions.
+/// Whether bf16 products run on the CPU's bf16 dot-product instructions: AVX512_BF16 is
+/// there and `EMBER_BF16_DOT` is not `0` (which measures the path other CPUs take).
 pub fn has_bf16_dot() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        super::simd::level_cap() >= 2
-            && std::arch::is_x86_feature_detected!("avx512bf16")
-            && std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
+        static CPU: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let cpu = *CPU.get_or_init(|| {
+            std::env::var("EMBER_BF16_DOT").as_deref() != Ok("0")
+                && std::arch::is_x86_feature_detected!("avx512bf16")
+                && std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+        });
+        super::simd::level_cap() >= 2 && cpu
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -171,9 +176,11 @@ thread_local! {
     };
 }
 
-/// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`, with `lhs` and `rhs`
-/// rounded to bf16 and the products summed in f32. Arguments as in
-/// [`super::product::product`], except that the operands may be bf16 bits.
+/// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`, on the CPU's bf16
+/// dot-product instructions where [`has_bf16_dot`]: `lhs` and `rhs` rounded to bf16 and the
+/// products summed in f32. Elsewhere it is the f32 product of the operands as given (bf16
+/// bits widened). Arguments as in [`super::product::product`], except that the operands may
+/// be bf16 bits and their strides must not be negative.
 ///
 /// # Safety
 /// As for [`super::product::product`].
@@ -211,29 +218,29 @@ pub(crate) unsafe fn product(
         PACKED.set((a, b));
         return;
     }
-    // Without bf16 instructions: the f32 product of the rounded operands.
-    let gather = |[r, c]: [usize; 2], (p, [rs, cs]): (Src, [isize; 2])| {
-        let mut v = Vec::with_capacity(r * c);
-        let at = |i: usize, j: usize| i as isize * rs + j as isize * cs;
-        for i in 0..r {
-            // SAFETY: the caller guarantees every element of the r x c operand is in bounds.
-            v.extend((0..c).map(|j| unsafe {
-                match p {
-                    Src::F32(p) => bits_of(*p.offset(at(i, j))),
-                    Src::Bf16(p) => *p.offset(at(i, j)),
-                }
-            }));
+    // Without bf16 instructions: the f32 product, bf16 operands widened in place of their
+    // elements (strides kept).
+    let widened = |(p, [rs, cs]): (Src, [isize; 2]), [r, c]: [usize; 2]| match p {
+        Src::F32(p) => (None, p),
+        Src::Bf16(p) => {
+            let len = ((r.max(1) - 1) as isize * rs + (c.max(1) - 1) as isize * cs + 1) as usize;
+            // SAFETY: the caller guarantees the operand's last element, at `len - 1` with
+            // non-negative strides, is in bounds.
+            let v = widen(unsafe { std::slice::from_raw_parts(p, len) });
+            let at = v.as_ptr();
+            (Some(v), at)
         }
-        widen(&v)
     };
-    let (a, b) = (gather([m, k], lhs), gather([k, n], rhs));
-    // SAFETY: `a` is m x k and `b` is k x n, row-major; `dst` as the caller guarantees.
+    let (_a, a) = widened(lhs, [m, k]);
+    let (_b, b) = widened(rhs, [k, n]);
+    // SAFETY: `a` and `b` address the operands' elements at their strides; `dst` as the
+    // caller guarantees.
     unsafe {
         super::product::product(
             [m, n, k],
             dst,
-            (a.as_ptr(), [k as isize, 1]),
-            (b.as_ptr(), [n as isize, 1]),
+            (a, lhs.1),
+            (b, rhs.1),
             beta,
             accumulate,
             parallel,
@@ -588,10 +595,11 @@ mod tests {
         assert_eq!(widen(&round(&[0.1, -3.0])), [value_of(0x3dcd), -3.0]);
     }
 
-    /// The product of the rounded operands in f64, against [`product`] for every transpose
-    /// and shape edge, on the bf16 instructions where the CPU has them and on the f32
-    /// product: within `2^-20` of the sum of the magnitudes (f32 accumulation over `k` terms
-    /// of exactly represented products).
+    /// [`product`] against the f64 product for every transpose and shape edge: of the
+    /// rounded operands on the bf16 instructions (where the CPU has them), of the operands as
+    /// given on the f32 path; within `2^-20` of the sum of the magnitudes (f32 accumulation
+    /// over `k` terms of exactly represented products). Operands given as bf16 bits give the
+    /// bits of their f32 values rounded.
     #[test]
     fn product_matches_f64_of_rounded_operands() {
         for cap in [2, 1] {
@@ -627,9 +635,11 @@ mod tests {
                         true,
                     );
                 }
-                // The same operands given as bf16 bits give the same bits.
+                // Operands given as bf16 bits give the bits of their rounded f32 values.
                 let (a16, b16) = (round(&a), round(&b));
+                let (ra, rb) = (widen(&a16), widen(&b16));
                 let mut from_bits = prior.clone();
+                let mut from_rounded = prior.clone();
                 // SAFETY: as above.
                 unsafe {
                     product(
@@ -641,14 +651,30 @@ mod tests {
                         true,
                         true,
                     );
+                    product(
+                        [m, n, k],
+                        (from_rounded.as_mut_ptr(), n as isize),
+                        (Src::F32(ra.as_ptr()), sa),
+                        (Src::F32(rb.as_ptr()), sb),
+                        0.5,
+                        true,
+                        true,
+                    );
                 }
-                assert!(
-                    got.iter()
-                        .zip(&from_bits)
-                        .all(|(x, y)| x.to_bits() == y.to_bits())
-                );
+                let same =
+                    |x: &[f32], y: &[f32]| x.iter().zip(y).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same(&from_bits, &from_rounded));
+                if has_bf16_dot() {
+                    assert!(same(&got, &from_bits), "rounding is the packing's");
+                }
+                let rounded = has_bf16_dot();
                 let at = |v: &[f32], [rs, cs]: [isize; 2], i: usize, j: usize| {
-                    value_of(bits_of(v[(i as isize * rs + j as isize * cs) as usize])) as f64
+                    let x = v[(i as isize * rs + j as isize * cs) as usize];
+                    if rounded {
+                        value_of(bits_of(x)) as f64
+                    } else {
+                        x as f64
+                    }
                 };
                 for i in 0..m {
                     for j in 0..n {
