@@ -117,8 +117,8 @@ impl RunSetup {
             crate::log0!(
                 rank,
                 "--dtype bf16: this CPU has no bf16 dot-product instructions (AVX512_BF16), so \
-                 products run in f32 on widened bf16 values; bf16 still halves parameter, \
-                 activation and communication bytes, but steps are no faster than --dtype f32"
+                 products run in f32 on widened bf16 values and steps are slower than with \
+                 --dtype f32; bf16 still halves parameter, activation and communication bytes"
             );
         }
         let data = load_data(comm, &config)?;
