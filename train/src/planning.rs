@@ -100,8 +100,8 @@ pub fn load_profile(spec: &str) -> CliResult<Profile> {
 
 /// The plan of a GPT run: its units, with the activations one rank's micro-batch (of
 /// `batch_size / (ranks x grad_accum)` sequences of `block_size` tokens) keeps.
-/// The activations are those of the fused CPU kernels on `flex` in f32, of Burn's composed
-/// ops elsewhere.
+/// The activations are those of the fused CPU kernels on `flex`, of Burn's composed ops
+/// elsewhere.
 pub fn gpt_plan(
     model: &GptConfig,
     topology: &Topology,
@@ -113,7 +113,7 @@ pub fn gpt_plan(
 ) -> Result<Plan, ember_sharding::ShardError> {
     let per_rank = batch_size / (topology.world_size() * grad_accum).max(1);
     let elem = shard.compute.bytes();
-    let fused = device == DeviceKind::Flex && shard.compute == ember_sharding::Compute::F32;
+    let fused = device == DeviceKind::Flex;
     Plan::new(gpt_units(model), shard, topology.clone())?
         .with_activations(gpt_activations(model, per_rank, block_size, elem, fused))?
         .with_flops(gpt_flops(model, per_rank, block_size))

@@ -118,7 +118,8 @@ impl RunSetup {
                 rank,
                 "--dtype bf16: this CPU has no bf16 dot-product instructions (AVX512_BF16), so \
                  products run in f32 on widened bf16 values and steps are slower than with \
-                 --dtype f32; bf16 still halves parameter, activation and communication bytes"
+                 --dtype f32; bf16 still halves parameter and communication bytes and keeps about \
+                 a third fewer activation bytes"
             );
         }
         let data = load_data(comm, &config)?;

@@ -142,14 +142,17 @@ impl ParamSource for SeededGpt<'_> {
 
 /// Bytes of activations each unit of a GPT keeps per micro-batch of `batch` sequences of
 /// `block` tokens, computing in elements of `elem` bytes, for the plan's memory prediction.
-/// `fused` says whether the model runs on the fused CPU kernels (`flex`, f32).
+/// `fused` says whether the model runs on the fused CPU kernels (`flex`, either dtype).
 ///
-/// Both constants are the growth per token of the resident peak of single-process steps,
+/// The constants are the growth per token of the resident peak of single-process steps,
 /// measured at `small-cpu`'s 4 layers and vocabulary 512 (BENCHMARKS.md, "Activation memory"):
-/// - fused kernels: about `20 d` values per token per block (measured 17.6 d at d 256 and
-///   18.0 d at d 512 with T 128, 20.2 d at T 64): the inputs of the four linear layers and
-///   two norms, the attention's packed projection and output, and the GELU's input; the
+/// - fused kernels in f32: about `20 d` values per token per block (measured 15-18 d at d 256
+///   and 512 with T 128, 15-20 d at T 64): the inputs of the four linear layers and two
+///   norms, the attention's packed projection and output, and the GELU's input; the
 ///   attention keeps one log-sum-exp per query, not its probabilities.
+/// - fused kernels in bf16: about `28 d` bf16 values (measured 22.7 d and 27.0 d at d 256 and
+///   512 with T 128, 23.1 d at T 64): the same tensors in bf16, beside the statistics the
+///   kernels keep in f32, so bf16 saves about a third of the f32 bytes, not half.
 /// - Burn's composed ops: about `38 d + 2 h T` (measured at d 256 and 512, T 64 and 128): the
 ///   GELU's intermediates and the attention's probabilities as well.
 ///
@@ -171,7 +174,11 @@ pub fn gpt_activations(
     );
     let e = elem as u64;
     let hidden = tokens * d * e;
-    let per_token = if fused { 20 * d } else { 38 * d + 2 * h * t };
+    let per_token = match (fused, elem) {
+        (true, 4) => 20 * d,
+        (true, _) => 28 * d,
+        (false, _) => 38 * d + 2 * h * t,
+    };
     let mut out = vec![ActivationBytes {
         output: hidden,
         saved: 2 * hidden,
