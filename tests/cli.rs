@@ -16,8 +16,14 @@ fn cache_dir() -> PathBuf {
 
 /// Runs `ember args...`, killing it after `limit`.
 fn ember(args: &[&str], limit: Duration) -> Output {
+    ember_with(args, &[], limit)
+}
+
+/// [`ember`] with the environment variables `vars` set.
+fn ember_with(args: &[&str], vars: &[(&str, &str)], limit: Duration) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_ember"))
         .args(args)
+        .envs(vars.iter().copied())
         .env("EMBER_CACHE_DIR", cache_dir())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -391,9 +397,10 @@ fn bad_input_gets_a_clear_message_and_exit_code() {
 #[test]
 fn bf16_compute_tracks_f32_training() {
     let tmp = tempfile::tempdir().unwrap();
-    let run = |dtype: &str| {
-        let out = tmp.path().join(dtype);
-        ok(&[
+    // `EMBER_BF16_DOT=0` takes the path of a CPU without bf16 dot-product instructions.
+    let run = |dtype: &str, vars: &[(&str, &str)]| {
+        let out = tmp.path().join(format!("{dtype}{}", vars.len()));
+        let args = [
             "train",
             "--preset",
             "tiny",
@@ -407,26 +414,38 @@ fn bf16_compute_tracks_f32_training() {
             "0",
             "--out-dir",
             path(&out),
-        ]);
-        read_metrics(&out.join("metrics.jsonl")).unwrap()
+        ];
+        let output = ember_with(&args, vars, Duration::from_secs(600));
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert!(output.status.success(), "ember {args:?} failed: {stderr}");
+        (read_metrics(&out.join("metrics.jsonl")).unwrap(), stderr)
     };
-    let (f32_run, bf16_run) = (run("f32"), run("bf16"));
-    for (a, b) in f32_run.iter().zip(&bf16_run) {
-        // bf16 keeps 8 bits of mantissa: activations differ by ~0.4%, and over 40 steps the
-        // losses stay within a few hundredths of a nat of the f32 run.
-        assert!(
-            (a.loss - b.loss).abs() < 0.05,
-            "step {}: f32 {} vs bf16 {}",
-            a.step,
-            a.loss,
-            b.loss
+    let (f32_run, _) = run("f32", &[]);
+    let (bf16_run, _) = run("bf16", &[]);
+    let (widened_run, said) = run("bf16", &[("EMBER_BF16_DOT", "0")]);
+    assert!(
+        said.contains("compute in f32 over bf16 parameters"),
+        "a run without bf16 instructions says how it computes: {said}"
+    );
+    for other in [&bf16_run, &widened_run] {
+        for (a, b) in f32_run.iter().zip(other) {
+            // bf16 keeps 8 bits of mantissa: activations (or, computing in f32, the
+            // parameters) differ by ~0.4%, and over 40 steps the losses stay within a few
+            // hundredths of a nat of the f32 run.
+            assert!(
+                (a.loss - b.loss).abs() < 0.05,
+                "step {}: f32 {} vs bf16 {}",
+                a.step,
+                a.loss,
+                b.loss
+            );
+        }
+        assert_ne!(
+            losses(&f32_run),
+            losses(other),
+            "bf16 must actually change the arithmetic"
         );
     }
-    assert_ne!(
-        losses(&f32_run),
-        losses(&bf16_run),
-        "bf16 must actually change the arithmetic"
-    );
 }
 
 #[test]

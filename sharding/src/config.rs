@@ -25,6 +25,7 @@
 
 use std::fmt;
 
+use burn::tensor::DType;
 use ember_comm::Topology;
 use serde::{Deserialize, Serialize};
 
@@ -104,6 +105,14 @@ pub enum Compute {
 }
 
 impl Compute {
+    /// The tensor dtype.
+    pub fn dtype(self) -> DType {
+        match self {
+            Compute::F32 => DType::F32,
+            Compute::Bf16 => DType::BF16,
+        }
+    }
+
     /// Bytes per parameter element.
     pub fn bytes(self) -> usize {
         match self {

@@ -27,7 +27,7 @@ use ember_comm::quant::{BlockSize, QuantFormat, Quantized};
 use ember_comm::{ShardLayout, Topology};
 use serde::Serialize;
 
-use crate::config::{GradQuant, ShardConfig, Span, WeightQuant};
+use crate::config::{Compute, GradQuant, ShardConfig, Span, WeightQuant};
 use crate::error::ShardError;
 
 /// A unit as the user declares it: a name, its parameters (path and shape, in the module's
@@ -193,6 +193,9 @@ pub struct Plan {
     /// Each unit's forward FLOPs per micro-batch on one rank (zeros unless given with
     /// [`Plan::with_flops`]); its backward is taken as twice that, as for matrix products.
     pub flops: Vec<f64>,
+    /// The dtype the modules compute in: the configuration's compute dtype, or f32 over bf16
+    /// parameters and gradients (see [`Plan::computing_in`]).
+    pub module_dtype: Compute,
 }
 
 impl Plan {
@@ -298,10 +301,33 @@ impl Plan {
         Ok(Self {
             activations: vec![ActivationBytes::default(); out.len()],
             flops: vec![0.0; out.len()],
+            module_dtype: config.compute,
             config,
             topology,
             units: out,
         })
+    }
+
+    /// The same plan with its modules computing in `dtype`: the compute dtype, or f32 when
+    /// the parameters are bf16. With f32 over bf16, parameters are held, gathered and reduced
+    /// in bf16 as before, but each visit widens its units' parameters to f32 and forward and
+    /// backward run in f32: for a device on which bf16 arithmetic is slower than f32 (a CPU
+    /// without bf16 dot-product instructions), at the cost of an f32 copy of the units a visit
+    /// computes.
+    pub fn computing_in(mut self, dtype: Compute) -> Result<Self, ShardError> {
+        if dtype != self.config.compute && dtype != Compute::F32 {
+            let name = |c: Compute| format!("{c:?}").to_lowercase();
+            return Err(ShardError::setting(
+                "module_dtype",
+                name(dtype),
+                format!(
+                    "modules compute in the parameters' dtype ({}) or in f32",
+                    name(self.config.compute)
+                ),
+            ));
+        }
+        self.module_dtype = dtype;
+        Ok(self)
     }
 
     /// The same plan with each unit's activation bytes per micro-batch, for the memory
@@ -689,6 +715,48 @@ mod tests {
             .map(|u| (u.padded / 2 + 4 * (u.padded / 2).div_ceil(DEFAULT_QUANT_BLOCK)) as u64)
             .sum();
         assert_eq!(h3p.memory(1).secondary, int8);
+    }
+
+    #[test]
+    fn f32_modules_over_bf16_parameters_hold_the_f32_copy_too() {
+        let bf16 = |preset: &str| {
+            let mut c = ShardConfig::preset(preset, 3).unwrap();
+            c.compute = Compute::Bf16;
+            Plan::new(units(), c, Topology::parse("2x2x2").unwrap()).unwrap()
+        };
+        let psi: u64 = bf16("zero3").units.iter().map(|u| u.padded as u64).sum();
+        // zero3's largest window holds every unit (see above): in bf16, and beside it in f32
+        // while a visit computes with it.
+        let narrow = bf16("zero3").memory(1);
+        let wide = bf16("zero3").computing_in(Compute::F32).unwrap();
+        assert_eq!(wide.module_dtype, Compute::F32);
+        assert_eq!(narrow.gathered_peak, 2 * psi);
+        assert_eq!(wide.memory(1).gathered_peak, 6 * psi);
+        // Replicated parameters: the whole model's f32 copy while a micro-batch computes.
+        let acts = vec![
+            ActivationBytes {
+                output: 0,
+                saved: 1 << 30,
+            };
+            3
+        ];
+        let ddp = |dtype| {
+            bf16("ddp")
+                .computing_in(dtype)
+                .unwrap()
+                .with_activations(acts.clone())
+                .unwrap()
+                .memory(1)
+        };
+        assert_eq!(
+            ddp(Compute::F32).working_peak - ddp(Compute::Bf16).working_peak,
+            4 * psi
+        );
+        // An f32 run cannot compute in bf16.
+        let err = plan("zero3", "2x2x2")
+            .computing_in(Compute::Bf16)
+            .unwrap_err();
+        assert!(err.to_string().contains("or in f32"), "{err}");
     }
 
     #[test]

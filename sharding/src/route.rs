@@ -41,10 +41,7 @@ fn path_of(plan: &Plan) -> Result<Path, ShardError> {
 }
 
 fn dtype(plan: &Plan) -> DType {
-    match plan.config.compute {
-        Compute::F32 => DType::F32,
-        Compute::Bf16 => DType::BF16,
-    }
+    plan.config.compute.dtype()
 }
 
 /// A rank's secondary copy of one unit (hpZ).

@@ -267,6 +267,10 @@ impl Plan {
             }
         };
         let act = &self.activations;
+        // A unit a module computes with is held in the compute dtype and, when the modules
+        // compute in f32 over bf16 parameters, also as the f32 copy the visit builds.
+        let widened = self.module_dtype != cfg.compute;
+        let held = c + if widened { 4 } else { 0 };
 
         let mut gathered = 0u64; // whole units gathered and not yet released
         let mut in_flight: Vec<usize> = Vec::new(); // units gathered, in request order
@@ -303,7 +307,7 @@ impl Plan {
         for event in self.schedule(grad_accum) {
             match event {
                 Event::Gather { unit, source } => {
-                    gathered += padded(unit) * c;
+                    gathered += padded(unit) * held;
                     in_flight.push(unit);
                     gather_stagings.push((unit, gather_staging(unit, source)));
                     let w = working(gathered, &work, &reducing, boundaries);
@@ -342,7 +346,7 @@ impl Plan {
                         if keep && v.backward {
                             let at = kept.iter().position(|&x| x == u).expect("kept by forward");
                             kept.remove(at);
-                            gathered -= padded(u) * c;
+                            gathered -= padded(u) * held;
                             continue;
                         }
                         let at = in_flight
@@ -356,7 +360,7 @@ impl Plan {
                         if keep {
                             kept.push(u);
                         } else {
-                            gathered -= padded(u) * c;
+                            gathered -= padded(u) * held;
                         }
                     }
                     reducing.clear();
@@ -395,7 +399,9 @@ impl Plan {
                         } else {
                             0
                         };
-                    let graph = acts.max(grads_built);
+                    // With f32 modules over bf16 parameters, the f32 copy of every unit.
+                    let widened_copy = if widened { sum(&|u| 4 * padded(u)) } else { 0 };
+                    let graph = acts.max(grads_built) + widened_copy;
                     let w = working(gathered, &work, &reducing, boundaries);
                     note(graph, acts, gathered, w);
                     if cfg.shard_grads() {

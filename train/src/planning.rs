@@ -9,7 +9,7 @@ use ember_comm::Topology;
 use ember_model::GptConfig;
 use ember_sharding::plumbing::plan::TrafficTable;
 use ember_sharding::plumbing::profile::Profile;
-use ember_sharding::{Memory, Plan, ShardConfig};
+use ember_sharding::{Compute, Memory, Plan, ShardConfig};
 use serde::Serialize;
 
 use crate::config::{DeviceKind, TrainConfig};
@@ -99,9 +99,8 @@ pub fn load_profile(spec: &str) -> CliResult<Profile> {
 }
 
 /// The plan of a GPT run: its units, with the activations one rank's micro-batch (of
-/// `batch_size / (ranks x grad_accum)` sequences of `block_size` tokens) keeps.
-/// The activations are those of the fused CPU kernels on `flex`, of Burn's composed ops
-/// elsewhere.
+/// `batch_size / (ranks x grad_accum)` sequences of `block_size` tokens) keeps, its modules
+/// computing in [`module_dtype`].
 pub fn gpt_plan(
     model: &GptConfig,
     topology: &Topology,
@@ -111,12 +110,41 @@ pub fn gpt_plan(
     block_size: usize,
     device: DeviceKind,
 ) -> Result<Plan, ember_sharding::ShardError> {
-    let per_rank = batch_size / (topology.world_size() * grad_accum).max(1);
-    let elem = shard.compute.bytes();
+    let module = module_dtype(shard.compute, device);
+    let plan = Plan::new(gpt_units(model), shard, topology.clone())?.computing_in(module)?;
+    with_activations(plan, model, batch_size, grad_accum, block_size, device)
+}
+
+/// `plan` with the activations and FLOPs of a GPT micro-batch, in the dtype its modules
+/// compute in: those of the fused CPU kernels on `flex`, of Burn's composed ops elsewhere.
+pub fn with_activations(
+    plan: Plan,
+    model: &GptConfig,
+    batch_size: usize,
+    grad_accum: usize,
+    block_size: usize,
+    device: DeviceKind,
+) -> Result<Plan, ember_sharding::ShardError> {
+    let per_rank = batch_size / (plan.topology.world_size() * grad_accum).max(1);
+    let elem = plan.module_dtype.bytes();
     let fused = device == DeviceKind::Flex;
-    Plan::new(gpt_units(model), shard, topology.clone())?
-        .with_activations(gpt_activations(model, per_rank, block_size, elem, fused))?
+    plan.with_activations(gpt_activations(model, per_rank, block_size, elem, fused))?
         .with_flops(gpt_flops(model, per_rank, block_size))
+}
+
+/// The dtype a GPT's modules compute in on `device` when its parameters are `compute`: f32
+/// over bf16 parameters on a CPU (`flex`) without bf16 dot-product instructions
+/// (AVX512_BF16), where bf16 arithmetic is slower than f32 ([`Plan::computing_in`]); else
+/// `compute`.
+pub fn module_dtype(compute: Compute, device: DeviceKind) -> Compute {
+    if compute == Compute::Bf16
+        && device == DeviceKind::Flex
+        && !ember_model::kernels::has_bf16_dot()
+    {
+        Compute::F32
+    } else {
+        compute
+    }
 }
 
 /// The report for `model` sharded per `shard` over `topology`.
@@ -361,8 +389,8 @@ pub fn fitting_presets(
             .filter_map(|name| {
                 let mut shard = ShardConfig::preset(name, topology.depth()).ok()?;
                 shard.compute = match config.dtype {
-                    crate::config::Dtype::F32 => ember_sharding::Compute::F32,
-                    crate::config::Dtype::Bf16 => ember_sharding::Compute::Bf16,
+                    crate::config::Dtype::F32 => Compute::F32,
+                    crate::config::Dtype::Bf16 => Compute::Bf16,
                 };
                 let plan = gpt_plan(
                     &config.model,

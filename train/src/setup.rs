@@ -14,7 +14,7 @@ use ember_data::{DataError, PreparedData, STREAM_TRAIN, STREAM_VAL};
 use ember_sharding::{Plan, Recompute, ShardConfig, Span};
 
 use crate::checkpoint::{self, RunRecord};
-use crate::config::{DeviceKind, Dtype, TrainConfig, TrainOverrides};
+use crate::config::{Dtype, TrainConfig, TrainOverrides};
 use crate::error::{CliError, CliResult, usage};
 use crate::export::HfDir;
 use crate::planning::run_plan;
@@ -109,18 +109,6 @@ impl RunSetup {
                 "--dtype bf16 is not supported by --device {:?}; use --dtype f32",
                 config.device
             )));
-        }
-        if config.dtype == Dtype::Bf16
-            && config.device == DeviceKind::Flex
-            && !ember_model::kernels::has_bf16_dot()
-        {
-            crate::log0!(
-                rank,
-                "--dtype bf16: this CPU has no bf16 dot-product instructions (AVX512_BF16), so \
-                 products run in f32 on widened bf16 values and steps are slower than with \
-                 --dtype f32; bf16 still halves parameter and communication bytes and keeps about \
-                 a third fewer activation bytes"
-            );
         }
         let data = load_data(comm, &config)?;
         let vocab = data.tokenizer.vocab_size();
@@ -243,25 +231,23 @@ impl RunSetup {
     /// The run's plan, made once: per `shard`, except that when `choose` (no `--recompute`
     /// given) units with partitioned parameters keep their graphs for backward (`none`: no
     /// second gather, no recompute) when the plan then fits the memory available on every
-    /// rank's machine, and only their inputs (`unit`) otherwise.
+    /// rank's machine, and only their inputs (`unit`) otherwise. bf16 parameters on a CPU
+    /// without bf16 dot-product instructions compute in f32 where that fits too
+    /// ([`planning::module_dtype`]), and in bf16 otherwise.
     pub fn plan(&self, comm: &Comm, mut shard: ShardConfig, choose: bool) -> CliResult<Plan> {
         let plan = |shard: ShardConfig| run_plan(&self.config, comm.topology(), shard);
         if !choose || shard.params() == Span(0) {
-            return Ok(plan(shard)?);
+            return self.choose_module_dtype(comm, plan(shard)?);
         }
         shard.recompute = Recompute::None;
         let keep = plan(shard.clone())?;
-        let memory = keep.memory(self.config.grad_accum);
-        let fits =
-            planning::check_memory(&memory, comm.ranks_on_this_node(), false, |_| Vec::new())
-                .is_ok();
-        let everywhere = comm.agree((!fits).then_some("no room")).is_ok();
+        let (everywhere, total) = self.fits_everywhere(comm, &keep);
         log0!(
             comm.rank(),
             "recompute {}: keeping every unit's activations and parameters for backward needs \
              {:.2} GB per rank{}",
             if everywhere { "none" } else { "unit" },
-            memory.total() as f64 / 1e9,
+            total as f64 / 1e9,
             if everywhere {
                 ", which fits"
             } else {
@@ -269,10 +255,63 @@ impl RunSetup {
             }
         );
         if everywhere {
-            return Ok(keep);
+            return self.choose_module_dtype(comm, keep);
         }
         shard.recompute = Recompute::Unit;
-        Ok(plan(shard)?)
+        self.choose_module_dtype(comm, plan(shard)?)
+    }
+
+    /// `plan`, or, when its modules compute in f32 over bf16 parameters and that does not fit
+    /// the memory available on every rank's machine, the same plan computing in bf16; says
+    /// which on rank 0.
+    fn choose_module_dtype(&self, comm: &Comm, plan: Plan) -> CliResult<Plan> {
+        let compute = plan.config.compute;
+        if plan.module_dtype == compute {
+            return Ok(plan);
+        }
+        let (everywhere, total) = self.fits_everywhere(comm, &plan);
+        let why = "--dtype bf16: no bf16 dot-product instructions (AVX512_BF16) on this CPU, \
+                   or EMBER_BF16_DOT=0, so bf16 arithmetic would be slower than f32 here";
+        if everywhere {
+            log0!(
+                comm.rank(),
+                "{why}: forward and backward compute in f32 over bf16 parameters, which are \
+                 still held, gathered and reduced in bf16 ({:.2} GB per rank, which fits)",
+                total as f64 / 1e9
+            );
+            return Ok(plan);
+        }
+        let c = &self.config;
+        let narrow = planning::with_activations(
+            plan.computing_in(compute)?,
+            &c.model,
+            c.batch_size,
+            c.grad_accum,
+            c.block_size,
+            c.device,
+        )?;
+        log0!(
+            comm.rank(),
+            "{why}; computing in f32 over bf16 parameters would need {:.2} GB per rank, more \
+             than this machine has, so the run computes in bf16 ({:.2} GB per rank) and its \
+             steps are slower than with --dtype f32",
+            total as f64 / 1e9,
+            narrow.memory(c.grad_accum).total() as f64 / 1e9
+        );
+        Ok(narrow)
+    }
+
+    /// Whether `plan` fits the memory available on every rank's machine, and its total per
+    /// rank.
+    fn fits_everywhere(&self, comm: &Comm, plan: &Plan) -> (bool, u64) {
+        let memory = plan.memory(self.config.grad_accum);
+        let fits =
+            planning::check_memory(&memory, comm.ranks_on_this_node(), false, |_| Vec::new())
+                .is_ok();
+        (
+            comm.agree((!fits).then_some("no room")).is_ok(),
+            memory.total(),
+        )
     }
 
     /// Refuses, on every rank, a run whose plan times the ranks on this machine exceeds the

@@ -52,7 +52,7 @@ use burn::tensor::{DType, Device, Tensor};
 use ember_comm::{Comm, Counters};
 
 use crate::checkpoint::Checkpoint;
-use crate::config::{Compute, ShardConfig};
+use crate::config::ShardConfig;
 use crate::error::ShardError;
 use crate::memory::Resident;
 use crate::optim::{AdamW, FlatState, matrix_ranges};
@@ -412,11 +412,14 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         Ok(model)
     }
 
+    /// The dtype parameters are held, gathered and reduced in.
     fn dtype(&self) -> DType {
-        match self.plan.config.compute {
-            Compute::F32 => DType::F32,
-            Compute::Bf16 => DType::BF16,
-        }
+        self.plan.config.compute.dtype()
+    }
+
+    /// The dtype modules compute in ([`Plan::computing_in`]).
+    fn module_dtype(&self) -> DType {
+        self.plan.module_dtype.dtype()
     }
 
     /// Builds the primary parameter partition from the f32 masters.

@@ -517,7 +517,8 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
     }
 
     /// The skeleton with the parameters of `units` set from their gathered flat buffers
-    /// (views into them: nothing is copied), on the autodiff device when `autodiff`.
+    /// (views into them: nothing is copied, unless the modules compute in f32 over bf16
+    /// parameters: then each buffer is widened once), on the autodiff device when `autodiff`.
     fn module_with(
         &self,
         units: &[usize],
@@ -526,7 +527,13 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         require_grad: bool,
     ) -> S::Module {
         let mut values = HashMap::new();
+        let dtype = self.module_dtype();
         for (&u, flat) in units.iter().zip(full) {
+            let flat = if flat.dtype() == dtype {
+                flat
+            } else {
+                flat.cast(dtype)
+            };
             let flat = if autodiff { flat.autodiff() } else { flat };
             for p in &self.plan.units[u].params {
                 values.insert(
