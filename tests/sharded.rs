@@ -199,89 +199,22 @@ fn plan_bytes_equal_what_runs_hand_to_mpi() {
     let tmp = tempfile::tempdir().unwrap();
     // `ember train` keeps unit graphs when they fit (`--recompute none`, no backward
     // gathers); `ember plan` assumes the recompute unless told: both are checked.
-    let cases: Vec<Vec<&str>> = vec![
-        vec!["--shard", "ddp", "--topology", "2x2x2"],
-        vec!["--shard", "zero1", "--topology", "2x2x2"],
-        vec![
-            "--shard",
-            "zero2",
-            "--topology",
-            "2x2x2",
-            "--grad-accum",
-            "2",
-            "--batch-size",
-            "16",
-        ],
-        vec![
-            "--shard",
-            "zero3",
-            "--topology",
-            "2x2x2",
-            "--prefetch",
-            "2",
-            "--recompute",
-            "unit",
-        ],
-        vec![
-            "--shard",
-            "zero3",
-            "--topology",
-            "2x2x2",
-            "--secondary",
-            "gcd",
-            "--recompute",
-            "none",
-        ],
-        vec![
-            "--shard",
-            "zeropp",
-            "--topology",
-            "2x2x2",
-            "--recompute",
-            "unit",
-        ],
-        vec![
-            "--shard",
-            "hier3",
-            "--topology",
-            "2x2x2",
-            "--grad-accum",
-            "2",
-            "--batch-size",
-            "16",
-            "--recompute",
-            "none",
-        ],
-        vec![
-            "--shard",
-            "hier3",
-            "--topology",
-            "2x4x1",
-            "--dtype",
-            "bf16",
-            "--recompute",
-            "unit",
-        ],
+    let cases: Vec<Vec<&str>> = [
+        "--shard ddp --topology 2x2x2",
+        "--shard zero1 --topology 2x2x2",
+        "--shard zero2 --topology 2x2x2 --grad-accum 2 --batch-size 16",
+        "--shard zero3 --topology 2x2x2 --prefetch 2 --recompute unit",
+        "--shard zero3 --topology 2x2x2 --secondary gcd --recompute none",
+        "--shard zeropp --topology 2x2x2 --recompute unit",
+        "--shard hier3 --topology 2x2x2 --grad-accum 2 --batch-size 16 --recompute none",
+        "--shard hier3 --topology 2x4x1 --dtype bf16 --recompute unit",
         // The same unquantized run in f32 and in bf16: compared below.
-        vec![
-            "--shard",
-            "zero3",
-            "--topology",
-            "2x2x1",
-            "--recompute",
-            "unit",
-        ],
-        vec![
-            "--shard",
-            "zero3",
-            "--topology",
-            "2x2x1",
-            "--recompute",
-            "unit",
-            "--dtype",
-            "bf16",
-        ],
-    ];
+        "--shard zero3 --topology 2x2x1 --recompute unit",
+        "--shard zero3 --topology 2x2x1 --recompute unit --dtype bf16",
+    ]
+    .iter()
+    .map(|flags| flags.split_whitespace().collect())
+    .collect();
     let mut runs = Vec::new();
     for (i, flags) in cases.iter().enumerate() {
         let out = tmp.path().join(format!("case-{i}"));
@@ -380,53 +313,33 @@ fn quantized_presets_stay_within_2_percent_of_zero3_at_every_step_over_300() {
 fn bad_sharding_input_is_refused_with_the_reason() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("bad");
-    let cases: Vec<(usize, Vec<&str>, &str)> = vec![
+    let cases: [(usize, &str, &str); 7] = [
         (
             4,
-            vec![
-                "--shard",
-                "zero3",
-                "--topology",
-                "2x2x1",
-                "--batch-size",
-                "6",
-            ],
+            "--shard zero3 --topology 2x2x1 --batch-size 6",
             "--batch-size 6 does not split into 4 ranks",
         ),
         (
             2,
-            vec!["--shard", "zero9", "--topology", "2x1x1"],
+            "--shard zero9 --topology 2x1x1",
             "--shard zero9: not a preset",
         ),
-        (4, vec!["--shard", "zero3", "--topology", "2x2x2"], "2x2x2"),
+        (4, "--shard zero3 --topology 2x2x2", "2x2x2"),
         (
             2,
-            vec![
-                "--shard",
-                "zero1",
-                "--topology",
-                "2x1x1",
-                "--quantize-weights",
-                "int8",
-            ],
+            "--shard zero1 --topology 2x1x1 --quantize-weights int8",
             "never gathered",
         ),
         (
             2,
-            vec![
-                "--shard",
-                "zero3",
-                "--topology",
-                "2x1x1",
-                "--secondary",
-                "world",
-            ],
+            "--shard zero3 --topology 2x1x1 --secondary world",
             "smaller group",
         ),
-        (0, vec!["--secondary", "gpu"], "add --shard PRESET"),
-        (2, vec![], "without --shard"),
+        (0, "--secondary gpu", "add --shard PRESET"),
+        (2, "", "without --shard"),
     ];
     for (np, flags, message) in cases {
+        let flags: Vec<&str> = flags.split_whitespace().collect();
         let o = run(np, &train_args(&out, "2", &flags));
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success(), "{flags:?} was accepted");

@@ -568,18 +568,7 @@ mod dot {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        let mut z = seed.wrapping_mul(2_654_435_761) | 1;
-        (0..n)
-            .map(|_| {
-                z ^= z << 13;
-                z ^= z >> 17;
-                z ^= z << 5;
-                z as f32 / u32::MAX as f32 * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::kernels::tests::values;
 
     #[test]
     fn rounding_is_to_nearest_even() {
@@ -618,10 +607,10 @@ mod tests {
             [130, 97, 257],
         ] {
             for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-                let (a, b) = (values(m * k, 1), values(k * n, 2));
+                let (a, b) = (values(m * k, 1, 1.0), values(k * n, 2, 1.0));
                 let sa = if ta { [1, m as isize] } else { [k as isize, 1] };
                 let sb = if tb { [1, k as isize] } else { [n as isize, 1] };
-                let prior = values(m * n, 3);
+                let prior = values(m * n, 3, 1.0);
                 let mut got = prior.clone();
                 // SAFETY: a holds m x k and b k x n under their strides; got is m x n.
                 unsafe {

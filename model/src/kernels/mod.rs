@@ -589,7 +589,7 @@ mod tests {
     use super::{attention, linear, rows};
 
     /// Deterministic values in [-scale, scale).
-    fn values(n: usize, seed: u32, scale: f32) -> Vec<f32> {
+    pub(super) fn values(n: usize, seed: u32, scale: f32) -> Vec<f32> {
         let mut z = seed.wrapping_mul(2_654_435_761) | 1;
         (0..n)
             .map(|_| {
