@@ -62,6 +62,8 @@ pub struct PlanReport {
     pub world_size: usize,
     /// The sharding configuration.
     pub shard: ShardConfig,
+    /// The dtype forward and backward compute in ([`module_dtype`]).
+    pub module_dtype: Compute,
     /// Global batch and micro-batching.
     pub batch_size: usize,
     /// Micro-batches per step.
@@ -198,6 +200,7 @@ pub fn report(
         topology: topology.to_string(),
         world_size: world,
         shard: plan.config.clone(),
+        module_dtype: plan.module_dtype,
         batch_size,
         grad_accum,
         block_size: model.block_size,
@@ -265,8 +268,19 @@ pub fn render(r: &PlanReport, profile: &Profile) -> String {
     let gb = |b: u64| b as f64 / 1e9;
     let mut out = String::new();
     let m = &r.memory;
+    let name = |c: Compute| format!("{c:?}").to_lowercase();
+    let dtype = if r.module_dtype == r.shard.compute {
+        name(r.shard.compute)
+    } else {
+        format!(
+            "{} computing in {} (no bf16 dot-product instructions here)",
+            name(r.shard.compute),
+            name(r.module_dtype)
+        )
+    };
     out += &format!(
-        "{} ({:.1}M parameters) on {} ({} ranks), shard {}, batch {} x {} tokens, grad accum {}\n",
+        "{} ({:.1}M parameters) on {} ({} ranks), shard {}, dtype {dtype}, batch {} x {} tokens, \
+         grad accum {}\n",
         r.model,
         r.params as f64 / 1e6,
         r.topology,
