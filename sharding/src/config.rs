@@ -94,7 +94,9 @@ pub enum GradQuant {
     Int4,
 }
 
-/// The dtype forward and backward compute in (masters and optimizer state are always f32).
+/// The dtype parameters are held, gathered and reduced in, and forward and backward compute in
+/// unless the plan widens them to f32 ([`crate::Plan::computing_in`]); masters and optimizer
+/// state are always f32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Compute {
@@ -102,6 +104,15 @@ pub enum Compute {
     F32,
     /// 2 bytes per parameter; gathers and unquantized gradient reductions move bf16.
     Bf16,
+}
+
+impl fmt::Display for Compute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Compute::F32 => "f32",
+            Compute::Bf16 => "bf16",
+        })
+    }
 }
 
 impl Compute {
@@ -132,7 +143,7 @@ pub struct ShardConfig {
     pub states: States,
     /// Elements per quantization block (one f32 scale each).
     pub quant_block: usize,
-    /// Forward/backward dtype.
+    /// The parameters' dtype in gathers, reductions and (unless widened) compute.
     pub compute: Compute,
     /// Units gathered ahead of the one computing (0 = no overlap).
     pub prefetch: usize,

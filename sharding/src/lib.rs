@@ -108,7 +108,9 @@
 //! the optimizer); a secondary copy 1 byte plus one f32 scale per block when weights are
 //! quantized. So `zero3` on 8 ranks holds `16 N / 8` bytes of states, `ddp` `16 N`. Gathered
 //! units and activations come on top, the largest at one moment of the step: [`Plan::memory`]
-//! replays the step's schedule for it, and `ember plan` prints it.
+//! replays the step's schedule for it, and `ember plan` prints it. With bf16 parameters on a
+//! device where bf16 arithmetic is slow, [`Plan::computing_in`] keeps them bf16 in memory and
+//! on the wire and computes in f32 (pass that plan to [`ShardedModel::new`]).
 //!
 //! # Errors and speed
 //!

@@ -310,19 +310,19 @@ impl Plan {
 
     /// The same plan with its modules computing in `dtype`: the compute dtype, or f32 when
     /// the parameters are bf16. With f32 over bf16, parameters are held, gathered and reduced
-    /// in bf16 as before, but each visit widens its units' parameters to f32 and forward and
-    /// backward run in f32: for a device on which bf16 arithmetic is slower than f32 (a CPU
-    /// without bf16 dot-product instructions), at the cost of an f32 copy of the units a visit
-    /// computes.
+    /// in bf16 as before, but each visit widens its units' parameters to f32, and forward,
+    /// backward and their activations are f32: for a device on which bf16 arithmetic is
+    /// slower than f32 (a CPU without bf16 dot-product instructions), at the cost of an f32
+    /// copy of the units a visit computes. Activation estimates depend on the dtype: give
+    /// them ([`Plan::with_activations`]) after choosing it.
     pub fn computing_in(mut self, dtype: Compute) -> Result<Self, ShardError> {
         if dtype != self.config.compute && dtype != Compute::F32 {
-            let name = |c: Compute| format!("{c:?}").to_lowercase();
             return Err(ShardError::setting(
                 "module_dtype",
-                name(dtype),
+                dtype,
                 format!(
                     "modules compute in the parameters' dtype ({}) or in f32",
-                    name(self.config.compute)
+                    self.config.compute
                 ),
             ));
         }
@@ -718,20 +718,29 @@ mod tests {
     }
 
     #[test]
-    fn f32_modules_over_bf16_parameters_hold_the_f32_copy_too() {
+    fn f32_modules_over_bf16_parameters_hold_the_units_they_compute_with_in_f32() {
         let bf16 = |preset: &str| {
             let mut c = ShardConfig::preset(preset, 3).unwrap();
             c.compute = Compute::Bf16;
             Plan::new(units(), c, Topology::parse("2x2x2").unwrap()).unwrap()
         };
-        let psi: u64 = bf16("zero3").units.iter().map(|u| u.padded as u64).sum();
-        // zero3's largest window holds every unit (see above): in bf16, and beside it in f32
-        // while a visit computes with it.
+        let padded: Vec<u64> = bf16("zero3")
+            .units
+            .iter()
+            .map(|u| u.padded as u64)
+            .collect();
+        let psi: u64 = padded.iter().sum();
+        // zero3's largest window holds every unit (see above): the head's backward visit with
+        // the embedding it reads, and block 0 prefetched. In bf16 all are bf16; with f32
+        // modules the two the visit computes with are f32 and the prefetched one bf16.
         let narrow = bf16("zero3").memory(1);
         let wide = bf16("zero3").computing_in(Compute::F32).unwrap();
         assert_eq!(wide.module_dtype, Compute::F32);
         assert_eq!(narrow.gathered_peak, 2 * psi);
-        assert_eq!(wide.memory(1).gathered_peak, 6 * psi);
+        assert_eq!(
+            wide.memory(1).gathered_peak,
+            4 * (padded[2] + padded[0]) + 2 * padded[1]
+        );
         // Replicated parameters: the whole model's f32 copy while a micro-batch computes.
         let acts = vec![
             ActivationBytes {

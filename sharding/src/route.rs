@@ -40,10 +40,6 @@ fn path_of(plan: &Plan) -> Result<Path, ShardError> {
     Ok(Path::new(&plan.topology, &bounds)?)
 }
 
-fn dtype(plan: &Plan) -> DType {
-    plan.config.compute.dtype()
-}
-
 /// A rank's secondary copy of one unit (hpZ).
 #[derive(Debug, Clone)]
 pub(crate) enum Secondary {
@@ -105,7 +101,7 @@ fn dequantize_wires(plan: &Plan, wires: &[u8], shard_len: usize, device: &Device
         .map(|w| Quantized::read_wire(QuantFormat::Int8, block, shard_len, w))
         .collect();
     let full = kernels::dequantize_concat(&parts, device);
-    match dtype(plan) {
+    match plan.config.compute.dtype() {
         DType::F32 => full,
         d => full.cast(d),
     }

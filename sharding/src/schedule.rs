@@ -267,10 +267,11 @@ impl Plan {
             }
         };
         let act = &self.activations;
-        // A unit a module computes with is held in the compute dtype and, when the modules
-        // compute in f32 over bf16 parameters, also as the f32 copy the visit builds.
+        // A gathered unit is held in the compute dtype until a visit builds its module; with
+        // f32 modules over bf16 parameters the visit widens it (the bf16 buffer goes as its
+        // f32 copy is made), and a kept graph holds the f32 copy.
         let widened = self.module_dtype != cfg.compute;
-        let held = c + if widened { 4 } else { 0 };
+        let m = self.module_dtype.bytes() as u64;
 
         let mut gathered = 0u64; // whole units gathered and not yet released
         let mut in_flight: Vec<usize> = Vec::new(); // units gathered, in request order
@@ -307,7 +308,7 @@ impl Plan {
         for event in self.schedule(grad_accum) {
             match event {
                 Event::Gather { unit, source } => {
-                    gathered += padded(unit) * held;
+                    gathered += padded(unit) * c;
                     in_flight.push(unit);
                     gather_stagings.push((unit, gather_staging(unit, source)));
                     let w = working(gathered, &work, &reducing, boundaries);
@@ -318,6 +319,12 @@ impl Plan {
                     let needs = &self.units[v.stage].needs;
                     let a = &act[v.stage];
                     let keep = self.keeps_graph(v.stage);
+                    if !(v.backward && keep) {
+                        // The visit's module, from the units gathered for it.
+                        for &u in needs {
+                            gathered = gathered - padded(u) * c + padded(u) * m;
+                        }
+                    }
                     let graph = if v.backward && keep {
                         // Backward through the kept graph: the gradients of its activations,
                         // the upstream gradient and autodiff's parameter gradients.
@@ -346,7 +353,7 @@ impl Plan {
                         if keep && v.backward {
                             let at = kept.iter().position(|&x| x == u).expect("kept by forward");
                             kept.remove(at);
-                            gathered -= padded(u) * held;
+                            gathered -= padded(u) * m;
                             continue;
                         }
                         let at = in_flight
@@ -360,7 +367,7 @@ impl Plan {
                         if keep {
                             kept.push(u);
                         } else {
-                            gathered -= padded(u) * held;
+                            gathered -= padded(u) * m;
                         }
                     }
                     reducing.clear();

@@ -44,6 +44,11 @@ pub struct TrainBench {
     pub tokens_per_s: f64,
     /// Achieved model FLOP/s (6N + 12LdT per token), in GFLOP/s.
     pub gflops: f64,
+    /// `--dtype`.
+    pub dtype: String,
+    /// The dtype forward and backward computed in: `--dtype`'s, or f32 over bf16 parameters
+    /// on a CPU without bf16 dot-product instructions.
+    pub arithmetic: String,
     /// Peak FLOP/s used for MFU, in GFLOP/s.
     pub peak_gflops: Option<f64>,
     /// Model FLOPs utilisation.
@@ -73,9 +78,14 @@ pub fn bench_train(
         let shard = ShardArgs::default().resolve(comm.topology(), setup.config.dtype)?;
         let config = setup.config.clone();
         let plan = setup.plan(comm, shard, true)?;
+        let arithmetic = plan.module_dtype;
         let mut run = GptRun::start(comm, &mut setup, plan)?;
         let (stepped, _) = run_loop::run(&mut run, &config, 0, 0, Output::Quiet)?;
-        out.push(summarise(&config, step_times(&stepped, warmup))?);
+        out.push(summarise(
+            &config,
+            arithmetic,
+            step_times(&stepped, warmup),
+        )?);
     }
     Ok(out)
 }
@@ -108,7 +118,11 @@ fn step_times(stepped: &[Stepped], warmup: u64) -> Vec<f64> {
     times
 }
 
-fn summarise(config: &TrainConfig, times: Vec<f64>) -> Result<TrainBench> {
+fn summarise(
+    config: &TrainConfig,
+    arithmetic: ember_sharding::Compute,
+    times: Vec<f64>,
+) -> Result<TrainBench> {
     let median = times[times.len() / 2];
     let tokens = config.tokens_per_step() as f64;
     let tokens_per_s = tokens / median;
@@ -125,6 +139,12 @@ fn summarise(config: &TrainConfig, times: Vec<f64>) -> Result<TrainBench> {
         step_ms_median: median * 1e3,
         tokens_per_s,
         gflops: flops / 1e9,
+        dtype: match config.dtype {
+            crate::config::Dtype::F32 => "f32",
+            crate::config::Dtype::Bf16 => "bf16",
+        }
+        .to_owned(),
+        arithmetic: arithmetic.to_string(),
         peak_gflops: peak.map(|p| p / 1e9),
         mfu: peak.map(|p| flops / p),
         model: config.model.clone(),
@@ -336,6 +356,8 @@ pub struct PairedBench {
     pub threads: usize,
     /// Compute dtype: ember's `--dtype`, and PyTorch's forward under bf16 autocast for bf16.
     pub dtype: String,
+    /// The dtype ember's forward and backward computed in ([`TrainBench::arithmetic`]).
+    pub ember_arithmetic: String,
     /// Each round's median step time, ms, ember's.
     pub ember_ms: Vec<f64>,
     /// The same, PyTorch's.
@@ -463,6 +485,7 @@ fn pair(
         params: (e.params, torch_params),
         threads: e.threads,
         dtype: dtype_flag(base).to_owned(),
+        ember_arithmetic: e.arithmetic.clone(),
         ember_ms,
         torch_ms,
         ember_median_ms: em,

@@ -114,12 +114,12 @@ pub fn gpt_plan(
 ) -> Result<Plan, ember_sharding::ShardError> {
     let module = module_dtype(shard.compute, device);
     let plan = Plan::new(gpt_units(model), shard, topology.clone())?.computing_in(module)?;
-    with_activations(plan, model, batch_size, grad_accum, block_size, device)
+    with_gpt_estimates(plan, model, batch_size, grad_accum, block_size, device)
 }
 
 /// `plan` with the activations and FLOPs of a GPT micro-batch, in the dtype its modules
 /// compute in: those of the fused CPU kernels on `flex`, of Burn's composed ops elsewhere.
-pub fn with_activations(
+pub fn with_gpt_estimates(
     plan: Plan,
     model: &GptConfig,
     batch_size: usize,
@@ -268,14 +268,13 @@ pub fn render(r: &PlanReport, profile: &Profile) -> String {
     let gb = |b: u64| b as f64 / 1e9;
     let mut out = String::new();
     let m = &r.memory;
-    let name = |c: Compute| format!("{c:?}").to_lowercase();
     let dtype = if r.module_dtype == r.shard.compute {
-        name(r.shard.compute)
+        r.shard.compute.to_string()
     } else {
         format!(
-            "{} computing in {} (no bf16 dot-product instructions here)",
-            name(r.shard.compute),
-            name(r.module_dtype)
+            "{} computing in {} (no bf16 dot-product instructions on this machine, or \
+             EMBER_BF16_DOT=0)",
+            r.shard.compute, r.module_dtype
         )
     };
     out += &format!(

@@ -11,7 +11,7 @@ use anyhow::anyhow;
 use burn::tensor::Device;
 use ember_comm::Comm;
 use ember_data::{DataError, PreparedData, STREAM_TRAIN, STREAM_VAL};
-use ember_sharding::{Plan, Recompute, ShardConfig, Span};
+use ember_sharding::{Compute, Plan, Recompute, ShardConfig, Span};
 
 use crate::checkpoint::{self, RunRecord};
 use crate::config::{Dtype, TrainConfig, TrainOverrides};
@@ -231,11 +231,24 @@ impl RunSetup {
     /// The run's plan, made once: per `shard`, except that when `choose` (no `--recompute`
     /// given) units with partitioned parameters keep their graphs for backward (`none`: no
     /// second gather, no recompute) when the plan then fits the memory available on every
-    /// rank's machine, and only their inputs (`unit`) otherwise. bf16 parameters on a CPU
-    /// without bf16 dot-product instructions compute in f32 where that fits too
-    /// ([`planning::module_dtype`]), and in bf16 otherwise.
+    /// rank's machine, and only their inputs (`unit`) otherwise. bf16 parameters compute in
+    /// f32 when any rank's CPU lacks bf16 dot-product instructions
+    /// ([`planning::module_dtype`]; every rank then does), where that fits after the
+    /// recompute choice, and in bf16 otherwise.
     pub fn plan(&self, comm: &Comm, mut shard: ShardConfig, choose: bool) -> CliResult<Plan> {
-        let plan = |shard: ShardConfig| run_plan(&self.config, comm.topology(), shard);
+        let compute = shard.compute;
+        let local = planning::module_dtype(compute, self.config.device);
+        // Every rank takes part, so that all of them plan alike.
+        let module = if compute != Compute::F32
+            && comm
+                .agree((local != compute).then_some("no bf16 dot-product instructions"))
+                .is_err()
+        {
+            Compute::F32
+        } else {
+            compute
+        };
+        let plan = |shard: ShardConfig| self.plan_in(comm, shard, module);
         if !choose || shard.params() == Span(0) {
             return self.choose_module_dtype(comm, plan(shard)?);
         }
@@ -245,9 +258,14 @@ impl RunSetup {
         log0!(
             comm.rank(),
             "recompute {}: keeping every unit's activations and parameters for backward needs \
-             {:.2} GB per rank{}",
+             {:.2} GB per rank{}{}",
             if everywhere { "none" } else { "unit" },
             total as f64 / 1e9,
+            if module == compute {
+                ""
+            } else {
+                " (computing in f32)"
+            },
             if everywhere {
                 ", which fits"
             } else {
@@ -261,17 +279,35 @@ impl RunSetup {
         self.choose_module_dtype(comm, plan(shard)?)
     }
 
+    /// The plan of `shard` for this run, its modules computing in `module`.
+    fn plan_in(&self, comm: &Comm, shard: ShardConfig, module: Compute) -> CliResult<Plan> {
+        let c = &self.config;
+        let plan = run_plan(c, comm.topology(), shard)?;
+        if plan.module_dtype == module {
+            return Ok(plan);
+        }
+        Ok(planning::with_gpt_estimates(
+            plan.computing_in(module)?,
+            &c.model,
+            c.batch_size,
+            c.grad_accum,
+            c.block_size,
+            c.device,
+        )?)
+    }
+
     /// `plan`, or, when its modules compute in f32 over bf16 parameters and that does not fit
     /// the memory available on every rank's machine, the same plan computing in bf16; says
-    /// which on rank 0.
+    /// which on rank 0. Every rank reaches the same branch: the plan is the same everywhere.
     fn choose_module_dtype(&self, comm: &Comm, plan: Plan) -> CliResult<Plan> {
         let compute = plan.config.compute;
         if plan.module_dtype == compute {
             return Ok(plan);
         }
         let (everywhere, total) = self.fits_everywhere(comm, &plan);
-        let why = "--dtype bf16: no bf16 dot-product instructions (AVX512_BF16) on this CPU, \
-                   or EMBER_BF16_DOT=0, so bf16 arithmetic would be slower than f32 here";
+        let why = "--dtype bf16: a CPU of this job has no bf16 dot-product instructions \
+                   (AVX512_BF16), or EMBER_BF16_DOT=0, so bf16 arithmetic would be slower than \
+                   f32 there";
         if everywhere {
             log0!(
                 comm.rank(),
@@ -281,22 +317,14 @@ impl RunSetup {
             );
             return Ok(plan);
         }
-        let c = &self.config;
-        let narrow = planning::with_activations(
-            plan.computing_in(compute)?,
-            &c.model,
-            c.batch_size,
-            c.grad_accum,
-            c.block_size,
-            c.device,
-        )?;
+        let narrow = self.plan_in(comm, plan.config.clone(), compute)?;
         log0!(
             comm.rank(),
             "{why}; computing in f32 over bf16 parameters would need {:.2} GB per rank, more \
              than this machine has, so the run computes in bf16 ({:.2} GB per rank) and its \
              steps are slower than with --dtype f32",
             total as f64 / 1e9,
-            narrow.memory(c.grad_accum).total() as f64 / 1e9
+            narrow.memory(self.config.grad_accum).total() as f64 / 1e9
         );
         Ok(narrow)
     }

@@ -321,10 +321,15 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
                 format!("{lo:.1}-{hi:.1}")
             };
             println!(
-                "{:<10} {} {} threads  ember {:>8.1} ms/step ({} over {} rounds)  PyTorch {}{} \
+                "{:<10} {}{} {} threads  ember {:>8.1} ms/step ({} over {} rounds)  PyTorch {}{} \
                  {:>8.1} ms/step ({})  ember/PyTorch tokens/s {:.2}x",
                 r.preset,
                 r.dtype,
+                if r.ember_arithmetic == r.dtype {
+                    String::new()
+                } else {
+                    format!(" (ember computing in {})", r.ember_arithmetic)
+                },
                 r.threads,
                 r.ember_median_ms,
                 spread(&r.ember_ms),
@@ -354,10 +359,16 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
             println!("{}", serde_json::to_string(r).map_err(anyhow::Error::new)?);
         } else {
             println!(
-                "{:<10} {:>6} {:>8.2}M params  batch {} x {}  {} threads  {:>8.1} ms/step  \
+                "{:<10} {:>6} {:>4}{} {:>8.2}M params  batch {} x {}  {} threads  {:>8.1} ms/step  \
                  {:>8.0} tok/s  {:>6.1} GFLOP/s  MFU {}",
                 r.preset,
                 r.device,
+                r.dtype,
+                if r.arithmetic == r.dtype {
+                    String::new()
+                } else {
+                    format!(" computing in {}", r.arithmetic)
+                },
                 r.params as f64 / 1e6,
                 r.batch_size,
                 r.block_size,
