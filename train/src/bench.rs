@@ -139,11 +139,7 @@ fn summarise(
         step_ms_median: median * 1e3,
         tokens_per_s,
         gflops: flops / 1e9,
-        dtype: match config.dtype {
-            crate::config::Dtype::F32 => "f32",
-            crate::config::Dtype::Bf16 => "bf16",
-        }
-        .to_owned(),
+        dtype: ember_sharding::Compute::from(config.dtype).to_string(),
         arithmetic: arithmetic.to_string(),
         peak_gflops: peak.map(|p| p / 1e9),
         mfu: peak.map(|p| flops / p),

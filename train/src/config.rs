@@ -24,6 +24,15 @@ pub enum Dtype {
     Bf16,
 }
 
+impl From<Dtype> for ember_sharding::Compute {
+    fn from(dtype: Dtype) -> Self {
+        match dtype {
+            Dtype::F32 => Self::F32,
+            Dtype::Bf16 => Self::Bf16,
+        }
+    }
+}
+
 /// Which Burn backend runs the model, and for a GPU backend which GPU: `cuda` or `rocm`
 /// alone picks the rank's GPU on its node (GPU `i` for the node's `i`-th rank, as `mpirun`,
 /// `srun` and `torchrun` number local ranks), `cuda:I` / `rocm:I` GPU `I`.

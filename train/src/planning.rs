@@ -401,10 +401,7 @@ pub fn fitting_presets(
             .iter()
             .filter_map(|name| {
                 let mut shard = ShardConfig::preset(name, topology.depth()).ok()?;
-                shard.compute = match config.dtype {
-                    crate::config::Dtype::F32 => Compute::F32,
-                    crate::config::Dtype::Bf16 => Compute::Bf16,
-                };
+                shard.compute = config.dtype.into();
                 let plan = gpt_plan(
                     &config.model,
                     &topology,

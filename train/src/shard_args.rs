@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 use ember_comm::{Comm, CommConfig, PanicPolicy, Topology, TopologySource};
-use ember_sharding::{Compute, GradQuant, Recompute, ShardConfig, ShardError, Span, WeightQuant};
+use ember_sharding::{GradQuant, Recompute, ShardConfig, ShardError, Span, WeightQuant};
 
 use crate::config::Dtype;
 use crate::error::{CliResult, usage};
@@ -184,10 +184,7 @@ impl ShardArgs {
             };
         }
         c.set_error_feedback(self.error_feedback)?;
-        c.compute = match dtype {
-            Dtype::F32 => Compute::F32,
-            Dtype::Bf16 => Compute::Bf16,
-        };
+        c.compute = dtype.into();
         c.validate(topology)?;
         Ok(c)
     }

@@ -356,11 +356,7 @@ fn pack<const WIDTH: usize, E: Element>(
                 // in bounds and written by this block only.
                 let panel =
                     unsafe { std::slice::from_raw_parts_mut(dst.add(at(p0, 0)), WIDTH * pairs) };
-                for (q, lanes) in panel.chunks_exact_mut(WIDTH).enumerate() {
-                    for (i, v) in lanes.iter_mut().enumerate() {
-                        *v = tmp[i * pairs + q];
-                    }
-                }
+                lanes_of::<WIDTH>(&tmp, pairs, panel);
             }
             return;
         }
@@ -386,6 +382,94 @@ fn pack<const WIDTH: usize, E: Element>(
         (0..rows.div_ceil(NR)).into_par_iter().for_each(block);
     } else {
         (0..rows.div_ceil(NR)).for_each(block);
+    }
+}
+
+/// A panel's rows of pairs turned into its lanes per pair: `panel[q * W + i] = rows[i *
+/// pairs + q]` for `i < W` and `q < pairs`. Blocks of 8 x 8 go through AVX2's shuffles
+/// where the CPU has them.
+fn lanes_of<const W: usize>(rows: &[u32], pairs: usize, panel: &mut [u32]) {
+    assert!(rows.len() >= W * pairs && panel.len() >= W * pairs);
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if W.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx2") {
+        done = pairs / 8 * 8;
+        // SAFETY: the CPU has AVX2; the blocks of pairs below `done` are in bounds of both
+        // (asserted).
+        unsafe { transpose::blocks::<W>(rows, pairs, panel, done) };
+    }
+    for q in done..pairs {
+        for i in 0..W {
+            panel[q * W + i] = rows[i * pairs + q];
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod transpose {
+    use std::arch::x86_64::*;
+
+    /// [`super::lanes_of`] for the pairs below `end`, a multiple of 8, in blocks of 8 x 8.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `W` is a multiple of 8; `rows` holds `W * pairs` elements and
+    /// `panel` `W * end`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn blocks<const W: usize>(
+        rows: &[u32],
+        pairs: usize,
+        panel: &mut [u32],
+        end: usize,
+    ) {
+        let (src, dst) = (rows.as_ptr(), panel.as_mut_ptr());
+        for q0 in (0..end).step_by(8) {
+            for i0 in (0..W).step_by(8) {
+                let mut r = [_mm256_setzero_si256(); 8];
+                for (i, r) in r.iter_mut().enumerate() {
+                    // SAFETY: row i0 + i's pairs q0..q0 + 8 are in bounds, as the caller
+                    // guarantees.
+                    *r = unsafe { _mm256_loadu_si256(src.add((i0 + i) * pairs + q0).cast()) };
+                }
+                // Pairs of rows interleaved, then pairs of pairs, then the 128-bit halves:
+                // out[j] holds pair q0 + j of rows i0..i0 + 8.
+                let t = [
+                    _mm256_unpacklo_epi32(r[0], r[1]),
+                    _mm256_unpackhi_epi32(r[0], r[1]),
+                    _mm256_unpacklo_epi32(r[2], r[3]),
+                    _mm256_unpackhi_epi32(r[2], r[3]),
+                    _mm256_unpacklo_epi32(r[4], r[5]),
+                    _mm256_unpackhi_epi32(r[4], r[5]),
+                    _mm256_unpacklo_epi32(r[6], r[7]),
+                    _mm256_unpackhi_epi32(r[6], r[7]),
+                ];
+                let u = [
+                    _mm256_unpacklo_epi64(t[0], t[2]),
+                    _mm256_unpackhi_epi64(t[0], t[2]),
+                    _mm256_unpacklo_epi64(t[1], t[3]),
+                    _mm256_unpackhi_epi64(t[1], t[3]),
+                    _mm256_unpacklo_epi64(t[4], t[6]),
+                    _mm256_unpackhi_epi64(t[4], t[6]),
+                    _mm256_unpacklo_epi64(t[5], t[7]),
+                    _mm256_unpackhi_epi64(t[5], t[7]),
+                ];
+                let out = [
+                    _mm256_permute2x128_si256::<0x20>(u[0], u[4]),
+                    _mm256_permute2x128_si256::<0x20>(u[1], u[5]),
+                    _mm256_permute2x128_si256::<0x20>(u[2], u[6]),
+                    _mm256_permute2x128_si256::<0x20>(u[3], u[7]),
+                    _mm256_permute2x128_si256::<0x31>(u[0], u[4]),
+                    _mm256_permute2x128_si256::<0x31>(u[1], u[5]),
+                    _mm256_permute2x128_si256::<0x31>(u[2], u[6]),
+                    _mm256_permute2x128_si256::<0x31>(u[3], u[7]),
+                ];
+                for (j, o) in out.iter().enumerate() {
+                    // SAFETY: lanes i0..i0 + 8 of pair q0 + j are in bounds, as the caller
+                    // guarantees.
+                    unsafe { _mm256_storeu_si256(dst.add((q0 + j) * W + i0).cast(), *o) };
+                }
+            }
+        }
     }
 }
 
