@@ -176,6 +176,15 @@ fn resume_continues_bit_for_bit() {
     run(&split, &["--max-iters", "14", "--lr-decay-iters", "20"]);
     let at_10 = split.join("step-000010");
     ok(&["train", "--resume", path(&at_10), "--max-iters", "20"]);
+    // The abandoned history's later checkpoint is kept under another name, out of the way of
+    // `--resume split` and of pruning.
+    assert!(
+        split
+            .join("superseded-step-000014")
+            .join("manifest.json")
+            .is_file()
+    );
+    assert!(!split.join("step-000014").exists());
     let a = read_metrics(&full.join("metrics.jsonl")).unwrap();
     let b = read_metrics(&split.join("metrics.jsonl")).unwrap();
     assert_eq!(losses(&a).len(), 20);
@@ -293,6 +302,42 @@ fn bad_input_gets_a_clear_message_and_exit_code() {
         &["train", "--preset", "gpt5"],
         2,
         "--preset gpt5 is not a preset",
+    );
+    refused(
+        &["train", "--grad-clip", "inf"],
+        2,
+        "--grad-clip must be a finite number",
+    );
+    refused(
+        &["train", "--lr", "-1"],
+        2,
+        "--lr must be a positive finite number",
+    );
+    refused(
+        &["train", "--n-head", "0"],
+        2,
+        "--n-head must be at least 1",
+    );
+    refused(
+        &["train", "--dropout", "1.5"],
+        2,
+        "--dropout 1.5 must be in [0, 1)",
+    );
+    std::fs::write(t("a-file"), "").unwrap();
+    refused(
+        &["train", "--out-dir", path(&t("a-file"))],
+        2,
+        "is a file, not a directory",
+    );
+    refused(
+        &["bench", "train", "--presets", "tiny,gpt5"],
+        2,
+        "--presets: `gpt5` is not a preset",
+    );
+    refused(
+        &["bench", "train", "--preset", "tiny"],
+        2,
+        "use --presets tiny instead of --preset tiny",
     );
     refused(
         &["train", "--batch-size", "10", "--grad-accum", "3"],

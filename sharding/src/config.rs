@@ -327,6 +327,15 @@ pub enum Recompute {
     None,
 }
 
+impl fmt::Display for Recompute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Recompute::Unit => "unit",
+            Recompute::None => "none",
+        })
+    }
+}
+
 /// Preset names, from plain data parallelism to the three-level hierarchy.
 pub const PRESETS: [&str; 6] = ["ddp", "zero1", "zero2", "zero3", "zeropp", "hier3"];
 

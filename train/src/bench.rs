@@ -239,7 +239,12 @@ pub fn bench_shard(
         };
         let shard_config = flags.resolve(&topology, config.dtype)?;
         let plan = setup.plan(comm, shard_config, shard_flags.recompute.is_none())?;
-        let recompute = plan.config.recompute;
+        // Replicated parameters never recompute, whatever the setting says.
+        let recompute = if plan.config.params() == ember_sharding::Span(0) {
+            ember_sharding::Recompute::None
+        } else {
+            plan.config.recompute
+        };
         let plan_memory = plan.memory(config.grad_accum);
         let predicted = profile.map(|p| estimate(&plan, config.grad_accum, p));
         // Each preset's peak is its own: the previous preset's memory is freed by now.
@@ -303,7 +308,7 @@ pub fn bench_shard(
             batch_size: config.batch_size,
             block_size: config.block_size,
             steps,
-            recompute: format!("{recompute:?}").to_lowercase(),
+            recompute: recompute.to_string(),
             step_ms_median: step_ms,
             step_ms_range: (times[0] * 1e3, times[times.len() - 1] * 1e3),
             step_ms_predicted: predicted.as_ref().map(|e| e.step_s * 1e3),

@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 use crate::config::TrainConfig;
 
 pub use ember_sharding::plumbing::checkpoint::{
-    Index, KINDS, MANIFEST, Manifest, TensorMeta, locate, prune, read_manifest, shard_file_name,
-    step_dir_name,
+    Index, KINDS, MANIFEST, Manifest, TensorMeta, completed, locate, prune, read_manifest,
+    shard_file_name, step_dir_name,
 };
 
 /// Where the data stream resumes.

@@ -451,6 +451,18 @@ impl TrainConfig {
     /// Refuses inconsistent settings, naming the flag and the fix.
     pub fn validate(&self) -> CliResult<()> {
         let m = &self.model;
+        let sizes = [
+            ("--n-layer", m.n_layer),
+            ("--n-head", m.n_head),
+            ("--n-embd", m.n_embd),
+            ("--vocab-size", m.vocab_size),
+        ];
+        if let Some((flag, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+            return Err(usage(format!("{flag} must be at least 1")));
+        }
+        if !(0.0..1.0).contains(&m.dropout) {
+            return Err(usage(format!("--dropout {} must be in [0, 1)", m.dropout)));
+        }
         if m.n_head > 0 && !m.n_embd.is_multiple_of(m.n_head) {
             return Err(usage(format!(
                 "--n-embd {} is not divisible by --n-head {}: the head size must be a whole \
@@ -477,8 +489,10 @@ impl TrainConfig {
             ("--lr", self.lr),
             ("--log-interval", self.log_interval as f64),
         ];
-        if let Some((flag, v)) = positive.iter().find(|(_, v)| v.is_nan() || *v <= 0.0) {
-            return Err(usage(format!("{flag} must be positive, got {v}")));
+        if let Some((flag, v)) = positive.iter().find(|(_, v)| !v.is_finite() || *v <= 0.0) {
+            return Err(usage(format!(
+                "{flag} must be a positive finite number, got {v}"
+            )));
         }
         if !self.batch_size.is_multiple_of(self.grad_accum) {
             return Err(usage(format!(
@@ -498,8 +512,17 @@ impl TrainConfig {
                 return Err(usage(format!("{flag} {beta} must be in [0, 1)")));
             }
         }
-        if !(self.weight_decay >= 0.0 && self.grad_clip >= 0.0) {
-            return Err(usage("--weight-decay and --grad-clip must not be negative"));
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return Err(usage(format!(
+                "--weight-decay must be a finite number of 0 or more, got {}",
+                self.weight_decay
+            )));
+        }
+        if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
+            return Err(usage(format!(
+                "--grad-clip must be a finite number of 0 or more (0 disables clipping), got {}",
+                self.grad_clip
+            )));
         }
         if self.eval_interval > 0 && self.eval_iters == 0 {
             return Err(usage(
@@ -513,10 +536,18 @@ impl TrainConfig {
                 self.vocab_size
             )));
         }
+        if self.out_dir.exists() && !self.out_dir.is_dir() {
+            return Err(usage(format!(
+                "--out-dir {} is a file, not a directory; give a directory (new or existing)",
+                self.out_dir.display()
+            )));
+        }
         if let Some(p) = self.peak_tflops
-            && (p.is_nan() || p <= 0.0)
+            && (!p.is_finite() || p <= 0.0)
         {
-            return Err(usage(format!("--peak-tflops must be positive, got {p}")));
+            return Err(usage(format!(
+                "--peak-tflops must be a positive finite number, got {p}"
+            )));
         }
         Ok(())
     }

@@ -26,8 +26,10 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Train a GPT (nanoGPT-style flags; --config FILE.toml, which flags override)
+    #[command(allow_negative_numbers = true)]
     Train(TrainArgs),
     /// Sample text from a checkpoint
+    #[command(allow_negative_numbers = true)]
     Generate(GenerateArgs),
     /// Print {"loss", "tokens"}: mean cross-entropy per token of a checkpoint
     Eval(EvalArgs),
@@ -35,9 +37,11 @@ enum Command {
     Prepare(PrepareArgs),
     /// Per-rank memory, per-step traffic and estimated step time of a sharded run, without
     /// running it
+    #[command(allow_negative_numbers = true)]
     Plan(PlanArgs),
     /// Write a checkpoint again for another world size, topology or preset (run under mpirun
     /// with the new layout; values are unchanged)
+    #[command(allow_negative_numbers = true)]
     Reshard(ReshardArgs),
     /// Write a checkpoint in the Hugging Face GPT-2 layout (offline, no MPI needed)
     Export(ExportArgs),

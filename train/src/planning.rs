@@ -279,7 +279,7 @@ pub fn render(r: &PlanReport, profile: &Profile) -> String {
     };
     out += &format!(
         "{} ({:.1}M parameters) on {} ({} ranks), shard {}, dtype {dtype}, batch {} x {} tokens, \
-         grad accum {}\n",
+         grad accum {}, recompute {}\n",
         r.model,
         r.params as f64 / 1e6,
         r.topology,
@@ -287,7 +287,8 @@ pub fn render(r: &PlanReport, profile: &Profile) -> String {
         r.shard.preset,
         r.batch_size,
         r.block_size,
-        r.grad_accum
+        r.grad_accum,
+        r.shard.recompute
     );
     out += "\nmodel-state memory per rank (GB)\n";
     for (name, v) in [

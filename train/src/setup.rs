@@ -14,7 +14,7 @@ use ember_data::{DataError, PreparedData, STREAM_TRAIN, STREAM_VAL};
 use ember_sharding::{Compute, Plan, Recompute, ShardConfig, Span};
 
 use crate::checkpoint::{self, RunRecord};
-use crate::config::{Dtype, TrainConfig, TrainOverrides};
+use crate::config::{DeviceKind, Dtype, TrainConfig, TrainOverrides};
 use crate::error::{CliError, CliResult, usage};
 use crate::export::HfDir;
 use crate::planning::run_plan;
@@ -193,6 +193,9 @@ impl RunSetup {
                             config.max_iters, resumed.step
                         )));
                     }
+                    if args.purpose == Purpose::Train && rank == 0 {
+                        set_aside_later(&resumed, &config.out_dir)?;
+                    }
                     log0!(
                         rank,
                         "resuming from {} (step {})",
@@ -302,6 +305,13 @@ impl RunSetup {
     fn choose_module_dtype(&self, comm: &Comm, plan: Plan) -> CliResult<Plan> {
         let compute = plan.config.compute;
         if plan.module_dtype == compute {
+            if compute == Compute::Bf16 && self.config.device == DeviceKind::Flex {
+                log0!(
+                    comm.rank(),
+                    "--dtype bf16: forward and backward compute in bf16 on the CPU's bf16 \
+                     dot-product instructions (AVX512_BF16), with f32 sums"
+                );
+            }
             return Ok(plan);
         }
         let (everywhere, total) = self.fits_everywhere(comm, &plan);
@@ -363,6 +373,42 @@ impl RunSetup {
             usage(format!("{e}{hint}"))
         })
     }
+}
+
+/// Renames the checkpoints of `out_dir` later than `resumed` (left by the run that went on
+/// from it) to `superseded-step-NNNNNN`, so that `--resume` of the directory and pruning see
+/// only the new history; nothing is deleted. Says so on rank 0, which alone calls it.
+fn set_aside_later(resumed: &Resumed, out_dir: &Path) -> CliResult<()> {
+    if !out_dir.is_dir() {
+        return Ok(());
+    }
+    for (step, dir) in checkpoint::completed(out_dir)? {
+        if step <= resumed.step {
+            continue;
+        }
+        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned());
+        let to = out_dir.join(format!("superseded-{}", name.unwrap_or_default()));
+        if to.exists() {
+            return Err(usage(format!(
+                "--resume {}: {} holds a later checkpoint, {}, and {} is taken; move one of \
+                 them away, or resume into another directory with --out-dir",
+                resumed.dir.display(),
+                out_dir.display(),
+                dir.display(),
+                to.display()
+            )));
+        }
+        std::fs::rename(&dir, &to)
+            .map_err(|e| anyhow!("renaming {} to {}: {e}", dir.display(), to.display()))?;
+        eprintln!(
+            "[ember] {} (step {step}) came after step {} in the run being resumed: renamed to {} \
+             (kept, but no longer resumed from or pruned)",
+            dir.display(),
+            resumed.step,
+            to.display()
+        );
+    }
+    Ok(())
 }
 
 /// The out-dir policy: a run writes its checkpoints into a directory that holds no other

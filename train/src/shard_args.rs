@@ -44,8 +44,8 @@ pub struct ShardArgs {
     pub quant_block: Option<usize>,
     /// What a unit with partitioned parameters keeps for backward: unit (its input; backward
     /// gathers it again and recomputes its forward) or none (its activations and gathered
-    /// parameters, no recompute) [default: none when the plan then fits this machine's
-    /// available memory, else unit]
+    /// parameters, no recompute) [default: for `train` and `bench shard`, none when the plan
+    /// then fits this machine's available memory, else unit; for `plan` and `reshard`, unit]
     #[arg(long, value_name = "unit|none")]
     pub recompute: Option<String>,
     /// Abort the job when a collective waits longer than this many seconds
@@ -140,8 +140,13 @@ impl ShardArgs {
             c.set_secondary(match s.as_str() {
                 "none" => None,
                 name => Some(Span::parse(name, topology).map_err(|e| match e {
-                    ShardError::Setting { reason, .. } => {
-                        usage(format!("--secondary {name}: {reason} (or none)"))
+                    ShardError::Setting { .. } => {
+                        let levels: Vec<&str> =
+                            topology.levels().iter().map(|l| l.name.as_str()).collect();
+                        usage(format!(
+                            "--secondary {name}: not a level; use one of {}, or none",
+                            levels.join(", ")
+                        ))
                     }
                     e => e.into(),
                 })?),

@@ -189,8 +189,9 @@ pub fn locate(path: &Path) -> Result<PathBuf, ShardError> {
     })
 }
 
-/// The complete checkpoints (`step-NNNNNN` with a manifest) of `out_dir`, oldest first.
-fn completed(out_dir: &Path) -> Result<Vec<(u64, PathBuf)>, ShardError> {
+/// The complete checkpoints (`step-NNNNNN` with a manifest) of `out_dir`, oldest first, as
+/// (step, directory).
+pub fn completed(out_dir: &Path) -> Result<Vec<(u64, PathBuf)>, ShardError> {
     let mut steps = Vec::new();
     for entry in fs::read_dir(out_dir).map_err(|e| io(out_dir, "listing", e))? {
         let entry = entry.map_err(|e| io(out_dir, "listing", e))?;

@@ -13,12 +13,14 @@ use ember_train::units::parse_size;
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
     /// Training tokens/s and MFU per preset on one process
+    #[command(allow_negative_numbers = true)]
     Train(BenchTrainArgs),
     /// Collectives through ember against the raw MPI call, per op, level and size, and the
     /// quantization kernels against memcpy (run under mpirun; rank 0 prints)
     Comm(BenchCommArgs),
     /// Sharded training step time per preset against ddp, bytes per level and memory beside
     /// `ember plan`'s predictions (run under mpirun; rank 0 prints)
+    #[command(allow_negative_numbers = true)]
     Shard(BenchShardArgs),
 }
 
@@ -298,6 +300,22 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
     }
     if args.rounds == 0 {
         return Err(usage("--rounds must be at least 1"));
+    }
+    if let Some(p) = &args.settings.preset {
+        return Err(usage(format!(
+            "bench train measures the presets of --presets; use --presets {p} instead of \
+             --preset {p}"
+        )));
+    }
+    if let Some(p) = args
+        .presets
+        .iter()
+        .find(|p| ember_model::GptConfig::preset(p).is_none())
+    {
+        return Err(usage(format!(
+            "--presets: `{p}` is not a preset; choose from: {}",
+            ember_model::PRESETS.join(", ")
+        )));
     }
     let comm = ShardArgs::default().start()?;
     if let Some(python) = &args.against_torch {

@@ -71,8 +71,8 @@ pub struct ExportArgs {
     /// Directory to write model.safetensors, config.json and tokenizer.json into
     #[arg(long)]
     pub out: PathBuf,
-    /// Weight dtype in the files
-    #[arg(long, value_enum, default_value = "f32")]
+    /// Weight dtype in the files: f32 or bf16 (the master weights rounded to nearest even)
+    #[arg(long, value_enum, default_value = "f32", hide_possible_values = true)]
     pub dtype: ember_train::config::Dtype,
     /// Largest file; past it the weights are split into model-0000k-of-0000N.safetensors
     /// with model.safetensors.index.json (e.g. 5GB, 500MB, 2GiB)
