@@ -126,6 +126,7 @@ pub mod config;
 mod cube;
 mod engine;
 pub mod error;
+mod host;
 mod kernels;
 mod memory;
 mod network;

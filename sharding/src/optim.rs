@@ -9,6 +9,7 @@
 use std::ops::Range;
 
 use burn::tensor::{Device, Tensor};
+use rayon::prelude::*;
 
 use crate::staging;
 use serde::{Deserialize, Serialize};
@@ -231,6 +232,9 @@ impl Optimizer for AdamW {
     }
 }
 
+/// Elements per parallel piece of the host update.
+const PIECE: usize = 1 << 14;
+
 impl AdamW {
     /// [`update`](Optimizer::update) as tensor operations on the buffers' device.
     fn update_with_tensor_ops(&self, k: &Coefficients, state: &mut FlatState, grad: Tensor<1>) {
@@ -257,18 +261,28 @@ impl AdamW {
         if self.weight_decay > 0.0 {
             let factor = k.decay as f32;
             for r in ranges {
-                p[r].iter_mut().for_each(|x| *x *= factor);
+                p[r].par_iter_mut()
+                    .with_min_len(PIECE)
+                    .for_each(|x| *x *= factor);
             }
         }
         let (b1, b1c) = (self.beta1 as f32, (1.0 - self.beta1) as f32);
         let (b2, b2c) = (self.beta2 as f32, (1.0 - self.beta2) as f32);
         let (sb2, eps, lr) = (k.sqrt_bias2 as f32, self.eps as f32, k.step_size as f32);
-        for (((p, m), v), &g) in p.iter_mut().zip(&mut m).zip(&mut v).zip(&g) {
-            *m = *m * b1 + g * b1c;
-            *v = *v * b2 + (g * g) * b2c;
-            let denom = v.sqrt() / sb2 + eps;
-            *p -= (*m / denom) * lr;
-        }
+        // Each element on its own, so pieces on rayon's threads give the serial bits.
+        let piece = |(((p, m), v), g): (((&mut [f32], &mut [f32]), &mut [f32]), &[f32])| {
+            for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
+                *m = *m * b1 + g * b1c;
+                *v = *v * b2 + (g * g) * b2c;
+                let denom = v.sqrt() / sb2 + eps;
+                *p -= (*m / denom) * lr;
+            }
+        };
+        p.par_chunks_mut(PIECE)
+            .zip(m.par_chunks_mut(PIECE))
+            .zip(v.par_chunks_mut(PIECE))
+            .zip(g.par_chunks(PIECE))
+            .for_each(piece);
         state.master = staging::from_f32(p, &device);
         state.slots[0] = staging::from_f32(m, &device);
         state.slots[1] = staging::from_f32(v, &device);
@@ -362,9 +376,10 @@ mod tests {
             weight_decay: 0.1,
             decay_on: DecayOn::Matrices,
         };
-        let n = 1000;
+        // Pieces of the parallel pass and decay ranges that start and end inside them.
+        let n = 2 * PIECE + 1000;
         let wave = |k: f32| (0..n).map(|i| ((i as f32) * k).sin()).collect::<Vec<_>>();
-        let decay = vec![0..300, 450..1000];
+        let decay = vec![0..300, 450..PIECE + 77, PIECE + 900..n];
         let mut host = FlatState::new(t(&wave(0.37)), 2, decay.clone());
         let mut ops = host.clone();
         for step in 1..=5u64 {

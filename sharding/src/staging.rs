@@ -7,12 +7,8 @@ use ember_comm::Bf16;
 
 /// The values of an f32 tensor, on the host (cast from any other float dtype).
 pub(crate) fn to_f32(t: Tensor<1>) -> Vec<f32> {
-    let t = if t.dtype() == DType::F32 {
-        t
-    } else {
-        t.cast(DType::F32)
-    };
-    t.into_data()
+    crate::host::cast(t, DType::F32)
+        .into_data()
         .try_into_vec::<f32>()
         .expect("an f32 tensor reads back as f32")
 }

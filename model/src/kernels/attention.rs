@@ -132,7 +132,7 @@ unsafe fn causal_scores(how: Precision, dims: Dims, q: *const f32, k: *const f32
 pub(crate) fn forward(qkv: &[f32], dims: Dims, how: Precision) -> (Vec<f32>, Vec<f32>) {
     let Dims { b, t, h, .. } = dims;
     let d = dims.d();
-    let mut out = vec![0.0f32; b * t * d];
+    let mut out = super::zeros(b * t * d);
     let mut lse = vec![0.0f32; b * h * t];
     let out_ptr = Shared(out.as_mut_ptr());
     // One score buffer per piece of rayon's split, reused by its tasks.
@@ -177,7 +177,7 @@ pub(crate) fn backward(
 ) -> Vec<f32> {
     let Dims { b, t, hd, .. } = dims;
     let d = dims.d();
-    let mut dqkv = vec![0.0f32; b * t * 3 * d];
+    let mut dqkv = super::zeros(b * t * 3 * d);
     let dqkv_ptr = Shared(dqkv.as_mut_ptr());
     let (rs3, rs, t_s) = (3 * d as isize, d as isize, t as isize);
     // Probability and score-gradient buffers per piece of rayon's split.

@@ -54,10 +54,30 @@ fn filled<T>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
     out
 }
 
+/// Elements per parallel piece of [`round_to_bf16`] and [`widen`]: below two pieces they run
+/// on the calling thread.
+const PIECE: usize = 1 << 15;
+
+/// `f(src piece, out piece)` over matching pieces of `src` and `out`, in parallel where
+/// `src` holds two pieces or more.
+fn in_pieces<A: Sync, B: Send>(
+    src: &[A],
+    out: &mut [MaybeUninit<B>],
+    f: impl Fn(&[A], &mut [MaybeUninit<B>]) + Sync,
+) {
+    if src.len() < 2 * PIECE {
+        f(src, out)
+    } else {
+        src.par_chunks(PIECE)
+            .zip(out.par_chunks_mut(PIECE))
+            .for_each(|(src, out)| f(src, out));
+    }
+}
+
 /// `x` rounded to bf16, as bits.
 #[cfg(test)]
 fn round(x: &[f32]) -> Vec<u16> {
-    filled(x.len(), |out| round_into(x, out))
+    filled(x.len(), |out| in_pieces(x, out, round_into))
 }
 
 /// `x` rounded to bf16.
@@ -65,13 +85,13 @@ pub(crate) fn round_to_bf16(x: &[f32]) -> Vec<burn::tensor::bf16> {
     filled(x.len(), |out: &mut [MaybeUninit<burn::tensor::bf16>]| {
         // SAFETY: `bf16` is a transparent wrapper of its `u16` bits.
         let out = unsafe { &mut *(out as *mut [MaybeUninit<_>] as *mut [MaybeUninit<u16>]) };
-        round_into(x, out)
+        in_pieces(x, out, round_into)
     })
 }
 
 /// bf16 bits widened to f32.
 pub(crate) fn widen(bits: &[u16]) -> Vec<f32> {
-    filled(bits.len(), |out| widen_into(bits, out))
+    filled(bits.len(), |out| in_pieces(bits, out, widen_into))
 }
 
 /// Whether bf16 products run on the CPU's bf16 dot-product instructions: AVX512_BF16 is

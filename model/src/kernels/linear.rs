@@ -101,10 +101,19 @@ pub(crate) fn forward(x: Matrix, w: Matrix, b: &[f32], how: Precision) -> Vec<f3
     let d_out = b.len();
     let d_in = w.len() / d_out;
     let rows = x.len() / d_in;
+    // The output starts as copies of `b`, written in parallel pieces of rows.
     let mut y: Vec<f32> = Vec::with_capacity(rows * d_out);
-    for _ in 0..rows {
-        y.extend_from_slice(b);
-    }
+    y.spare_capacity_mut()[..rows * d_out]
+        .par_chunks_mut((ROWS * d_out).max(1))
+        .for_each(|piece| {
+            for row in piece.chunks_exact_mut(d_out.max(1)) {
+                for (y, &b) in row.iter_mut().zip(b) {
+                    y.write(b);
+                }
+            }
+        });
+    // SAFETY: every row was written above.
+    unsafe { y.set_len(rows * d_out) };
     // SAFETY: x is rows x d_in, w is d_in x d_out, y is rows x d_out, all row-major.
     unsafe {
         product(

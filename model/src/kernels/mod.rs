@@ -32,6 +32,7 @@ use burn::tensor::module::{attention as burn_attention, layer_norm as burn_layer
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{DType, Device, Int, Shape, Tensor, TensorData};
 use burn_flex::FlexTensor;
+use rayon::prelude::*;
 
 use attention::Dims;
 pub use bf16::has_bf16_dot;
@@ -190,6 +191,19 @@ pub fn softmax_cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tens
     let [n, _] = logits.dims();
     let logp = log_softmax(logits, 1); // [N, V]
     logp.gather(1, targets.reshape([n, 1])).mean().neg()
+}
+
+/// `len` zeros, written in parallel pieces: a kernel's output buffer, which a serial
+/// `vec![0.0; len]` would fill on the calling thread alone while rayon's threads wait.
+pub(crate) fn zeros(len: usize) -> Vec<f32> {
+    const PIECE: usize = 1 << 15;
+    let mut v = Vec::with_capacity(len);
+    v.spare_capacity_mut()[..len]
+        .par_chunks_mut(PIECE)
+        .for_each(|p| p.fill(std::mem::MaybeUninit::new(0.0)));
+    // SAFETY: every element below `len` was written above.
+    unsafe { v.set_len(len) };
+    v
 }
 
 /// The elements of an f32 or bf16 tensor as f32, in row-major order.

@@ -38,7 +38,7 @@ multiversion! {
 
 /// GELU with the tanh approximation, `x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))`.
 pub(crate) fn gelu(x: &[f32]) -> Vec<f32> {
-    let mut y = vec![0.0; x.len()];
+    let mut y = super::zeros(x.len());
     y.par_chunks_mut(PIECE)
         .zip(x.par_chunks(PIECE))
         .for_each(|(y, x)| gelu_piece(x, y));
@@ -47,7 +47,7 @@ pub(crate) fn gelu(x: &[f32]) -> Vec<f32> {
 
 /// The gradient of [`gelu`] at `x` times `dy`.
 pub(crate) fn gelu_backward(x: &[f32], dy: &[f32]) -> Vec<f32> {
-    let mut dx = vec![0.0; x.len()];
+    let mut dx = super::zeros(x.len());
     dx.par_chunks_mut(PIECE)
         .zip(x.par_chunks(PIECE).zip(dy.par_chunks(PIECE)))
         .for_each(|(dx, (x, dy))| gelu_backward_piece(x, dy, dx));
@@ -89,7 +89,7 @@ multiversion! {
 pub(crate) fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> [Vec<f32>; 3] {
     let d = w.len();
     let rows = x.len() / d;
-    let (mut y, mut mean, mut rstd) = (vec![0.0; x.len()], vec![0.0; rows], vec![0.0; rows]);
+    let (mut y, mut mean, mut rstd) = (super::zeros(x.len()), vec![0.0; rows], vec![0.0; rows]);
     y.par_chunks_mut(ROWS * d)
         .zip(x.par_chunks(ROWS * d))
         .zip(mean.par_chunks_mut(ROWS).zip(rstd.par_chunks_mut(ROWS)))
@@ -145,7 +145,7 @@ pub(crate) fn layer_norm_backward(
     dy: &[f32],
 ) -> [Vec<f32>; 3] {
     let d = w.len();
-    let mut dx = vec![0.0; x.len()];
+    let mut dx = super::zeros(x.len());
     // One partial dw, db per piece, added in piece order.
     let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
         .par_chunks_mut(ROWS * d)
@@ -250,7 +250,7 @@ pub(crate) fn cross_entropy_backward(
     let rows = targets.len();
     let v = logits.len() / rows;
     let scale = grad / rows as f32;
-    let mut dlogits = vec![0.0; logits.len()];
+    let mut dlogits = super::zeros(logits.len());
     dlogits
         .par_chunks_mut(ROWS * v)
         .zip(logits.par_chunks(ROWS * v))

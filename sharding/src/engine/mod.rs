@@ -436,11 +436,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         let dtype = self.dtype();
         let cfg = &self.plan.config;
         let master = self.optimizer[u].state.master.clone();
-        let own = if dtype == DType::F32 {
-            master
-        } else {
-            master.cast(dtype)
-        };
+        let own = crate::host::cast(master, dtype);
         if cfg.params() == cfg.optimizer() {
             Ok(own)
         } else {

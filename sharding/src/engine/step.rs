@@ -54,7 +54,7 @@ impl Gradients {
     pub fn scale(&mut self, factor: f64) {
         self.units = std::mem::take(&mut self.units)
             .into_iter()
-            .map(|g| g * factor)
+            .map(|g| crate::host::scale(g, factor))
             .collect();
         self.norm *= factor.abs();
     }
@@ -495,11 +495,17 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             .grads
             .into_iter()
             .map(|g| g.expect("every unit's gradient was reduced"))
-            .map(|g| if accum > 1 { g * inv } else { g })
+            .map(|g| {
+                if accum > 1 {
+                    crate::host::scale(g, inv)
+                } else {
+                    g
+                }
+            })
             .collect();
         let sq: f64 = grads
             .iter()
-            .map(|g| scalar((g.clone() * g.clone()).sum()))
+            .map(|g| scalar(crate::host::square(g.clone()).sum()))
             .sum();
         let cfg = &self.plan.config;
         let closing = Instant::now();
@@ -529,11 +535,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         let mut values = HashMap::new();
         let dtype = self.module_dtype();
         for (&u, flat) in units.iter().zip(full) {
-            let flat = if flat.dtype() == dtype {
-                flat
-            } else {
-                flat.cast(dtype)
-            };
+            let flat = crate::host::cast(flat, dtype);
             let flat = if autodiff { flat.autodiff() } else { flat };
             for p in &self.plan.units[u].params {
                 values.insert(
@@ -571,11 +573,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             match g.remove(&p.name) {
                 Some(t) => {
                     reached.insert(p.name.clone());
-                    parts.push(if t.dtype() == DType::F32 {
-                        t
-                    } else {
-                        t.cast(DType::F32)
-                    });
+                    parts.push(crate::host::cast(t, DType::F32));
                 }
                 None => parts.push(Tensor::zeros([p.numel], &self.device)),
             }
@@ -583,7 +581,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         if unit.padded > unit.numel {
             parts.push(Tensor::zeros([unit.padded - unit.numel], &self.device));
         }
-        Tensor::cat(parts, 0)
+        crate::host::concat(parts)
     }
 
     /// Unit `u` whole, gathered from its primary partition on the calling thread.
