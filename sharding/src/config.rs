@@ -433,6 +433,16 @@ impl ShardConfig {
         }
     }
 
+    /// The recompute that happens: [`recompute`](Self::recompute), except that replicated
+    /// parameters never recompute (their units run in one autodiff graph per micro-batch).
+    pub fn recompute_done(&self) -> Recompute {
+        if self.params() == Span(0) {
+            Recompute::None
+        } else {
+            self.recompute
+        }
+    }
+
     /// The secondary parameter copy's partition (hpZ), if any.
     pub fn secondary(&self) -> Option<Span> {
         match self.sharded().map(|s| s.params) {

@@ -270,19 +270,18 @@ impl AdamW {
         let (b2, b2c) = (self.beta2 as f32, (1.0 - self.beta2) as f32);
         let (sb2, eps, lr) = (k.sqrt_bias2 as f32, self.eps as f32, k.step_size as f32);
         // Each element on its own, so pieces on rayon's threads give the serial bits.
-        let piece = |(((p, m), v), g): (((&mut [f32], &mut [f32]), &mut [f32]), &[f32])| {
-            for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
-                *m = *m * b1 + g * b1c;
-                *v = *v * b2 + (g * g) * b2c;
-                let denom = v.sqrt() / sb2 + eps;
-                *p -= (*m / denom) * lr;
-            }
-        };
         p.par_chunks_mut(PIECE)
             .zip(m.par_chunks_mut(PIECE))
             .zip(v.par_chunks_mut(PIECE))
             .zip(g.par_chunks(PIECE))
-            .for_each(piece);
+            .for_each(|(((p, m), v), g)| {
+                for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
+                    *m = *m * b1 + g * b1c;
+                    *v = *v * b2 + (g * g) * b2c;
+                    let denom = v.sqrt() / sb2 + eps;
+                    *p -= (*m / denom) * lr;
+                }
+            });
         state.master = staging::from_f32(p, &device);
         state.slots[0] = staging::from_f32(m, &device);
         state.slots[1] = staging::from_f32(v, &device);

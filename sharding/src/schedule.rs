@@ -57,7 +57,7 @@ impl Plan {
     /// last stage runs only in its backward visit.
     pub fn keeps_graph(&self, stage: usize) -> bool {
         self.config.params() != Span(0)
-            && self.config.recompute == Recompute::None
+            && self.config.recompute_done() == Recompute::None
             && stage + 1 < self.units.len()
     }
 

@@ -239,12 +239,7 @@ pub fn bench_shard(
         };
         let shard_config = flags.resolve(&topology, config.dtype)?;
         let plan = setup.plan(comm, shard_config, shard_flags.recompute.is_none())?;
-        // Replicated parameters never recompute, whatever the setting says.
-        let recompute = if plan.config.params() == ember_sharding::Span(0) {
-            ember_sharding::Recompute::None
-        } else {
-            plan.config.recompute
-        };
+        let recompute = plan.config.recompute_done();
         let plan_memory = plan.memory(config.grad_accum);
         let predicted = profile.map(|p| estimate(&plan, config.grad_accum, p));
         // Each preset's peak is its own: the previous preset's memory is freed by now.

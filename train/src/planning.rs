@@ -288,7 +288,7 @@ pub fn render(r: &PlanReport, profile: &Profile) -> String {
         r.batch_size,
         r.block_size,
         r.grad_accum,
-        r.shard.recompute
+        r.shard.recompute_done()
     );
     out += "\nmodel-state memory per rank (GB)\n";
     for (name, v) in [
