@@ -261,9 +261,13 @@ impl AdamW {
         if self.weight_decay > 0.0 {
             let factor = k.decay as f32;
             for r in ranges {
-                p[r].par_iter_mut()
-                    .with_min_len(PIECE)
-                    .for_each(|x| *x *= factor);
+                p[r].par_chunks_mut(PIECE).for_each(|p| {
+                    crate::host::wide(move || {
+                        for x in p {
+                            *x *= factor;
+                        }
+                    })
+                });
             }
         }
         let (b1, b1c) = (self.beta1 as f32, (1.0 - self.beta1) as f32);
@@ -275,12 +279,14 @@ impl AdamW {
             .zip(v.par_chunks_mut(PIECE))
             .zip(g.par_chunks(PIECE))
             .for_each(|(((p, m), v), g)| {
-                for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
-                    *m = *m * b1 + g * b1c;
-                    *v = *v * b2 + (g * g) * b2c;
-                    let denom = v.sqrt() / sb2 + eps;
-                    *p -= (*m / denom) * lr;
-                }
+                crate::host::wide(|| {
+                    for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
+                        *m = *m * b1 + g * b1c;
+                        *v = *v * b2 + (g * g) * b2c;
+                        let denom = v.sqrt() / sb2 + eps;
+                        *p -= (*m / denom) * lr;
+                    }
+                })
             });
         state.master = staging::from_f32(p, &device);
         state.slots[0] = staging::from_f32(m, &device);

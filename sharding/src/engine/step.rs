@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
-use burn::tensor::{DType, Tensor};
+use burn::tensor::Tensor;
 
 use super::{OwnedPiece, ShardedModel, StepHyper, StepReport, scalar};
 use crate::config::Span;
@@ -503,10 +503,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
                 }
             })
             .collect();
-        let sq: f64 = grads
-            .iter()
-            .map(|g| scalar(crate::host::square(g.clone()).sum()))
-            .sum();
+        let sq: f64 = grads.iter().map(crate::host::sum_of_squares).sum();
         let cfg = &self.plan.config;
         let closing = Instant::now();
         let sq = route::sum_over(self.comm, self.plan.group(cfg.optimizer()), sq as f32)? as f64;
@@ -573,7 +570,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             match g.remove(&p.name) {
                 Some(t) => {
                     reached.insert(p.name.clone());
-                    parts.push(crate::host::cast(t, DType::F32));
+                    parts.push(t);
                 }
                 None => parts.push(Tensor::zeros([p.numel], &self.device)),
             }
@@ -581,7 +578,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         if unit.padded > unit.numel {
             parts.push(Tensor::zeros([unit.padded - unit.numel], &self.device));
         }
-        crate::host::concat(parts)
+        crate::host::concat_f32(parts)
     }
 
     /// Unit `u` whole, gathered from its primary partition on the calling thread.
