@@ -46,7 +46,7 @@ multiversion! {
 }
 
 /// A vector of `len` elements, each written by `fill`.
-fn filled<T>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
+pub(crate) fn filled<T>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
     let mut out = Vec::with_capacity(len);
     fill(&mut out.spare_capacity_mut()[..len]);
     // SAFETY: every caller's `fill` writes all `len` elements.
@@ -76,7 +76,7 @@ fn in_pieces<A: Sync, B: Send>(
 
 /// `x` rounded to bf16, as bits.
 #[cfg(test)]
-fn round(x: &[f32]) -> Vec<u16> {
+pub(crate) fn round(x: &[f32]) -> Vec<u16> {
     filled(x.len(), |out| in_pieces(x, out, round_into))
 }
 

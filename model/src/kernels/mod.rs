@@ -235,6 +235,29 @@ fn with_matrix<R>(t: &FlexTensor, f: impl FnOnce(linear::Matrix) -> R) -> R {
     with_floats(t, |v| f(linear::Matrix::F32(v)))
 }
 
+/// The bits of a contiguous bf16 tensor's elements, in row-major order.
+fn bf16_elements(t: &FlexTensor) -> Option<&[u16]> {
+    (t.dtype() == DType::BF16)
+        .then(|| t.as_slice::<burn::tensor::bf16>())
+        .flatten()
+        .map(bf16_bits)
+}
+
+/// A bf16 tensor of `bits`.
+fn bf16_tensor(bits: Vec<u16>, shape: Shape) -> FlexTensor {
+    let mut bits = std::mem::ManuallyDrop::new(bits);
+    // SAFETY: `bf16` is a transparent wrapper of its `u16` bits, so the allocation, length
+    // and capacity carry over unchanged.
+    let values = unsafe {
+        Vec::from_raw_parts(
+            bits.as_mut_ptr().cast::<burn::tensor::bf16>(),
+            bits.len(),
+            bits.capacity(),
+        )
+    };
+    FlexTensor::from_data(TensorData::new(values, shape))
+}
+
 /// The bits of bf16 values.
 fn bf16_bits(s: &[burn::tensor::bf16]) -> &[u16] {
     // SAFETY: `bf16` is a transparent wrapper of its `u16` bits.
@@ -337,6 +360,9 @@ impl FusedOps for Flex {
 
     fn fused_gelu_tanh(x: FlexTensor) -> FlexTensor {
         let shape = x.layout().shape().clone();
+        if let Some(x) = bf16_elements(&x) {
+            return bf16_tensor(rows::gelu_bf16(x), shape);
+        }
         flex(with_floats(&x, rows::gelu), shape, x.dtype())
     }
 
@@ -414,9 +440,15 @@ impl Backward<Flex, 1> for GeluBackward {
         let dy = grads.consume::<Flex>(&ops.node);
         if let Some(parent) = parent {
             let x = &ops.state;
-            let dx = with_floats(x, |x| with_floats(&dy, |dy| rows::gelu_backward(x, dy)));
             let shape = x.layout().shape().clone();
-            grads.register::<Flex>(parent.id, flex(dx, shape, x.dtype()));
+            let dx = match (bf16_elements(x), bf16_elements(&dy)) {
+                (Some(x), Some(dy)) => bf16_tensor(rows::gelu_backward_bf16(x, dy), shape),
+                _ => {
+                    let dx = with_floats(x, |x| with_floats(&dy, |dy| rows::gelu_backward(x, dy)));
+                    flex(dx, shape, x.dtype())
+                }
+            };
+            grads.register::<Flex>(parent.id, dx);
         }
     }
 }
@@ -600,7 +632,7 @@ mod tests {
     use super::linear::Matrix;
     use super::product::Precision::F32;
     use super::simd::LEVEL_CAP;
-    use super::{attention, linear, rows};
+    use super::{attention, bf16, linear, rows};
 
     /// Deterministic values in [-scale, scale).
     pub(super) fn values(n: usize, seed: u32, scale: f32) -> Vec<f32> {
@@ -630,6 +662,17 @@ mod tests {
             let w = values(70, 3, 1.0);
             let b = values(70, 4, 1.0);
             let mut out = vec![rows::gelu(&x), rows::gelu_backward(&x, &dy)];
+            // GELU on bf16 bits, against widening, the f32 kernel and rounding.
+            let (xb, dyb) = (bf16::round(&x), bf16::round(&dy));
+            let widened = |v: &[u16]| bf16::widen(v);
+            let gelu = bf16::round(&rows::gelu(&widened(&xb)));
+            assert_eq!(rows::gelu_bf16(&xb), gelu, "gelu on bf16 bits");
+            let grad = bf16::round(&rows::gelu_backward(&widened(&xb), &widened(&dyb)));
+            assert_eq!(
+                rows::gelu_backward_bf16(&xb, &dyb),
+                grad,
+                "gelu backward on bf16 bits"
+            );
             let [y, mean, rstd] = rows::layer_norm(&x, &w, &b, 1e-5);
             out.extend([y, mean.clone(), rstd.clone()]);
             out.extend(rows::layer_norm_backward(&x, &w, &mean, &rstd, &dy));

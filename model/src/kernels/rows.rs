@@ -1,10 +1,13 @@
-//! Row-wise kernels on f32 slices: GELU (tanh form), LayerNorm and softmax cross-entropy,
+//! Row-wise kernels on f32 slices (and GELU on bf16 bits): GELU (tanh form), LayerNorm and softmax cross-entropy,
 //! each forward and backward in one pass over memory instead of a chain of element-wise
 //! tensor ops. Work is split in fixed-size pieces, so results do not depend on the number
 //! of threads.
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
+use super::bf16::{bits_of, filled, value_of};
 use super::simd::{LANES, dot, dot3, exp, max, multiversion, sum};
 
 /// Elements per parallel piece of an element-wise kernel.
@@ -15,43 +18,90 @@ const ROWS: usize = 16;
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_A: f32 = 0.044715;
 
+/// GELU of one value (tanh form).
+#[inline(always)]
+fn gelu_of(x: f32) -> f32 {
+    let u2 = (x + x * x * x * GELU_A) * (2.0 * SQRT_2_OVER_PI);
+    x * (1.0 / (1.0 + exp(-u2)))
+}
+
+/// The gradient of [`gelu_of`] at `x` times `dy`.
+#[inline(always)]
+fn gelu_grad_of(x: f32, dy: f32) -> f32 {
+    let x2 = x * x;
+    let u2 = (x + x2 * x * GELU_A) * (2.0 * SQRT_2_OVER_PI);
+    let s = 1.0 / (1.0 + exp(-u2));
+    let du2 = (1.0 + x2 * (3.0 * GELU_A)) * (2.0 * SQRT_2_OVER_PI);
+    dy * (s + x * s * (1.0 - s) * du2)
+}
+
 multiversion! {
-    fn gelu_piece(x: &[f32], y: &mut [f32]) {
+    fn gelu_piece(x: &[f32], y: &mut [MaybeUninit<f32>]) {
         for (y, &x) in y.iter_mut().zip(x) {
-            let u2 = (x + x * x * x * GELU_A) * (2.0 * SQRT_2_OVER_PI);
-            *y = x * (1.0 / (1.0 + exp(-u2)));
+            y.write(gelu_of(x));
         }
     }
 }
 
 multiversion! {
-    fn gelu_backward_piece(x: &[f32], dy: &[f32], dx: &mut [f32]) {
+    fn gelu_piece_bf16(x: &[u16], y: &mut [MaybeUninit<u16>]) {
+        for (y, &x) in y.iter_mut().zip(x) {
+            y.write(bits_of(gelu_of(value_of(x))));
+        }
+    }
+}
+
+multiversion! {
+    fn gelu_backward_piece(x: &[f32], dy: &[f32], dx: &mut [MaybeUninit<f32>]) {
         for ((dx, &x), &dy) in dx.iter_mut().zip(x).zip(dy) {
-            let x2 = x * x;
-            let u2 = (x + x2 * x * GELU_A) * (2.0 * SQRT_2_OVER_PI);
-            let s = 1.0 / (1.0 + exp(-u2));
-            let du2 = (1.0 + x2 * (3.0 * GELU_A)) * (2.0 * SQRT_2_OVER_PI);
-            *dx = dy * (s + x * s * (1.0 - s) * du2);
+            dx.write(gelu_grad_of(x, dy));
+        }
+    }
+}
+
+multiversion! {
+    fn gelu_backward_piece_bf16(x: &[u16], dy: &[u16], dx: &mut [MaybeUninit<u16>]) {
+        for ((dx, &x), &dy) in dx.iter_mut().zip(x).zip(dy) {
+            dx.write(bits_of(gelu_grad_of(value_of(x), value_of(dy))));
         }
     }
 }
 
 /// GELU with the tanh approximation, `x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))`.
 pub(crate) fn gelu(x: &[f32]) -> Vec<f32> {
-    let mut y = super::zeros(x.len());
-    y.par_chunks_mut(PIECE)
-        .zip(x.par_chunks(PIECE))
-        .for_each(|(y, x)| gelu_piece(x, y));
-    y
+    filled(x.len(), |y| {
+        y.par_chunks_mut(PIECE)
+            .zip(x.par_chunks(PIECE))
+            .for_each(|(y, x)| gelu_piece(x, y))
+    })
+}
+
+/// [`gelu`] of bf16 bits, rounded to bf16 bits: in one pass, the bits of widening, [`gelu`]
+/// and rounding.
+pub(crate) fn gelu_bf16(x: &[u16]) -> Vec<u16> {
+    filled(x.len(), |y| {
+        y.par_chunks_mut(PIECE)
+            .zip(x.par_chunks(PIECE))
+            .for_each(|(y, x)| gelu_piece_bf16(x, y))
+    })
 }
 
 /// The gradient of [`gelu`] at `x` times `dy`.
 pub(crate) fn gelu_backward(x: &[f32], dy: &[f32]) -> Vec<f32> {
-    let mut dx = super::zeros(x.len());
-    dx.par_chunks_mut(PIECE)
-        .zip(x.par_chunks(PIECE).zip(dy.par_chunks(PIECE)))
-        .for_each(|(dx, (x, dy))| gelu_backward_piece(x, dy, dx));
-    dx
+    filled(x.len(), |dx| {
+        dx.par_chunks_mut(PIECE)
+            .zip(x.par_chunks(PIECE).zip(dy.par_chunks(PIECE)))
+            .for_each(|(dx, (x, dy))| gelu_backward_piece(x, dy, dx))
+    })
+}
+
+/// [`gelu_backward`] of bf16 bits, rounded to bf16 bits, in one pass.
+pub(crate) fn gelu_backward_bf16(x: &[u16], dy: &[u16]) -> Vec<u16> {
+    filled(x.len(), |dx| {
+        dx.par_chunks_mut(PIECE)
+            .zip(x.par_chunks(PIECE).zip(dy.par_chunks(PIECE)))
+            .for_each(|(dx, (x, dy))| gelu_backward_piece_bf16(x, dy, dx))
+    })
 }
 
 multiversion! {
