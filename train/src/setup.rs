@@ -306,10 +306,12 @@ impl RunSetup {
         let compute = plan.config.compute;
         if plan.module_dtype == compute {
             if compute == Compute::Bf16 && self.config.device == DeviceKind::Flex {
-                log0!(
+                say_once(
                     comm.rank(),
-                    "--dtype bf16: forward and backward compute in bf16 on the CPU's bf16 \
-                     dot-product instructions (AVX512_BF16), with f32 sums"
+                    format_args!(
+                        "--dtype bf16: forward and backward compute in bf16 on the CPU's bf16 \
+                         dot-product instructions (AVX512_BF16), with f32 sums"
+                    ),
                 );
             }
             return Ok(plan);
@@ -319,22 +321,27 @@ impl RunSetup {
                    (AVX512_BF16), or EMBER_BF16_DOT=0, so bf16 arithmetic would be slower than \
                    f32 there";
         if everywhere {
-            log0!(
+            say_once(
                 comm.rank(),
-                "{why}: forward and backward compute in f32 over bf16 parameters, which are \
-                 still held, gathered and reduced in bf16 ({:.2} GB per rank, which fits)",
-                total as f64 / 1e9
+                format_args!(
+                    "{why}: forward and backward compute in f32 over bf16 parameters, which \
+                     are still held, gathered and reduced in bf16 ({:.2} GB per rank, which \
+                     fits)",
+                    total as f64 / 1e9
+                ),
             );
             return Ok(plan);
         }
         let narrow = self.plan_in(comm, plan.config.clone(), compute)?;
-        log0!(
+        say_once(
             comm.rank(),
-            "{why}; computing in f32 over bf16 parameters would need {:.2} GB per rank, more \
-             than this machine has, so the run computes in bf16 ({:.2} GB per rank) and its \
-             steps are slower than with --dtype f32",
-            total as f64 / 1e9,
-            narrow.memory(self.config.grad_accum).total() as f64 / 1e9
+            format_args!(
+                "{why}; computing in f32 over bf16 parameters would need {:.2} GB per rank, \
+                 more than this machine has, so the run computes in bf16 ({:.2} GB per rank) \
+                 and its steps are slower than with --dtype f32",
+                total as f64 / 1e9,
+                narrow.memory(self.config.grad_accum).total() as f64 / 1e9
+            ),
         );
         Ok(narrow)
     }
@@ -506,4 +513,13 @@ pub fn batch_plan(
             world * c.grad_accum
         )
     })
+}
+
+/// Says `what` on rank 0 the first time a process chooses how bf16 computes: `ember bench
+/// train --rounds N` sets up the same run N times in one process.
+fn say_once(rank: usize, what: std::fmt::Arguments) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        log0!(rank, "{what}");
+    }
 }
