@@ -892,6 +892,41 @@ fn export_writes_the_hugging_face_layout_and_init_from_reads_it_back() {
     );
     assert!(single.join("model.safetensors").is_file());
     assert!(!single.join("model.safetensors.index.json").exists());
+    // Weights that do not match the directory's config (here one tensor renamed in the
+    // header, so it is missing) are a usage error, exit 2, naming the tensor.
+    let bad = tmp.path().join("hf-bad");
+    std::fs::create_dir(&bad).unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(single.join(f), bad.join(f)).unwrap();
+    }
+    let mut st = std::fs::read(single.join("model.safetensors")).unwrap();
+    let header = 8 + u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+    let key = b"ln_f.weight\"";
+    let at = st[..header]
+        .windows(key.len())
+        .position(|w| w == key)
+        .expect("ln_f.weight in the header");
+    st[at + key.len() - 2] = b'X';
+    std::fs::write(bad.join("model.safetensors"), st).unwrap();
+    let refused = self::run(
+        0,
+        &[
+            "train",
+            "--init-from",
+            p(&bad),
+            "--max-iters",
+            "1",
+            "--eval-interval",
+            "0",
+            "--out-dir",
+            p(&tmp.path().join("bad-run")),
+            "--batch-size",
+            "8",
+        ],
+    );
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{said}");
+    assert!(said.contains("no tensor transformer.ln_f.weight"), "{said}");
     for (np, extra) in [
         (0, &[][..]),
         (4, &["--shard", "zero3", "--topology", "2x2x1"][..]),

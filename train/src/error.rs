@@ -18,10 +18,25 @@ impl CliError {
     pub fn exit_code(&self) -> i32 {
         match self {
             CliError::Usage(_) => 2,
+            CliError::Runtime(e) if e.downcast_ref::<InitFromMismatch>().is_some() => 2,
             CliError::Runtime(_) => 1,
         }
     }
 }
+
+/// An `--init-from` directory whose weights are not those of the model its config
+/// describes (a tensor missing, or of another shape): found only while the ranks read their
+/// ranges, deep in the run, but a usage error all the same (exit code 2).
+#[derive(Debug)]
+pub struct InitFromMismatch(pub String);
+
+impl fmt::Display for InitFromMismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for InitFromMismatch {}
 
 impl fmt::Display for CliError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -11,12 +11,13 @@ use burn::tensor::Device;
 use ember_comm::Comm;
 use ember_data::{Batch, BatchPlan, STREAM_TRAIN, STREAM_VAL, Sampler};
 use ember_sharding::{
-    AdamW, Checkpoint, DecayOn, Layout, Plan, SaveOptions, ShardConfig, ShardedModel, StepHyper,
-    StepReport,
+    AdamW, Checkpoint, DecayOn, Layout, Plan, SaveOptions, ShardConfig, ShardError, ShardedModel,
+    StepHyper, StepReport,
 };
 
 use crate::checkpoint::RunRecord;
 use crate::config::TrainConfig;
+use crate::error::InitFromMismatch;
 use crate::export::HfDir;
 use crate::host_memory::{gather_u64, rss_peaks, set_allocator_for_training};
 use crate::log0;
@@ -266,7 +267,12 @@ pub fn build<'c>(
         (Some(checkpoint), _) => {
             ShardedModel::resume(comm, stages, skeleton, layout, device, checkpoint)?
         }
-        (None, Some(hf)) => ShardedModel::new(comm, stages, skeleton, layout, device, hf)?,
+        (None, Some(hf)) => {
+            ShardedModel::new(comm, stages, skeleton, layout, device, hf).map_err(|e| match e {
+                ShardError::Source(msg) => anyhow::Error::new(InitFromMismatch(msg)),
+                other => other.into(),
+            })?
+        }
         (None, None) => {
             let mut source = SeededGpt {
                 config: &c.model,
