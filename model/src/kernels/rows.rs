@@ -1,7 +1,7 @@
-//! Row-wise kernels on f32 slices (and GELU on bf16 bits): GELU (tanh form), LayerNorm and softmax cross-entropy,
+//! Row-wise kernels on f32 slices: GELU (tanh form), LayerNorm and softmax cross-entropy,
 //! each forward and backward in one pass over memory instead of a chain of element-wise
-//! tensor ops. Work is split in fixed-size pieces, so results do not depend on the number
-//! of threads.
+//! tensor ops; GELU also on bf16 bits. Work is split in fixed-size pieces, so results do not
+//! depend on the number of threads.
 
 use std::mem::MaybeUninit;
 
