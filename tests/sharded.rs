@@ -7,8 +7,9 @@
 //! `--init-from` (plus `tests/hf_check.py` when transformers is installed).
 //!
 //! Parity tolerance: 2e-5 absolute on every step's loss over 30 steps (the losses are about
-//! 5-6 nats; the largest difference measured over all 30 runs was 9.5e-7, two f32 ulps). The sharded runs see the same global batch, the same initial weights and the
-//! same hyper-parameters; only the f32 summation order differs (gradients are summed over
+//! 5-6 nats; the largest difference measured over all 30 runs was 9.5e-7, two f32 ulps).
+//! The sharded runs see the same global batch, the same initial weights and the same
+//! hyper-parameters; only the f32 summation order differs (gradients are summed over
 //! ranks by the reduce-scatter instead of inside one batched matmul, and squared norms are
 //! summed per shard), which perturbs the loss by a few ulps (one f32 ulp at 6.0 is 4.8e-7) and
 //! grows slowly through 30 Adam updates. A real partitioning bug (a misplaced shard, a
