@@ -141,10 +141,7 @@ pub(crate) fn sum_of_squares(t: &Tensor<1>) -> f64 {
             .collect();
         return pieces.iter().sum();
     }
-    let sum = t.clone().square().sum().into_data();
-    sum.convert::<f64>()
-        .try_to_vec::<f64>()
-        .map_or(f64::NAN, |v| v[0])
+    crate::engine::scalar(t.clone().square().sum())
 }
 
 /// `parts` joined end to end as one f32 tensor, bf16 parts widened on the way: Burn's `cast`

@@ -479,7 +479,8 @@ pub fn all_ranks_sum(comm: &Comm, x: f32) -> Result<f32, ShardError> {
     route::sum_over(comm, crate::plan::Levels { lo: 0, hi: depth }, x)
 }
 
-fn scalar(t: Tensor<1>) -> f64 {
+/// The first element of `t` as f64 (NaN when it cannot be read).
+pub(crate) fn scalar(t: Tensor<1>) -> f64 {
     t.into_data()
         .convert::<f64>()
         .try_to_vec::<f64>()
