@@ -152,6 +152,14 @@ pub(crate) fn concat_f32(parts: Vec<Tensor<1>>) -> Tensor<1> {
         F32(&'a [f32]),
         Bf16(&'a [bf16]),
     }
+    impl Part<'_> {
+        fn len(&self) -> usize {
+            match self {
+                Part::F32(s) => s.len(),
+                Part::Bf16(s) => s.len(),
+            }
+        }
+    }
     let flex: Vec<FlexTensor> = parts.iter().filter_map(flex).collect();
     let slices: Option<Vec<Part>> = (flex.len() == parts.len())
         .then(|| {
@@ -168,21 +176,11 @@ pub(crate) fn concat_f32(parts: Vec<Tensor<1>>) -> Tensor<1> {
         let parts = parts.into_iter().map(|p| cast(p, DType::F32)).collect();
         return Tensor::cat(parts, 0);
     };
-    let len = slices
-        .iter()
-        .map(|s| match s {
-            Part::F32(s) => s.len(),
-            Part::Bf16(s) => s.len(),
-        })
-        .sum();
+    let len = slices.iter().map(Part::len).sum();
     let mut out: Vec<f32> = Vec::with_capacity(len);
     let mut rest = &mut out.spare_capacity_mut()[..len];
     for s in slices {
-        let n = match s {
-            Part::F32(s) => s.len(),
-            Part::Bf16(s) => s.len(),
-        };
-        let (to, tail) = rest.split_at_mut(n);
+        let (to, tail) = rest.split_at_mut(s.len());
         match s {
             Part::F32(s) => to.par_chunks_mut(PIECE).zip(s.par_chunks(PIECE)).for_each(
                 |(to, s): (&mut [MaybeUninit<f32>], &[f32])| {
