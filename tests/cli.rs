@@ -175,6 +175,23 @@ fn resume_continues_bit_for_bit() {
     // killed before its final save), so steps 11-14 are replayed after the resume.
     run(&split, &["--max-iters", "14", "--lr-decay-iters", "20"]);
     let at_10 = split.join("step-000010");
+    // A resume that a later check refuses (here the memory pre-flight, after the settings and
+    // the data are read) leaves the out dir's later checkpoint where it was.
+    refused(
+        &[
+            "train",
+            "--resume",
+            path(&at_10),
+            "--max-iters",
+            "20",
+            "--batch-size",
+            "4000000",
+        ],
+        2,
+        "GB per rank",
+    );
+    assert!(split.join("step-000014").join("manifest.json").is_file());
+    assert!(!split.join("superseded-step-000014").exists());
     ok(&["train", "--resume", path(&at_10), "--max-iters", "20"]);
     // The abandoned history's later checkpoint is kept under another name, out of the way of
     // `--resume split` and of pruning.

@@ -193,9 +193,6 @@ impl RunSetup {
                             config.max_iters, resumed.step
                         )));
                     }
-                    if args.purpose == Purpose::Train && rank == 0 {
-                        set_aside_later(&resumed, &config.out_dir)?;
-                    }
                     log0!(
                         rank,
                         "resuming from {} (step {})",
@@ -384,8 +381,21 @@ impl RunSetup {
 
 /// Renames the checkpoints of `out_dir` later than `resumed` (left by the run that went on
 /// from it) to `superseded-step-NNNNNN`, so that `--resume` of the directory and pruning see
-/// only the new history; nothing is deleted. Says so on rank 0, which alone calls it.
-fn set_aside_later(resumed: &Resumed, out_dir: &Path) -> CliResult<()> {
+/// only the new history; nothing is deleted. Rank 0 renames and says so; every rank calls it
+/// and learns whether that worked. `ember train` calls it once the resumed run is built, so
+/// a run refused by a later check (its data, its memory, the checkpoint's contents) leaves
+/// the directory as it found it.
+pub fn set_aside_later(comm: &Comm, resumed: &Resumed, out_dir: &Path) -> CliResult<()> {
+    let renamed = if comm.rank() == 0 {
+        rename_later(resumed, out_dir)
+    } else {
+        Ok(())
+    };
+    agreed(comm, renamed)
+}
+
+/// [`set_aside_later`] on rank 0.
+fn rename_later(resumed: &Resumed, out_dir: &Path) -> CliResult<()> {
     if !out_dir.is_dir() {
         return Ok(());
     }

@@ -11,7 +11,7 @@ use ember_train::error::CliResult;
 use ember_train::gpt_run::GptRun;
 use ember_train::host_memory::rss_peaks;
 use ember_train::run_loop::{self, Output};
-use ember_train::setup::{Purpose, RunArgs, RunSetup};
+use ember_train::setup::{Purpose, RunArgs, RunSetup, set_aside_later};
 use ember_train::shard_args::ShardArgs;
 use ember_train::{log0, metrics, plot};
 
@@ -62,7 +62,11 @@ pub fn run(args: TrainArgs) -> CliResult<()> {
         c.batch_size,
         c.block_size
     );
+    let resumed = setup.resume.clone();
     let mut run = GptRun::start(&comm, &mut setup, plan)?;
+    if let Some(r) = &resumed {
+        set_aside_later(&comm, r, &c.out_dir)?;
+    }
     let (first, tokens) = run.start;
     run_loop::run(&mut run, &c, first, tokens, Output::Run)?;
     let peaks = rss_peaks(&comm)?;
