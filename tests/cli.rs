@@ -381,6 +381,31 @@ fn bad_input_gets_a_clear_message_and_exit_code() {
         2,
         "n_layers",
     );
+    // A value from the config file, refused under its flag's name, says where it was set;
+    // one the command line gave does not.
+    std::fs::write(t("batch.toml"), "batch_size = 7\ngrad_accum = 2\n").unwrap();
+    refused(
+        &[
+            "train",
+            "--config",
+            path(&t("batch.toml")),
+            "--preset",
+            "tiny",
+        ],
+        2,
+        "(--batch-size and --grad-accum are set in ",
+    );
+    refused(
+        &[
+            "train",
+            "--config",
+            path(&t("batch.toml")),
+            "--batch-size",
+            "9",
+        ],
+        2,
+        "sequences (--grad-accum is set in ",
+    );
     refused(
         &["generate", "--checkpoint", path(&t("not-a-checkpoint"))],
         1,

@@ -115,7 +115,7 @@ impl From<DeviceKind> for String {
 
 /// Every training setting, each optional so sources can be layered. The same struct is
 /// parsed from flags (kebab-case, `--n-layer`) and from TOML (snake_case, `n_layer`).
-#[derive(Debug, Clone, Default, Args, Deserialize)]
+#[derive(Debug, Clone, Default, Args, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainOverrides {
     /// Model size preset: tiny, small-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl,
@@ -290,6 +290,17 @@ impl TrainOverrides {
                 e.to_string().trim_end()
             ))
         })
+    }
+
+    /// The settings this gives, by their TOML names (`n_layer`), and whether each is given.
+    pub fn given(&self) -> Vec<(String, bool)> {
+        match serde_json::to_value(self) {
+            Ok(serde_json::Value::Object(fields)) => fields
+                .into_iter()
+                .map(|(name, value)| (name, !value.is_null()))
+                .collect(),
+            _ => Vec::new(),
+        }
     }
 
     /// `self` with every setting that `over` gives replaced by `over`'s.

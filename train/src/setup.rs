@@ -15,7 +15,7 @@ use ember_sharding::{Compute, Plan, Recompute, ShardConfig, Span};
 
 use crate::checkpoint::{self, RunRecord};
 use crate::config::{DeviceKind, Dtype, TrainConfig, TrainOverrides};
-use crate::error::{CliError, CliResult, usage};
+use crate::error::{CliError, CliResult, InitFromMismatch, usage};
 use crate::export::HfDir;
 use crate::planning::run_plan;
 use crate::{data, device, log0, planning};
@@ -77,6 +77,117 @@ pub struct RunSetup {
     pub data: PreparedData,
     /// The compute device.
     pub device: Device,
+    /// Where each setting came from, for messages.
+    pub origins: Origins,
+}
+
+/// Where a run's settings came from, so that a message naming a flag the user did not pass
+/// says where its value was set instead: the `--config` file, the checkpoint a run resumes,
+/// or the Hugging Face directory it starts from.
+#[derive(Debug, Clone, Default)]
+pub struct Origins {
+    /// Every setting's TOML name, and whether a flag gave it.
+    flags: Vec<(String, bool)>,
+    /// The `--config` file and the settings it gives.
+    file: Option<(PathBuf, Vec<String>)>,
+    /// The checkpoint resumed, whose settings are the base.
+    checkpoint: Option<PathBuf>,
+    /// The `--init-from` directory, whose `config.json` gives the model's shape.
+    init: Option<PathBuf>,
+}
+
+impl Origins {
+    /// The origins of `args`' settings (a `--config` file that cannot be read gives none:
+    /// reading it again reports why).
+    pub fn of(args: &RunArgs) -> Self {
+        let file = args.config.as_ref().and_then(|path| {
+            let given = TrainOverrides::from_toml_file(path).ok()?.given();
+            let names = given.into_iter().filter(|(_, g)| *g).map(|(n, _)| n);
+            Some((path.clone(), names.collect()))
+        });
+        Self {
+            flags: args.settings.given(),
+            file,
+            checkpoint: args.resume.clone(),
+            init: args.init_from.clone(),
+        }
+    }
+
+    /// Where the value behind `--flag` came from, when a flag did not give it and another
+    /// source did: the text after "is" or "are" in a message.
+    fn of_flag(&self, flag: &str) -> Option<String> {
+        let name = flag.replace('-', "_");
+        let (_, by_flag) = self.flags.iter().find(|(n, _)| *n == name)?;
+        if *by_flag {
+            return None;
+        }
+        if let Some((path, names)) = &self.file
+            && names.contains(&name)
+        {
+            return Some(format!("set in {}", path.display()));
+        }
+        if let Some(dir) = &self.checkpoint {
+            return Some(format!("the checkpoint's, in {}", dir.display()));
+        }
+        const SHAPE: [&str; 4] = ["n_layer", "n_head", "n_embd", "block_size"];
+        match &self.init {
+            Some(dir) if SHAPE.contains(&name.as_str()) => {
+                Some(format!("from {}", dir.join("config.json").display()))
+            }
+            _ => None,
+        }
+    }
+
+    /// `e`, its message followed by where each flag it names got its value, for the flags
+    /// the command line did not give.
+    pub fn explain(&self, e: CliError) -> CliError {
+        let said = |message: &str| -> Option<String> {
+            let mut named: Vec<&str> = Vec::new();
+            for (i, _) in message.match_indices("--") {
+                let flag = message[i + 2..]
+                    .split(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'))
+                    .next()
+                    .unwrap_or_default();
+                if !flag.is_empty() && !named.contains(&flag) {
+                    named.push(flag);
+                }
+            }
+            // The flags of each origin, in the order the message names them.
+            let mut origins: Vec<(String, Vec<String>)> = Vec::new();
+            for flag in named {
+                let Some(origin) = self.of_flag(flag) else {
+                    continue;
+                };
+                let flag = format!("--{flag}");
+                match origins.iter_mut().find(|(o, _)| *o == origin) {
+                    Some((_, flags)) => flags.push(flag),
+                    None => origins.push((origin, vec![flag])),
+                }
+            }
+            let notes: Vec<String> = origins
+                .into_iter()
+                .map(|(origin, flags)| {
+                    let verb = if flags.len() == 1 { "is" } else { "are" };
+                    format!("{} {verb} {origin}", flags.join(" and "))
+                })
+                .collect();
+            (!notes.is_empty()).then(|| format!("{message} ({})", notes.join("; ")))
+        };
+        match e {
+            CliError::Usage(message) => match said(&message) {
+                Some(m) => CliError::Usage(m),
+                None => CliError::Usage(message),
+            },
+            // A mismatched `--init-from` directory keeps its kind (and exit code).
+            CliError::Runtime(error) if error.downcast_ref::<InitFromMismatch>().is_some() => {
+                CliError::Runtime(error)
+            }
+            CliError::Runtime(error) => match said(&format!("{error:#}")) {
+                Some(m) => CliError::Runtime(anyhow!(m)),
+                None => CliError::Runtime(error),
+            },
+        }
+    }
 }
 
 /// The checkpoint at `path` (a checkpoint directory or a directory of them), with its step
@@ -101,6 +212,12 @@ pub fn locate_resume(flag: &str, path: &Path) -> CliResult<Resumed> {
 impl RunSetup {
     /// Resolves `args` on every rank of `comm`.
     pub fn resolve(comm: &Comm, args: &RunArgs) -> CliResult<Self> {
+        let origins = Origins::of(args);
+        Self::resolve_from(comm, args, origins.clone()).map_err(|e| origins.explain(e))
+    }
+
+    /// [`RunSetup::resolve`], its messages not yet explained by `origins`.
+    fn resolve_from(comm: &Comm, args: &RunArgs, origins: Origins) -> CliResult<Self> {
         let rank = comm.rank();
         let (mut config, resume, init) = Self::layered(comm, args)?;
         let device = device::device(config.device)?;
@@ -149,6 +266,7 @@ impl RunSetup {
             init,
             data,
             device,
+            origins,
         })
     }
 
@@ -235,7 +353,13 @@ impl RunSetup {
     /// f32 when any rank's CPU lacks bf16 dot-product instructions
     /// ([`planning::module_dtype`]; every rank then does), where that fits after the
     /// recompute choice, and in bf16 otherwise.
-    pub fn plan(&self, comm: &Comm, mut shard: ShardConfig, choose: bool) -> CliResult<Plan> {
+    pub fn plan(&self, comm: &Comm, shard: ShardConfig, choose: bool) -> CliResult<Plan> {
+        self.plan_of(comm, shard, choose)
+            .map_err(|e| self.origins.explain(e))
+    }
+
+    /// [`RunSetup::plan`], its messages not yet explained.
+    fn plan_of(&self, comm: &Comm, mut shard: ShardConfig, choose: bool) -> CliResult<Plan> {
         let compute = shard.compute;
         let local = planning::module_dtype(compute, self.config.device);
         // Every rank takes part, so that all of them plan alike.
@@ -359,6 +483,12 @@ impl RunSetup {
     /// Refuses, on every rank, a run whose plan times the ranks on this machine exceeds the
     /// memory available (unless `skip`), naming both and the presets that would fit.
     pub fn check_memory(&self, comm: &Comm, plan: &Plan, skip: bool) -> CliResult<()> {
+        self.check_memory_of(comm, plan, skip)
+            .map_err(|e| self.origins.explain(e))
+    }
+
+    /// [`RunSetup::check_memory`], its message not yet explained.
+    fn check_memory_of(&self, comm: &Comm, plan: &Plan, skip: bool) -> CliResult<()> {
         let shard = &plan.config;
         let checked = planning::check_memory(
             &plan.memory(self.config.grad_accum),
