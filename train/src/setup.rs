@@ -352,7 +352,8 @@ impl RunSetup {
     /// rank's machine, and only their inputs (`unit`) otherwise. bf16 parameters compute in
     /// f32 when any rank's CPU lacks bf16 dot-product instructions
     /// ([`planning::module_dtype`]; every rank then does), where that fits after the
-    /// recompute choice, and in bf16 otherwise.
+    /// recompute choice, and in bf16 otherwise; a run of one rank then trains all in f32
+    /// where that fits.
     pub fn plan(&self, comm: &Comm, shard: ShardConfig, choose: bool) -> CliResult<Plan> {
         self.plan_of(comm, shard, choose)
             .map_err(|e| self.origins.explain(e))
@@ -420,9 +421,11 @@ impl RunSetup {
         )?)
     }
 
-    /// `plan`, or, when its modules compute in f32 over bf16 parameters and that does not fit
-    /// the memory available on every rank's machine, the same plan computing in bf16; says
-    /// which on rank 0. Every rank reaches the same branch: the plan is the same everywhere.
+    /// `plan`, or, when its modules compute in f32 over bf16 parameters: at one rank, the
+    /// same plan all in f32 where that fits (nothing is sent, so bf16 parameters would save
+    /// nothing); otherwise, where `plan` does not fit the memory available on every rank's
+    /// machine, the same plan computing in bf16. Says which on rank 0. Every rank reaches
+    /// the same branch: the plan is the same everywhere.
     fn choose_module_dtype(&self, comm: &Comm, plan: Plan) -> CliResult<Plan> {
         let compute = plan.config.compute;
         if plan.module_dtype == compute {
@@ -437,10 +440,30 @@ impl RunSetup {
             }
             return Ok(plan);
         }
-        let (everywhere, total) = self.fits_everywhere(comm, &plan);
         let why = "--dtype bf16: a CPU of this job has no bf16 dot-product instructions \
                    (AVX512_BF16), or EMBER_BF16_DOT=0, so bf16 arithmetic would be slower than \
                    f32 there";
+        if comm.topology().world_size() == 1 {
+            // One rank sends nothing, so bf16 parameters would save no bytes; beside the f32
+            // masters they would only add a copy and two casts per step.
+            let mut shard = plan.config.clone();
+            shard.compute = Compute::F32;
+            let wide = self.plan_in(comm, shard, Compute::F32)?;
+            let (fits, total) = self.fits_everywhere(comm, &wide);
+            if fits {
+                say_once(
+                    comm.rank(),
+                    format_args!(
+                        "{why}, and one rank sends nothing, so bf16 parameters would only add a \
+                         copy and casts: the run trains in f32, as with --dtype f32 ({:.2} GB \
+                         per rank, which fits)",
+                        total as f64 / 1e9
+                    ),
+                );
+                return Ok(wide);
+            }
+        }
+        let (everywhere, total) = self.fits_everywhere(comm, &plan);
         if everywhere {
             say_once(
                 comm.rank(),
