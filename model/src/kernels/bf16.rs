@@ -273,7 +273,7 @@ const MR: usize = 8;
 /// Columns of the output one micro-kernel call computes (two vectors of 16 lanes).
 const NR: usize = 32;
 /// Pairs of the inner dimension per cache block.
-const KC: usize = 128;
+const KC: usize = 256;
 /// Rows per parallel task.
 const ROWS: usize = 64;
 const _: () = assert!(NR.is_multiple_of(MR));
@@ -709,6 +709,8 @@ mod tests {
             [13, 45, 7],
             [70, 33, 300],
             [130, 97, 257],
+            // More than one block of the inner dimension (`KC` pairs).
+            [9, 40, 2 * 2 * KC + 3],
         ] {
             for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
                 let (a, b) = (values(m * k, 1, 1.0), values(k * n, 2, 1.0));
