@@ -26,6 +26,22 @@ pub trait Optimizer {
     /// Applies update number `step` (1-based: 1 on the first step) at learning rate `lr` to
     /// `state`, whose slots start at zero, given the buffer's gradient `grad` (`[n]`, f32).
     fn update(&self, step: u64, lr: f64, state: &mut FlatState, grad: Tensor<1>);
+
+    /// [`update`](Self::update) with the gradient `grad` multiplied by each of `factors` in
+    /// turn, each in f32 (the step's clipping). The default multiplies first; an optimizer
+    /// that makes one pass over the buffers can fold the factors into it, giving the same
+    /// bits without writing the scaled gradient.
+    fn update_scaled(
+        &self,
+        step: u64,
+        lr: f64,
+        state: &mut FlatState,
+        grad: Tensor<1>,
+        factors: &[f64],
+    ) {
+        let grad = factors.iter().fold(grad, |g, &f| crate::host::scale(g, f));
+        self.update(step, lr, state, grad)
+    }
 }
 
 /// Which parameters weight decay applies to.
@@ -223,10 +239,22 @@ impl Optimizer for AdamW {
     }
 
     fn update(&self, step: u64, lr: f64, state: &mut FlatState, grad: Tensor<1>) {
+        self.update_scaled(step, lr, state, grad, &[])
+    }
+
+    fn update_scaled(
+        &self,
+        step: u64,
+        lr: f64,
+        state: &mut FlatState,
+        grad: Tensor<1>,
+        factors: &[f64],
+    ) {
         let k = Coefficients::new(self.beta1, self.beta2, self.weight_decay, step, lr);
         if state.master.device() == Device::flex() {
-            self.update_on_host(&k, state, grad);
+            self.update_on_host(&k, state, grad, factors);
         } else {
+            let grad = factors.iter().fold(grad, |g, &f| crate::host::scale(g, f));
             self.update_with_tensor_ops(&k, state, grad);
         }
     }
@@ -245,31 +273,33 @@ impl AdamW {
         adam_moments(self.beta1, self.beta2, self.eps, k, state, grad);
     }
 
-    /// [`update`](Optimizer::update) in one pass over buffers in host memory, in place: the
-    /// same f32 operations in the same order as the tensor ops (so the same bits), without
-    /// their eight or more temporaries of the buffer's size per step.
-    fn update_on_host(&self, k: &Coefficients, state: &mut FlatState, grad: Tensor<1>) {
+    /// [`update`](Optimizer::update_scaled) in one pass over buffers in host memory, in
+    /// place: the same f32 operations in the same order as the tensor ops (so the same bits),
+    /// without their eight or more temporaries of the buffer's size per step. The gradient's
+    /// `factors` and the weight decay are applied piece by piece inside the pass, while the
+    /// piece is in cache.
+    fn update_on_host(
+        &self,
+        k: &Coefficients,
+        state: &mut FlatState,
+        grad: Tensor<1>,
+        factors: &[f64],
+    ) {
         let device = state.master.device();
         // Before the master is taken out of `state`: `DecayOn::All` reads its length.
-        let ranges = state.decay_ranges(self.decay_on);
+        let ranges = if self.weight_decay > 0.0 {
+            state.decay_ranges(self.decay_on)
+        } else {
+            Vec::new()
+        };
         let take =
             |t: &mut Tensor<1>| staging::to_f32(std::mem::replace(t, Tensor::empty([0], &device)));
         let mut p = take(&mut state.master);
         let mut m = take(&mut state.slots[0]);
         let mut v = take(&mut state.slots[1]);
         let g = staging::to_f32(grad);
-        if self.weight_decay > 0.0 {
-            let factor = k.decay as f32;
-            for r in ranges {
-                p[r].par_chunks_mut(PIECE).for_each(|p| {
-                    crate::host::wide(move || {
-                        for x in p {
-                            *x *= factor;
-                        }
-                    })
-                });
-            }
-        }
+        let decay = k.decay as f32;
+        let factors: Vec<f32> = factors.iter().map(|&f| f as f32).collect();
         let (b1, b1c) = (self.beta1 as f32, (1.0 - self.beta1) as f32);
         let (b2, b2c) = (self.beta2 as f32, (1.0 - self.beta2) as f32);
         let (sb2, eps, lr) = (k.sqrt_bias2 as f32, self.eps as f32, k.step_size as f32);
@@ -278,19 +308,53 @@ impl AdamW {
             .zip(m.par_chunks_mut(PIECE))
             .zip(v.par_chunks_mut(PIECE))
             .zip(g.par_chunks(PIECE))
-            .for_each(|(((p, m), v), g)| {
-                crate::host::wide(|| {
-                    for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
-                        *m = *m * b1 + g * b1c;
-                        *v = *v * b2 + (g * g) * b2c;
-                        let denom = v.sqrt() / sb2 + eps;
-                        *p -= (*m / denom) * lr;
+            .enumerate()
+            .for_each(|(i, (((p, m), v), g))| {
+                let start = i * PIECE;
+                for r in &ranges {
+                    let (lo, hi) = (r.start.max(start), r.end.min(start + p.len()));
+                    if lo < hi {
+                        let p = &mut p[lo - start..hi - start];
+                        crate::host::wide(move || {
+                            for x in p {
+                                *x *= decay;
+                            }
+                        });
                     }
-                })
+                }
+                let c = [b1, b1c, b2, b2c, sb2, eps, lr];
+                match factors[..] {
+                    [] => crate::host::wide(|| adamw_pass(p, m, v, g, c, |g| g)),
+                    [f] => crate::host::wide(|| adamw_pass(p, m, v, g, c, move |g| g * f)),
+                    ref all => crate::host::wide(|| {
+                        adamw_pass(p, m, v, g, c, |g| all.iter().fold(g, |g, &f| g * f))
+                    }),
+                }
             });
         state.master = staging::from_f32(p, &device);
         state.slots[0] = staging::from_f32(m, &device);
         state.slots[1] = staging::from_f32(v, &device);
+    }
+}
+
+/// AdamW's step on pieces of the master `p`, the moments `m` and `v` and the gradient `g`
+/// read through `scaled`, with `[beta1, 1 - beta1, beta2, 1 - beta2, sqrt(1 - beta2^t), eps,
+/// lr / (1 - beta1^t)]`: PyTorch's operations in its order.
+#[inline(always)]
+fn adamw_pass(
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    g: &[f32],
+    [b1, b1c, b2, b2c, sb2, eps, lr]: [f32; 7],
+    scaled: impl Fn(f32) -> f32,
+) {
+    for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
+        let g = scaled(g);
+        *m = *m * b1 + g * b1c;
+        *v = *v * b2 + (g * g) * b2c;
+        let denom = v.sqrt() / sb2 + eps;
+        *p -= (*m / denom) * lr;
     }
 }
 
@@ -387,11 +451,15 @@ mod tests {
         let decay = vec![0..300, 450..PIECE + 77, PIECE + 900..n];
         let mut host = FlatState::new(t(&wave(0.37)), 2, decay.clone());
         let mut ops = host.clone();
-        for step in 1..=5u64 {
+        // The gradient's factors folded into the pass: none, one, two.
+        let factors: [&[f64]; 3] = [&[], &[0.3], &[0.7, 1.3]];
+        for step in 1..=6u64 {
             let g = t(&wave(0.11 * step as f32));
             let k = Coefficients::new(0.9, 0.95, c.weight_decay, step, 3e-3);
-            c.update_on_host(&k, &mut host, g.clone());
-            c.update_with_tensor_ops(&k, &mut ops, g);
+            let f = factors[step as usize % 3];
+            c.update_on_host(&k, &mut host, g.clone(), f);
+            let scaled = f.iter().fold(g, |g, &f| g * f);
+            c.update_with_tensor_ops(&k, &mut ops, scaled);
         }
         for (a, b) in [
             (&host.master, &ops.master),

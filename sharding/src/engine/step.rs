@@ -24,8 +24,11 @@ use crate::worker::{GATHER_LANE, Job, REDUCE_LANE, Shared, Worker, add_to};
 /// Read them, clip or scale them, then hand them to [`ShardedModel::apply`].
 #[derive(Debug)]
 pub struct Gradients {
-    /// Each unit's gradient shard, `[shard]` f32.
+    /// Each unit's gradient shard, `[shard]` f32, before `factors`.
     units: Vec<Tensor<1>>,
+    /// Factors the gradients are multiplied by, in turn, when read or applied (the
+    /// optimizer's pass folds them in rather than writing scaled copies).
+    factors: Vec<f64>,
     /// The parameter ranges the shards hold.
     pieces: Vec<OwnedPiece>,
     loss: f64,
@@ -50,12 +53,9 @@ impl Gradients {
         self.norm
     }
 
-    /// Multiplies every gradient by `factor`.
+    /// Multiplies every gradient by `factor` (in f32, as `g * factor as f32`).
     pub fn scale(&mut self, factor: f64) {
-        self.units = std::mem::take(&mut self.units)
-            .into_iter()
-            .map(|g| crate::host::scale(g, factor))
-            .collect();
+        self.factors.push(factor);
         self.norm *= factor.abs();
     }
 
@@ -75,7 +75,10 @@ impl Gradients {
     /// shard; a rank holds none of a parameter outside its shard.
     pub fn pieces(&self) -> impl Iterator<Item = (&str, usize, Tensor<1>)> + '_ {
         self.pieces.iter().map(|p| {
-            let values = self.units[p.unit].clone().slice(p.local.clone());
+            let values = self.factors.iter().fold(
+                self.units[p.unit].clone().slice(p.local.clone()),
+                |g, &f| crate::host::scale(g, f),
+            );
             (p.name.as_str(), p.offset, values)
         })
     }
@@ -190,6 +193,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         let (units, loss, norm, closing_s) = self.close_gradients(state)?;
         Ok(Gradients {
             units,
+            factors: Vec::new(),
             pieces: self.owned_pieces(),
             loss,
             norm,
@@ -249,7 +253,13 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             // The primary may be the master itself: let go of it first, so the update owns
             // the buffer (on host memory it then updates in place).
             self.primary[u] = Tensor::empty([0], &self.device);
-            optimizer.update(self.adam_step, lr, &mut self.optimizer[u].state, g);
+            optimizer.update_scaled(
+                self.adam_step,
+                lr,
+                &mut self.optimizer[u].state,
+                g,
+                &grads.factors,
+            );
             // At once, unit by unit: a primary that shares the old master would otherwise
             // keep every old master alive until the last unit is updated.
             let gather = Instant::now();
