@@ -123,26 +123,19 @@ pub(crate) enum Src {
 
 /// The elements [`pack`] reads: f32 values (rounded on the way) or bf16 bits.
 trait Element: Copy + Send + Sync {
-    const ZERO: Self;
     fn bits(self) -> u16;
     /// `out[i]` = the pair of `src[2i]` (low half) and `src[2i + 1]` (high half).
     fn pair_adjacent(src: &[Self], out: &mut [u32]);
-    /// `out[i]` = the pair of `lo[i]` (low half) and `hi[i]` (high half).
-    fn pair_rows(lo: &[Self], hi: &[Self], out: &mut [u32]);
+    /// One panel of an operand whose columns are contiguous: `out[q * W + i]` = the pair of
+    /// `src[2q cs + i]` and `src[(2q + 1) cs + i]` for `i < rows` (zero past column `k` and
+    /// past row `rows`), where `W = out.len() / k.div_ceil(2)`.
+    fn pair_columns(src: &[Self], cs: usize, k: usize, rows: usize, out: &mut [u32]);
 }
 
 multiversion! {
     fn pair_adjacent_f32(src: &[f32], out: &mut [u32]) {
         for (o, x) in out.iter_mut().zip(src.chunks_exact(2)) {
             *o = bits_of(x[0]) as u32 | (bits_of(x[1]) as u32) << 16;
-        }
-    }
-}
-
-multiversion! {
-    fn pair_rows_f32(lo: &[f32], hi: &[f32], out: &mut [u32]) {
-        for ((o, &a), &b) in out.iter_mut().zip(lo).zip(hi) {
-            *o = bits_of(a) as u32 | (bits_of(b) as u32) << 16;
         }
     }
 }
@@ -155,37 +148,67 @@ multiversion! {
     }
 }
 
-multiversion! {
-    fn pair_rows_bits(lo: &[u16], hi: &[u16], out: &mut [u32]) {
-        for ((o, &a), &b) in out.iter_mut().zip(lo).zip(hi) {
-            *o = a as u32 | (b as u32) << 16;
+/// [`Element::pair_columns`] with `bits` giving an element's bf16 bits.
+#[inline(always)]
+fn pair_columns<E: Copy>(
+    src: &[E],
+    cs: usize,
+    k: usize,
+    rows: usize,
+    out: &mut [u32],
+    bits: impl Fn(E) -> u16,
+) {
+    let pairs = k.div_ceil(2);
+    let width = out.len() / pairs;
+    for (q, lanes) in out.chunks_exact_mut(width).enumerate() {
+        let lo = &src[2 * q * cs..][..rows];
+        if 2 * q + 1 < k {
+            let hi = &src[(2 * q + 1) * cs..][..rows];
+            for ((o, &a), &b) in lanes.iter_mut().zip(lo).zip(hi) {
+                *o = bits(a) as u32 | (bits(b) as u32) << 16;
+            }
+        } else {
+            for (o, &a) in lanes.iter_mut().zip(lo) {
+                *o = bits(a) as u32;
+            }
         }
+        lanes[rows..].fill(0);
+    }
+}
+
+multiversion! {
+    fn pair_columns_f32(src: &[f32], cs: usize, k: usize, rows: usize, out: &mut [u32]) {
+        pair_columns(src, cs, k, rows, out, bits_of)
+    }
+}
+
+multiversion! {
+    fn pair_columns_bits(src: &[u16], cs: usize, k: usize, rows: usize, out: &mut [u32]) {
+        pair_columns(src, cs, k, rows, out, |b| b)
     }
 }
 
 impl Element for f32 {
-    const ZERO: Self = 0.0;
     fn bits(self) -> u16 {
         bits_of(self)
     }
     fn pair_adjacent(src: &[Self], out: &mut [u32]) {
         pair_adjacent_f32(src, out)
     }
-    fn pair_rows(lo: &[Self], hi: &[Self], out: &mut [u32]) {
-        pair_rows_f32(lo, hi, out)
+    fn pair_columns(src: &[Self], cs: usize, k: usize, rows: usize, out: &mut [u32]) {
+        pair_columns_f32(src, cs, k, rows, out)
     }
 }
 
 impl Element for u16 {
-    const ZERO: Self = 0;
     fn bits(self) -> u16 {
         self
     }
     fn pair_adjacent(src: &[Self], out: &mut [u32]) {
         pair_adjacent_bits(src, out)
     }
-    fn pair_rows(lo: &[Self], hi: &[Self], out: &mut [u32]) {
-        pair_rows_bits(lo, hi, out)
+    fn pair_columns(src: &[Self], cs: usize, k: usize, rows: usize, out: &mut [u32]) {
+        pair_columns_bits(src, cs, k, rows, out)
     }
 }
 
@@ -313,6 +336,9 @@ fn pack<const WIDTH: usize, E: Element>(
     let pairs = k.div_ceil(2);
     let padded = rows.next_multiple_of(WIDTH);
     assert!(NR.is_multiple_of(WIDTH) && out.len() == padded * pairs);
+    if out.is_empty() {
+        return;
+    }
     let (src, dst) = (In(p), Out(out.as_mut_ptr().cast()));
     let at = |i: usize, q: usize| (i / WIDTH * pairs + q) * WIDTH + i % WIDTH;
     // SAFETY (every read below): rows below `rows` and columns below `k` are in bounds, as the
@@ -321,34 +347,22 @@ fn pack<const WIDTH: usize, E: Element>(
         std::slice::from_raw_parts(src.get().offset(from), len)
     };
     if rs == 1 && cs != 1 {
-        // Each column's rows are contiguous: pair two columns element by element, all rows
-        // at once, in parallel pieces of pairs.
-        const PAIRS: usize = 16;
-        let piece = |piece: usize| {
-            let mut tmp = vec![0u32; padded];
-            let zeros = vec![E::ZERO; rows];
-            for q in piece * PAIRS..(piece * PAIRS + PAIRS).min(pairs) {
-                let col = |c: usize| line(c as isize * cs, rows);
-                let hi = if 2 * q + 1 < k {
-                    col(2 * q + 1)
-                } else {
-                    &zeros[..]
-                };
-                E::pair_rows(col(2 * q), hi, &mut tmp[..rows]);
-                for (c, lanes) in tmp.chunks_exact(WIDTH).enumerate() {
-                    // SAFETY: the lanes of one panel at pair q are contiguous, in bounds, and
-                    // written by this piece only.
-                    unsafe {
-                        let to = dst.get().cast::<u32>().add(at(c * WIDTH, q));
-                        std::ptr::copy_nonoverlapping(lanes.as_ptr(), to, WIDTH);
-                    }
-                }
-            }
+        // Each column's rows are contiguous: every panel is written in one pass from the
+        // stretches of its rows in each pair of columns, panels in parallel.
+        let cs = cs as usize;
+        // SAFETY: element (i, c) is at `i + c cs` for i < rows and c < k, in bounds as the
+        // caller guarantees (strides are not negative); the operand is only read.
+        let all = unsafe { std::slice::from_raw_parts(p, (k - 1) * cs + rows) };
+        let panel = |(c, out): (usize, &mut [u32])| {
+            let r0 = c * WIDTH;
+            E::pair_columns(&all[r0..], cs, k, (rows - r0).min(WIDTH), out);
         };
         if parallel {
-            (0..pairs.div_ceil(PAIRS)).into_par_iter().for_each(piece);
+            out.par_chunks_mut(WIDTH * pairs)
+                .enumerate()
+                .for_each(panel);
         } else {
-            (0..pairs.div_ceil(PAIRS)).for_each(piece);
+            out.chunks_mut(WIDTH * pairs).enumerate().for_each(panel);
         }
         return;
     }
