@@ -192,6 +192,16 @@ fn resume_continues_bit_for_bit() {
     );
     assert!(split.join("step-000014").join("manifest.json").is_file());
     assert!(!split.join("superseded-step-000014").exists());
+    // A new name already taken is refused before anything is read or renamed.
+    let taken = split.join("superseded-step-000014");
+    std::fs::create_dir(&taken).unwrap();
+    refused(
+        &["train", "--resume", path(&at_10), "--max-iters", "20"],
+        2,
+        "is taken",
+    );
+    assert!(split.join("step-000014").join("manifest.json").is_file());
+    std::fs::remove_dir(&taken).unwrap();
     ok(&["train", "--resume", path(&at_10), "--max-iters", "20"]);
     // The abandoned history's later checkpoint is kept under another name, out of the way of
     // `--resume split` and of pruning.

@@ -142,9 +142,10 @@ impl Origins {
     /// the command line did not give.
     pub fn explain(&self, e: CliError) -> CliError {
         let said = |message: &str| -> Option<String> {
+            let refused = refused_part(message);
             let mut named: Vec<&str> = Vec::new();
-            for (i, _) in message.match_indices("--") {
-                let flag = message[i + 2..]
+            for (i, _) in refused.match_indices("--") {
+                let flag = refused[i + 2..]
                     .split(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'))
                     .next()
                     .unwrap_or_default();
@@ -304,6 +305,10 @@ impl RunSetup {
                 if args.purpose == Purpose::Reshard {
                     fresh_out_dir("--out", &config.out_dir)?;
                 } else {
+                    if args.purpose == Purpose::Train && rank == 0 {
+                        // Renamed once the run is built; a name already taken is refused now.
+                        later_ones(&resumed, &config.out_dir, false)?;
+                    }
                     if config.max_iters <= resumed.step {
                         return Err(usage(format!(
                             "--max-iters {} is not past the checkpoint's step {}: nothing to \
@@ -540,15 +545,31 @@ impl RunSetup {
 /// the directory as it found it.
 pub fn set_aside_later(comm: &Comm, resumed: &Resumed, out_dir: &Path) -> CliResult<()> {
     let renamed = if comm.rank() == 0 {
-        rename_later(resumed, out_dir)
+        later_ones(resumed, out_dir, true)
     } else {
         Ok(())
     };
     agreed(comm, renamed)
 }
 
-/// [`set_aside_later`] on rank 0.
-fn rename_later(resumed: &Resumed, out_dir: &Path) -> CliResult<()> {
+/// The part of a message that says what was refused, before the advice: up to the first
+/// `": "` that ends a clause of several words (not a leading `--flag: `), or the first `"; "`.
+fn refused_part(message: &str) -> &str {
+    let clause = message.find("; ").map_or(message, |end| &message[..end]);
+    let mut from = 0;
+    while let Some(at) = clause[from..].find(": ") {
+        let end = from + at;
+        if clause[..end].split_whitespace().count() >= 3 {
+            return &clause[..end];
+        }
+        from = end + 2;
+    }
+    clause
+}
+
+/// The checkpoints [`set_aside_later`] renames, checked (a new name already taken is refused)
+/// and, when `rename`, renamed.
+fn later_ones(resumed: &Resumed, out_dir: &Path, rename: bool) -> CliResult<()> {
     if !out_dir.is_dir() {
         return Ok(());
     }
@@ -567,6 +588,9 @@ fn rename_later(resumed: &Resumed, out_dir: &Path) -> CliResult<()> {
                 dir.display(),
                 to.display()
             )));
+        }
+        if !rename {
+            continue;
         }
         std::fs::rename(&dir, &to)
             .map_err(|e| anyhow!("renaming {} to {}: {e}", dir.display(), to.display()))?;
