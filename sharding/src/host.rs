@@ -113,6 +113,11 @@ pub(crate) fn scale(t: Tensor<1>, factor: f64) -> Tensor<1> {
     t * factor
 }
 
+/// `t` multiplied by each of `factors` in turn, each through [`scale`].
+pub(crate) fn scale_by(t: Tensor<1>, factors: &[f64]) -> Tensor<1> {
+    factors.iter().fold(t, |t, &f| scale(t, f))
+}
+
 /// The sum of the squares of an f32 tensor's elements, accumulated in f64: in one pass on
 /// rayon's threads over pieces of fixed bounds whose sums are added in order, so the result
 /// does not depend on the thread count. Elsewhere it is Burn's `square` and `sum`.

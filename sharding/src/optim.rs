@@ -39,8 +39,7 @@ pub trait Optimizer {
         grad: Tensor<1>,
         factors: &[f64],
     ) {
-        let grad = factors.iter().fold(grad, |g, &f| crate::host::scale(g, f));
-        self.update(step, lr, state, grad)
+        self.update(step, lr, state, crate::host::scale_by(grad, factors))
     }
 }
 
@@ -254,8 +253,7 @@ impl Optimizer for AdamW {
         if state.master.device() == Device::flex() {
             self.update_on_host(&k, state, grad, factors);
         } else {
-            let grad = factors.iter().fold(grad, |g, &f| crate::host::scale(g, f));
-            self.update_with_tensor_ops(&k, state, grad);
+            self.update_with_tensor_ops(&k, state, crate::host::scale_by(grad, factors));
         }
     }
 }

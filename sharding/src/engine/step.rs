@@ -75,9 +75,9 @@ impl Gradients {
     /// shard; a rank holds none of a parameter outside its shard.
     pub fn pieces(&self) -> impl Iterator<Item = (&str, usize, Tensor<1>)> + '_ {
         self.pieces.iter().map(|p| {
-            let values = self.factors.iter().fold(
+            let values = crate::host::scale_by(
                 self.units[p.unit].clone().slice(p.local.clone()),
-                |g, &f| crate::host::scale(g, f),
+                &self.factors,
             );
             (p.name.as_str(), p.offset, values)
         })
