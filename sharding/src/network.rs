@@ -17,7 +17,8 @@
 //! Every group of a collective's kind runs it at once (every rank does the same step), so a
 //! step of the algorithm loads every link with the messages of all groups that cross it. A
 //! step takes the largest message latency of its edges plus the time of its busiest link; the
-//! collective is the sum of its steps.
+//! collective is the sum of its steps. A link direction that carries the messages of several
+//! rank pairs in one step (several flows) runs at the profile's flow efficiency of its level.
 
 use std::collections::HashMap;
 
@@ -41,6 +42,9 @@ pub struct Cost {
     pub link_bytes: Vec<f64>,
     /// Per level: bytes one rank sends (on average) to ranks it differs from at most there.
     pub sent_bytes: Vec<f64>,
+    /// Per level: the most flows (messages of different rank pairs) one direction of one of
+    /// its links carries in a step.
+    pub flows: Vec<usize>,
 }
 
 /// Per step of an algorithm on a group: messages as (sender index, receiver index, blocks).
@@ -60,6 +64,8 @@ pub struct Network {
     rate: Vec<f64>,
     /// Seconds of latency of a message whose outermost differing level is each level.
     latency: Vec<f64>,
+    /// Per level: the fraction of `rate` a link direction carries with several flows.
+    shared: Vec<f64>,
     cache: HashMap<(Levels, Op, bool), Unit>,
 }
 
@@ -71,6 +77,7 @@ struct Unit {
     busy_s_per_byte: Vec<f64>,
     link_bytes_per_byte: Vec<f64>,
     sent_per_byte: Vec<f64>,
+    flows: Vec<usize>,
 }
 
 impl Network {
@@ -81,6 +88,7 @@ impl Network {
             topology: topology.clone(),
             rate: (0..depth).map(|l| profile.link_rate(l, topology)).collect(),
             latency: (0..depth).map(|l| profile.latency(l)).collect(),
+            shared: (0..depth).map(|l| profile.flow_efficiency(l, 2)).collect(),
             cache: HashMap::new(),
         }
     }
@@ -106,6 +114,7 @@ impl Network {
             busy_s: u.busy_s_per_byte.iter().map(|x| x * b).collect(),
             link_bytes: u.link_bytes_per_byte.iter().map(|x| x * b).collect(),
             sent_bytes: u.sent_per_byte.iter().map(|x| x * b).collect(),
+            flows: u.flows.clone(),
         }
     }
 
@@ -164,6 +173,7 @@ impl Network {
             busy_s_per_byte: vec![0.0; depth],
             link_bytes_per_byte: vec![0.0; depth],
             sent_per_byte: vec![0.0; depth],
+            flows: vec![0; depth],
         };
         if g <= 1 {
             return out;
@@ -188,8 +198,9 @@ impl Network {
             }
         }
         for edges in &steps.steps {
-            // Bytes per unit of payload on each (level, instance, direction) this step.
-            let mut load: HashMap<(usize, usize, bool), f64> = HashMap::new();
+            // Bytes per unit of payload and flows on each (level, instance, direction) this
+            // step.
+            let mut load: HashMap<(usize, usize, bool), (f64, usize)> = HashMap::new();
             let mut latency = 0.0f64;
             for m in &groups {
                 for &(i, j) in edges {
@@ -204,14 +215,23 @@ impl Network {
                     };
                     for l in levels {
                         let s = t.stride(l);
-                        *load.entry((l, a / s, true)).or_default() += steps.block;
-                        *load.entry((l, b / s, false)).or_default() += steps.block;
+                        for key in [(l, a / s, true), (l, b / s, false)] {
+                            let e = load.entry(key).or_default();
+                            e.0 += steps.block;
+                            e.1 += 1;
+                        }
                     }
                 }
             }
             let mut step_busy = vec![0.0f64; depth];
-            for (&(l, _, _), &bytes) in &load {
-                step_busy[l] = step_busy[l].max(bytes / self.rate[l]);
+            for (&(l, _, _), &(bytes, flows)) in &load {
+                let rate = if flows > 1 {
+                    self.rate[l] * self.shared[l]
+                } else {
+                    self.rate[l]
+                };
+                step_busy[l] = step_busy[l].max(bytes / rate);
+                out.flows[l] = out.flows[l].max(flows);
                 // A message is counted on its way out of one link and into another.
                 out.link_bytes_per_byte[l] += bytes;
             }
@@ -281,5 +301,34 @@ mod tests {
         assert_eq!(c.busy_s[2], 0.0);
         assert_eq!(c.busy_s[1], 0.0);
         assert!(c.busy_s[0] > 0.0);
+    }
+
+    #[test]
+    fn several_flows_on_a_link_run_at_the_levels_flow_efficiency() {
+        let t = Topology::parse("2x2x2").unwrap();
+        let mut p = profile();
+        let world = Levels { lo: 0, hi: 3 };
+        let pairs = Levels { lo: 1, hi: 2 };
+        let alone = Network::new(&t, &p).cost(&Collective::new(pairs, Op::AllGather, 2_000_000));
+        p.flow_efficiency = Some(vec![
+            ("gcd".into(), 1.0),
+            ("gpu".into(), 0.5),
+            ("node".into(), 1.0),
+        ]);
+        let mut n = Network::new(&t, &p);
+        // Both GCDs of a GPU send their 1 MB half to the other GPU in the same step: two flows
+        // out of each GPU link, at half its rate in all.
+        let c = n.cost(&Collective::new(pairs, Op::AllGather, 2_000_000));
+        assert_eq!(c.flows[1], 2);
+        assert!((c.busy_s[1] - 2.0 * alone.busy_s[1]).abs() < 1e-12, "{c:?}");
+        assert!((c.busy_s[1] - 2e6 / 10e9 / 0.5).abs() < 1e-12, "{c:?}");
+        assert_eq!(c.link_bytes, alone.link_bytes);
+        // A world ring puts one flow on every link direction: the full rate.
+        let ring = n.cost(&Collective::new(world, Op::AllGather, 8_000_000));
+        assert_eq!(ring.flows[1], 1);
+        assert!(
+            (ring.busy_s[1] - 7.0 * 1e6 / 10e9).abs() < 1e-12,
+            "{ring:?}"
+        );
     }
 }

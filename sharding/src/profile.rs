@@ -33,6 +33,12 @@ pub struct Profile {
     /// Optional; 0 when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub latency_us: Option<Vec<(String, f64)>>,
+    /// The fraction of a link's `link_gbps` that one direction of it carries in all when
+    /// messages of several rank pairs cross it at once (TCP streams sharing a queue lose more
+    /// than one stream does), by level name. `link_gbps` is the rate of one such flow.
+    /// Optional; 1 when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flow_efficiency: Option<Vec<(String, f64)>>,
     /// The sustained TFLOP/s one rank reaches on the model's kernels when every rank computes,
     /// measured. Optional; `peak_tflops * mfu` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -83,6 +89,7 @@ impl Profile {
             mfu: 0.5,
             link_gbps: None,
             latency_us: None,
+            flow_efficiency: None,
             rank_tflops: None,
             cpu: None,
         }
@@ -106,6 +113,18 @@ impl Profile {
             .as_ref()
             .and_then(|l| l.get(level))
             .map_or(0.0, |l| l.1 * 1e-6)
+    }
+
+    /// The fraction of its one-flow rate a link of level `level` carries with `flows` flows in
+    /// one direction at once.
+    pub fn flow_efficiency(&self, level: usize, flows: usize) -> f64 {
+        if flows <= 1 {
+            return 1.0;
+        }
+        self.flow_efficiency
+            .as_ref()
+            .and_then(|l| l.get(level))
+            .map_or(1.0, |l| l.1)
     }
 
     /// One rank's sustained FLOP/s on the model's kernels.
@@ -155,6 +174,7 @@ impl Profile {
         for (field, list) in [
             ("link_gbps", &self.link_gbps),
             ("latency_us", &self.latency_us),
+            ("flow_efficiency", &self.flow_efficiency),
         ] {
             if let Some(list) = list {
                 if list.len() < depth {
@@ -164,16 +184,14 @@ impl Profile {
                         list.len()
                     ));
                 }
-                let ok = |x: f64| {
-                    if field == "latency_us" {
-                        x >= 0.0
-                    } else {
-                        positive(x)
-                    }
+                let (ok, what): (fn(f64) -> bool, _) = match field {
+                    "latency_us" => (|x| x >= 0.0 && x.is_finite(), "zero or more"),
+                    "flow_efficiency" => (|x| x > 0.0 && x <= 1.0, "in (0, 1]"),
+                    _ => (|x| x > 0.0 && x.is_finite(), "positive"),
                 };
                 if let Some((name, v)) = list.iter().find(|l| !ok(l.1)) {
                     return Err(format!(
-                        "profile `{}`: {field} of level `{name}` is {v}; it must be positive",
+                        "profile `{}`: {field} of level `{name}` is {v}; it must be {what}",
                         self.name
                     ));
                 }

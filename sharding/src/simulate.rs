@@ -12,7 +12,8 @@
 //!   they were handed over, so consecutive jobs overlap on different links;
 //! - stages that run at once share the links they both use: each gets an equal share of a
 //!   shared level's rate (processor sharing), slowing it in proportion to how much it needs
-//!   that level;
+//!   that level, and a stage of one flow per link that meets another runs at the level's
+//!   rate for several flows;
 //! - with a CPU profile, the training thread and the stages share the rank's cores, max-min
 //!   fairly: a stage needs CPU in proportion to its bytes (the TCP/IP stack, copies,
 //!   quantization), and the training thread takes what is left.
@@ -64,6 +65,8 @@ struct Stage {
     latency_s: f64,
     transfer_s: f64,
     busy_s: Vec<f64>,
+    /// Per level: the most flows it puts on one direction of one link.
+    flows: Vec<usize>,
     /// Core-seconds of CPU work (zero without a CPU profile).
     cpu_s: f64,
 }
@@ -216,6 +219,7 @@ pub fn simulate(plan: &Plan, grad_accum: usize, profile: &Profile) -> Timeline {
                                 latency_s: cost.latency_s,
                                 transfer_s: cost.transfer_s,
                                 busy_s: cost.busy_s,
+                                flows: cost.flows,
                                 cpu_s,
                             }
                         })
@@ -297,10 +301,12 @@ pub fn simulate(plan: &Plan, grad_accum: usize, profile: &Profile) -> Timeline {
         // Link rates: each moving stage shares every level it uses with the others using it.
         let moving = |x: &Transfer| x.latency_left <= 0.0;
         let mut users = vec![0usize; depth];
+        let mut flows = vec![0usize; depth];
         for x in active.iter().filter(|x| moving(x)) {
             for (l, b) in x.stage.busy_s.iter().enumerate() {
                 if *b > 0.0 {
                     users[l] += 1;
+                    flows[l] += x.stage.flows[l];
                 }
             }
         }
@@ -309,12 +315,16 @@ pub fn simulate(plan: &Plan, grad_accum: usize, profile: &Profile) -> Timeline {
             .iter()
             .map(|x| {
                 let alone = x.stage.busy_s.iter().copied().fold(0.0, f64::max);
-                let shared = x
-                    .stage
-                    .busy_s
-                    .iter()
-                    .zip(&users)
-                    .map(|(b, &n)| b * n.max(1) as f64)
+                let shared = (0..depth)
+                    .map(|l| {
+                        let b = x.stage.busy_s[l];
+                        if b <= 0.0 {
+                            return 0.0;
+                        }
+                        let own = profile.flow_efficiency(l, x.stage.flows[l]);
+                        let all = profile.flow_efficiency(l, flows[l]);
+                        b * users[l].max(1) as f64 * own / all
+                    })
                     .fold(0.0, f64::max);
                 let slowdown = if alone > 0.0 { shared / alone } else { 1.0 };
                 if x.stage.transfer_s > 0.0 {

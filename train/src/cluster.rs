@@ -97,6 +97,10 @@ pub struct MpiProbe {
     pub link_gbps: Vec<(String, f64)>,
     /// One-way microseconds of a small exchange across each level, by level name.
     pub latency_us: Vec<(String, f64)>,
+    /// The fraction of `link_gbps` one link direction of each level carries when several
+    /// rank pairs send across it at once, by level name.
+    #[serde(default)]
+    pub flow_efficiency: Vec<(String, f64)>,
 }
 
 /// What `up` measures of this machine's compute and CPU, for the profile.
@@ -652,6 +656,8 @@ pub fn profile_toml(c: &Cluster) -> Result<String> {
         level_gbps: Vec<(String, f64)>,
         link_gbps: Vec<(String, f64)>,
         latency_us: Vec<(String, f64)>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        flow_efficiency: Option<Vec<(String, f64)>>,
         rank_tflops: f64,
         peak_tflops: f64,
         mfu: f64,
@@ -671,6 +677,18 @@ pub fn profile_toml(c: &Cluster) -> Result<String> {
             .cloned()
             .zip([5.0, lat("gpu"), lat("node")])
             .collect(),
+        flow_efficiency: c
+            .mpi
+            .as_ref()
+            .filter(|m| !m.flow_efficiency.is_empty())
+            .map(|_| {
+                let shared = |level: &str| mpi(level, |m| &m.flow_efficiency).unwrap_or(1.0);
+                names
+                    .iter()
+                    .cloned()
+                    .zip([1.0, shared("gpu"), shared("node")])
+                    .collect()
+            }),
         rank_tflops: m.rank_tflops,
         peak_tflops: m.rank_tflops,
         mfu: 1.0,
@@ -905,24 +923,36 @@ fn probe_through_mpi(c: &Cluster) -> Result<MpiProbe> {
     Ok(serde_json::from_str(&text)?)
 }
 
+/// The message one rank sends per step of the link probe. A training step's ring steps send
+/// a unit's buffer over the group's size: 80-400 KB for ddp's gradients of `small-cpu` at 8
+/// ranks, less for the quantized presets. A shaped link's rate depends on the message: measured on a 2x2x2 cluster with 4x uplinks,
+/// 1 MiB ran at 74% of the GPU links' shaped rate and left the plan 1.26-1.30x the measured
+/// step of the presets bound by them; 256 KiB ran at 87%, and 1.09-1.10x.
+pub const PROBE_BYTES: usize = 256 << 10;
+
 /// The link probe every rank runs. For each level from the GPU out, the ranks under one link
 /// of the level above (a node's, or the world) all-gather in ember's ring, whose every step
 /// sends one block over each of the level's links, as a step's collectives do back to back:
 ///
 /// - the latency is 20 one-byte rings back to back, per ring step (the slowest rank's time);
 /// - the rate is the busiest link's bytes (by `ember_sharding::network`, the algorithm the
-///   collectives run) over the median of 5 timed rings of 1 MiB per rank (after 2 warm-ups,
-///   from a common start, until the slowest rank is done).
+///   collectives run) over the median of 5 timed rings of [`PROBE_BYTES`] per rank (after 2
+///   warm-ups, from a common start, until the slowest rank is done).
 ///
-/// A level whose links are not the ring's bottleneck at the shaped rates (an uplink at least
-/// as fast as its GPUs' links together, which all its traffic crosses first) cannot be timed
-/// this way: it gets its shaped rate scaled by the efficiency measured on the levels that
-/// could. Rank 0 writes the result to `out`.
+/// The ring puts one flow (one rank pair's messages) on each direction of each link. The flow
+/// efficiency is then timed the same way with every rank all-gathering [`PROBE_BYTES`] with
+/// its peers across the level, which puts the messages of every rank under a link on it at
+/// once: its busiest link's rate over the ring's.
+///
+/// A level whose links are not the bottleneck at the shaped rates (an uplink at least as fast
+/// as its GPUs' links together, which all its traffic crosses first) cannot be timed this
+/// way: it gets its shaped rate scaled by the efficiency measured on the levels that could, and
+/// their mean flow efficiency. Rank 0 writes the result to `out`.
 pub fn probe_links(out: &Path) -> Result<()> {
     use ember_comm::{Comm, CommConfig, Op, Scope};
     use ember_sharding::plumbing::network::Network;
     use ember_sharding::plumbing::plan::{Collective, Levels};
-    const PER_RANK: usize = 1 << 20;
+    const PER_RANK: usize = PROBE_BYTES;
     let comm = Comm::init(CommConfig::default())?;
     let t = comm.topology().clone();
     let state = std::env::var(CLUSTER_ENV)
@@ -944,8 +974,27 @@ pub fn probe_links(out: &Path) -> Result<()> {
             .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
             .fold(0.0, f64::max))
     };
+    // The median of 5 timed runs of `f` after 2 warm-ups.
+    let median = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        let mut times = Vec::new();
+        for i in 0..7 {
+            let s = slowest(f)?;
+            if i >= 2 {
+                times.push(s);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    };
+    // The level of `busy` (seconds at 1 GB/s per level) that bounds it at the shaped rates.
+    let bottleneck = |busy: &[f64], level: usize| {
+        (1..=level)
+            .max_by(|&a, &b| (busy[a] / shaped[a]).total_cmp(&(busy[b] / shaped[b])))
+            .expect("a level")
+    };
     let mut measured: Vec<(usize, f64, f64)> = Vec::new(); // (level, GB/s, latency s)
     let mut unidentified: Vec<(usize, f64)> = Vec::new(); // (level, latency s)
+    let mut shared: Vec<(usize, f64)> = Vec::new(); // (level, flow efficiency)
     for level in 1..t.depth() {
         let group = comm.try_group(Scope::Within(level))?;
         let g = group.size();
@@ -960,15 +1009,7 @@ pub fn probe_links(out: &Path) -> Result<()> {
             Ok(())
         })? / (20 * (g - 1)) as f64;
         let data = vec![1u8; PER_RANK];
-        let mut times = Vec::new();
-        for i in 0..7 {
-            let s = slowest(&mut || group.all_gather(&data).map(|_| ()).map_err(Into::into))?;
-            if i >= 2 {
-                times.push(s);
-            }
-        }
-        times.sort_by(f64::total_cmp);
-        let seconds = times[times.len() / 2];
+        let seconds = median(&mut || group.all_gather(&data).map(|_| ()).map_err(Into::into))?;
         // Seconds of each level's busiest link at 1 GB/s: its gigabytes.
         let busy = net
             .cost(&Collective::new(
@@ -984,13 +1025,24 @@ pub fn probe_links(out: &Path) -> Result<()> {
             // No link of this level in the group (a node of one GPU): nothing to measure.
             continue;
         }
-        let bottleneck = (1..=level)
-            .max_by(|&a, &b| (busy[a] / shaped[a]).total_cmp(&(busy[b] / shaped[b])))
-            .expect("a level");
-        if bottleneck == level {
-            measured.push((level, busy[level] / seconds, latency));
-        } else {
+        if bottleneck(&busy, level) != level {
             unidentified.push((level, latency));
+            continue;
+        }
+        let one = busy[level] / seconds;
+        measured.push((level, one, latency));
+        let peers = comm.try_group(Scope::Across(level))?;
+        let across = net.cost(&Collective::new(
+            Levels {
+                lo: level,
+                hi: level + 1,
+            },
+            Op::AllGather,
+            (PER_RANK * peers.size()) as u64,
+        ));
+        if across.flows[level] > 1 && bottleneck(&across.busy_s, level) == level {
+            let seconds = median(&mut || peers.all_gather(&data).map(|_| ()).map_err(Into::into))?;
+            shared.push((level, (across.busy_s[level] / seconds / one).min(1.0)));
         }
     }
     let efficiency = {
@@ -1008,7 +1060,17 @@ pub fn probe_links(out: &Path) -> Result<()> {
             .map(|(l, lat)| (l, shaped[l] * efficiency, lat)),
     );
     all.sort_by_key(|x| x.0);
+    let mean_shared =
+        (!shared.is_empty()).then(|| shared.iter().map(|s| s.1).sum::<f64>() / shared.len() as f64);
     let probe = MpiProbe {
+        flow_efficiency: mean_shared.map_or_else(Vec::new, |mean| {
+            all.iter()
+                .map(|&(l, _, _)| {
+                    let e = shared.iter().find(|s| s.0 == l).map_or(mean, |s| s.1);
+                    (t.levels()[l].name.clone(), e)
+                })
+                .collect()
+        }),
         link_gbps: all
             .iter()
             .map(|&(l, r, _)| (t.levels()[l].name.clone(), r))

@@ -18,7 +18,7 @@ pub struct PlanArgs {
     pub json: bool,
     /// Link bandwidths and compute rate: `frontier`, or a TOML/JSON file with name,
     /// level_gbps (innermost first), peak_tflops and mfu, and optionally link_gbps,
-    /// latency_us, rank_tflops and [cpu] (`ember cluster up` writes one)
+    /// latency_us, flow_efficiency, rank_tflops and [cpu] (`ember cluster up` writes one)
     #[arg(long, default_value = "frontier")]
     pub profile: String,
     /// Also print the replayed step: when each visit and each collective stage ran
