@@ -528,6 +528,36 @@ fn bf16_compute_tracks_f32_training() {
         "a run without bf16 instructions says how it computes: {said}"
     );
     assert_eq!(losses(&f32_run), losses(&widened_run));
+    // `ember plan` plans what `ember train` runs: all in f32 at one rank, bf16 parameters
+    // computing in f32 at two.
+    let plan = |topology: &str| -> serde_json::Value {
+        let args = [
+            "plan",
+            "--preset",
+            "tiny",
+            "--shard",
+            "zero3",
+            "--dtype",
+            "bf16",
+            "--topology",
+            topology,
+            "--json",
+        ];
+        let output = ember_with(&args, &[("EMBER_BF16_DOT", "0")], Duration::from_secs(60));
+        assert!(output.status.success(), "ember {args:?} failed");
+        serde_json::from_slice(&output.stdout).unwrap()
+    };
+    let one = plan("1x1x1");
+    assert_eq!(
+        (&one["shard"]["compute"], &one["asked_dtype"]),
+        (&"f32".into(), &"bf16".into())
+    );
+    let two = plan("1x2x1");
+    assert_eq!(
+        (&two["shard"]["compute"], &two["module_dtype"]),
+        (&"bf16".into(), &"f32".into())
+    );
+    assert!(two.get("asked_dtype").is_none());
     // With them (where this CPU has them), bf16 computes in bf16.
     if !bf16_said.contains(in_f32) {
         for (a, b) in f32_run.iter().zip(&bf16_run) {

@@ -64,6 +64,11 @@ pub struct PlanReport {
     pub shard: ShardConfig,
     /// The dtype forward and backward compute in ([`module_dtype`]).
     pub module_dtype: Compute,
+    /// The `--dtype` asked for, where the run trains in another (bf16 at one rank on a CPU
+    /// without bf16 dot-product instructions trains all in f32 where that fits, as `ember
+    /// train` does).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub asked_dtype: Option<Compute>,
     /// Global batch and micro-batching.
     pub batch_size: usize,
     /// Micro-batches per step.
@@ -171,16 +176,31 @@ pub fn report(
     profile
         .validate(topology.depth())
         .map_err(|e| usage(format!("--profile: {e}")))?;
-    let plan = gpt_plan(
-        model,
-        topology,
-        shard,
-        batch_size,
-        grad_accum,
-        model.block_size,
-        config.device,
-    )
-    .map_err(|e| usage(format!("--shard: {e}")))?;
+    let of = |shard: ShardConfig| {
+        gpt_plan(
+            model,
+            topology,
+            shard,
+            batch_size,
+            grad_accum,
+            model.block_size,
+            config.device,
+        )
+        .map_err(|e| usage(format!("--shard: {e}")))
+    };
+    let asked = shard.compute;
+    let mut plan = of(shard.clone())?;
+    if world == 1 && plan.module_dtype != asked {
+        // As `ember train` does: one rank sends nothing, so bf16 parameters computing in f32
+        // would only add a copy and casts; it trains all in f32 where that fits.
+        let wide = of(ShardConfig {
+            compute: Compute::F32,
+            ..shard
+        })?;
+        if check_memory(&wide.memory(grad_accum), 1, false, |_| Vec::new()).is_ok() {
+            plan = wide;
+        }
+    }
     let memory = plan.memory(grad_accum);
     let table: TrafficTable = plan.traffic(grad_accum);
     let traffic = table
@@ -201,6 +221,7 @@ pub fn report(
         world_size: world,
         shard: plan.config.clone(),
         module_dtype: plan.module_dtype,
+        asked_dtype: (plan.config.compute != asked).then_some(asked),
         batch_size,
         grad_accum,
         block_size: model.block_size,
@@ -268,7 +289,13 @@ pub fn render(r: &PlanReport, profile: &Profile) -> String {
     let gb = |b: u64| b as f64 / 1e9;
     let mut out = String::new();
     let m = &r.memory;
-    let dtype = if r.module_dtype == r.shard.compute {
+    let dtype = if let Some(asked) = r.asked_dtype {
+        format!(
+            "{} (--dtype {asked} at one rank without bf16 dot-product instructions, or with \
+             EMBER_BF16_DOT=0, trains all in {}, as ember train does where it fits)",
+            r.shard.compute, r.shard.compute
+        )
+    } else if r.module_dtype == r.shard.compute {
         r.shard.compute.to_string()
     } else {
         format!(
