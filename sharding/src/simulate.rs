@@ -10,10 +10,10 @@
 //! - every gather and reduction is a chain of collectives, one per group; each group has one
 //!   thread per lane (gathers, reductions) that runs its stages one at a time in the order
 //!   they were handed over, so consecutive jobs overlap on different links;
-//! - stages that run at once share the links they both use: each gets an equal share of a
-//!   shared level's rate (processor sharing), slowing it in proportion to how much it needs
-//!   that level, and a stage of one flow per link that meets another runs at the level's
-//!   rate for several flows;
+//! - stages that run at once share the links they both use, max-min fairly: a stage bound on
+//!   another level (a gather across nodes on its uplinks) takes only the share of a GPU link
+//!   it can use, and the stages that want more split the rest equally; a link whose
+//!   direction then carries several flows runs at the level's rate for several flows;
 //! - with a CPU profile, the training thread and the stages share the rank's cores, max-min
 //!   fairly: a stage needs CPU in proportion to its bytes (the TCP/IP stack, copies,
 //!   quantization), and the training thread takes what is left.
@@ -131,6 +131,27 @@ fn share(capacity: f64, demands: &[f64]) -> Vec<f64> {
         open = big;
     }
     alloc
+}
+
+/// The fraction of its lone speed each stage gets when `asks[i][l]` is the share of level
+/// `l`'s links stage `i` uses alone (0 where it does not use them): every level is split
+/// max-min fairly among the stages asking for it, and a stage runs as fast as its tightest
+/// level lets it.
+fn grants(asks: &[Vec<f64>]) -> Vec<f64> {
+    let mut granted = vec![1.0f64; asks.len()];
+    let depth = asks.iter().map(Vec::len).max().unwrap_or(0);
+    for l in 0..depth {
+        let level: Vec<f64> = asks
+            .iter()
+            .map(|a| a.get(l).copied().unwrap_or(0.0))
+            .collect();
+        for ((g, got), ask) in granted.iter_mut().zip(share(1.0, &level)).zip(&level) {
+            if *ask > 0.0 {
+                *g = g.min(got / ask);
+            }
+        }
+    }
+    granted
 }
 
 /// Replays one optimizer step of `grad_accum` micro-batches of `plan` on `profile`'s machine.
@@ -298,37 +319,46 @@ pub fn simulate(plan: &Plan, grad_accum: usize, profile: &Profile) -> Timeline {
                 start: t,
             });
         }
-        // Link rates: each moving stage shares every level it uses with the others using it.
+        // Link rates: each moving stage shares every level it uses with the others using it,
+        // and the flows of all of them share each link.
         let moving = |x: &Transfer| x.latency_left <= 0.0;
-        let mut users = vec![0usize; depth];
         let mut flows = vec![0usize; depth];
         for x in active.iter().filter(|x| moving(x)) {
             for (l, b) in x.stage.busy_s.iter().enumerate() {
                 if *b > 0.0 {
-                    users[l] += 1;
                     flows[l] += x.stage.flows[l];
                 }
             }
         }
-        // Fraction of each moving stage done per second, as far as the links go.
-        let link_rate: Vec<f64> = active
+        // Fraction of each moving stage done per second, as far as the links go. On every
+        // level, the stages using it split its links max-min fairly: each asks for the share
+        // it uses alone (its busy time there over its transfer time), scaled up where the
+        // level then carries more flows than the stage alone puts on it; a stage bound on
+        // another level asks for little, and the others get the rest. A stage runs at the
+        // fraction of its lone speed its tightest level grants.
+        let asks: Vec<Vec<f64>> = active
             .iter()
             .map(|x| {
-                let alone = x.stage.busy_s.iter().copied().fold(0.0, f64::max);
-                let shared = (0..depth)
+                let st = &x.stage;
+                (0..depth)
                     .map(|l| {
-                        let b = x.stage.busy_s[l];
-                        if b <= 0.0 {
+                        if !moving(x) || st.busy_s[l] <= 0.0 || st.transfer_s <= 0.0 {
                             return 0.0;
                         }
-                        let own = profile.flow_efficiency(l, x.stage.flows[l]);
+                        let own = profile.flow_efficiency(l, st.flows[l]);
                         let all = profile.flow_efficiency(l, flows[l]);
-                        b * users[l].max(1) as f64 * own / all
+                        st.busy_s[l] / st.transfer_s * own / all
                     })
-                    .fold(0.0, f64::max);
-                let slowdown = if alone > 0.0 { shared / alone } else { 1.0 };
+                    .collect()
+            })
+            .collect();
+        let granted = grants(&asks);
+        let link_rate: Vec<f64> = active
+            .iter()
+            .zip(&granted)
+            .map(|(x, &g)| {
                 if x.stage.transfer_s > 0.0 {
-                    1.0 / (x.stage.transfer_s * slowdown)
+                    g / x.stage.transfer_s
                 } else {
                     f64::INFINITY
                 }
@@ -472,7 +502,27 @@ pub fn simulate(plan: &Plan, grad_accum: usize, profile: &Profile) -> Timeline {
 
 #[cfg(test)]
 mod tests {
-    use super::share;
+    use super::{grants, share};
+
+    #[test]
+    fn a_stage_bound_elsewhere_leaves_the_shared_link_to_the_others() {
+        // Two stages that each fill the GPU links alone run at half speed together.
+        assert_eq!(grants(&[vec![0.0, 1.0], vec![0.0, 1.0]]), vec![0.5, 0.5]);
+        // A gather bound on the uplinks uses a tenth of the GPU links: it keeps its speed and
+        // the ring beside it gets the other nine tenths.
+        let g = grants(&[vec![0.0, 1.0, 0.0], vec![0.0, 0.1, 1.0]]);
+        assert!((g[0] - 0.9).abs() < 1e-12 && g[1] == 1.0, "{g:?}");
+        // Two such gathers halve each other on the uplinks.
+        let g = grants(&[
+            vec![0.0, 1.0, 0.0],
+            vec![0.0, 0.1, 1.0],
+            vec![0.0, 0.1, 1.0],
+        ]);
+        assert!(
+            (g[0] - 0.8).abs() < 1e-12 && g[1] == 0.5 && g[2] == 0.5,
+            "{g:?}"
+        );
+    }
 
     #[test]
     fn cores_go_to_the_hungry_after_the_modest_are_served() {
