@@ -174,15 +174,29 @@ fn every_preset_matches_the_single_process_loss_at_every_topology() {
 #[test]
 fn accumulation_and_bf16_match_single_process_too() {
     let tmp = tempfile::tempdir().unwrap();
-    for (tag, extra) in [
-        ("accum", &["--grad-accum", "2"][..]),
-        ("bf16", &["--dtype", "bf16"][..]),
+    // hier3 (unquantized, to compare exactly) accumulates its gradients over the node and
+    // reduces across nodes once per step.
+    let hier3 = [
+        "--shard",
+        "hier3",
+        "--topology",
+        "2x1x2",
+        "--quantize-weights",
+        "off",
+        "--quantize-grads",
+        "off",
+    ];
+    let zero3 = ["--shard", "zero3", "--topology", "2x2x1"];
+    for (tag, extra, shard) in [
+        ("accum", &["--grad-accum", "2"][..], &zero3[..]),
+        ("bf16", &["--dtype", "bf16"][..], &zero3[..]),
+        ("hier3-accum", &["--grad-accum", "2"][..], &hier3[..]),
     ] {
         let single = tmp.path().join(format!("single-{tag}"));
         ok(0, &train_args(&single, "20", extra));
-        let out = tmp.path().join(format!("zero3-{tag}"));
+        let out = tmp.path().join(format!("sharded-{tag}"));
         let mut args = extra.to_vec();
-        args.extend(["--shard", "zero3", "--topology", "2x2x1"]);
+        args.extend(shard);
         ok(4, &train_args(&out, "20", &args));
         // bf16 rounds activations (or, on a CPU without bf16 dot-product instructions, only
         // the parameters and the reductions), so summation order matters more there.
@@ -329,7 +343,7 @@ fn quantized_presets_stay_within_2_percent_of_zero3_at_every_step_over_300() {
 fn bad_sharding_input_is_refused_with_the_reason() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("bad");
-    let cases: [(usize, &str, &str); 7] = [
+    let cases: [(usize, &str, &str); 8] = [
         (
             4,
             "--shard zero3 --topology 2x2x1 --batch-size 6",
@@ -350,6 +364,11 @@ fn bad_sharding_input_is_refused_with_the_reason() {
             2,
             "--shard zero3 --topology 2x1x1 --secondary world",
             "smaller group",
+        ),
+        (
+            2,
+            "--shard zero3 --topology 2x1x1 --accumulate-at node",
+            "--accumulate-at node",
         ),
         (0, "--secondary gpu", "add --shard PRESET"),
         (2, "", "without --shard"),

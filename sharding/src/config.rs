@@ -174,6 +174,12 @@ pub struct Sharded {
     /// Whether gradients are partitioned (ZeRO-2 and up: reduced after every micro-batch into
     /// the optimizer's shard) or kept whole until the step's last micro-batch (ZeRO-1).
     pub shard_grads: bool,
+    /// Where partitioned gradients accumulate over a step's micro-batches: one of
+    /// `inner_hops`. Every micro-batch's reduction runs the hops up to it and adds the result
+    /// into an f32 shard of that span; the hops beyond it run once, after the last
+    /// micro-batch, so the slow outer links carry gradients once per step instead of once per
+    /// micro-batch. `None`: every hop after every micro-batch (ZeRO-2/3, ZeRO++).
+    pub accumulate: Option<Span>,
     /// Gradient quantization of the reduce-scatter (`None`: reduce in the compute dtype).
     pub quantize_grads: Option<GradQuantize>,
     /// The parameters.
@@ -217,6 +223,9 @@ struct Flat {
     optimizer: Span,
     grad_hops: Vec<Span>,
     shard_grads: bool,
+    /// Absent in manifests written before gradients could accumulate inside the path.
+    #[serde(default)]
+    accumulate: Option<Span>,
     quantize_weights: WeightQuant,
     quantize_grads: GradQuant,
     quant_block: usize,
@@ -235,6 +244,7 @@ impl From<ShardConfig> for Flat {
             optimizer: c.optimizer(),
             grad_hops: c.grad_hops(),
             shard_grads: c.shard_grads(),
+            accumulate: c.accumulate(),
             quantize_weights: c.quantize_weights(),
             quantize_grads: c.quantize_grads(),
             error_feedback: c.error_feedback(),
@@ -280,6 +290,7 @@ impl TryFrom<Flat> for ShardConfig {
                     optimizer: f.optimizer,
                     inner_hops: inner.to_vec(),
                     shard_grads: f.shard_grads,
+                    accumulate: None,
                     quantize_grads: None,
                     params,
                 })
@@ -310,6 +321,7 @@ impl TryFrom<Flat> for ShardConfig {
         c.set_quantize_weights(f.quantize_weights)?;
         c.set_quantize_grads(f.quantize_grads)?;
         c.set_error_feedback(f.error_feedback)?;
+        c.set_accumulate(f.accumulate)?;
         Ok(c)
     }
 }
@@ -369,6 +381,7 @@ impl ShardConfig {
                 optimizer: world,
                 inner_hops,
                 shard_grads,
+                accumulate: None,
                 quantize_grads,
                 params,
             })
@@ -396,12 +409,18 @@ impl ShardConfig {
                 int4,
                 split(Some(Span(depth.saturating_sub(1))), WeightQuant::Int8),
             ),
-            "hier3" => sharded(
-                (1..depth).map(Span).collect(),
-                true,
-                int4,
-                split(Some(Span(1.min(depth))), WeightQuant::Int8),
-            ),
+            // Each state on a level of its own: the secondary copy over the GCD pair,
+            // gradients accumulated over the node (the path's last inner hop), the optimizer
+            // state over the world; only a step's last micro-batch sends gradients across
+            // nodes.
+            "hier3" => States::Sharded(Sharded {
+                optimizer: world,
+                inner_hops: (1..depth).map(Span).collect(),
+                shard_grads: true,
+                accumulate: depth.checked_sub(1).filter(|&d| d > 0).map(Span),
+                quantize_grads: int4,
+                params: split(Some(Span(1.min(depth))), WeightQuant::Int8),
+            }),
             other => {
                 return Err(ShardError::setting(
                     "preset",
@@ -471,6 +490,12 @@ impl ShardConfig {
     /// Whether gradients are partitioned after every micro-batch (ZeRO-2 and up).
     pub fn shard_grads(&self) -> bool {
         self.sharded().is_some_and(|s| s.shard_grads)
+    }
+
+    /// Where partitioned gradients accumulate over a step's micro-batches, when inside the
+    /// gradient path (see [`Sharded::accumulate`]).
+    pub fn accumulate(&self) -> Option<Span> {
+        self.sharded().and_then(|s| s.accumulate)
     }
 
     /// Weight quantization of parameter gathers.
@@ -595,6 +620,32 @@ impl ShardConfig {
         }
     }
 
+    /// Sets where partitioned gradients accumulate over a step's micro-batches: one of the
+    /// gradient path's inner hops (checked by [`validate`](Self::validate)), or `None`.
+    pub fn set_accumulate(&mut self, span: Option<Span>) -> Result<(), ShardError> {
+        match (&mut self.states, span) {
+            (States::Sharded(s), span) if s.shard_grads => {
+                s.accumulate = span;
+                Ok(())
+            }
+            (_, None) => Ok(()),
+            (States::Sharded(_), Some(s)) => Err(ShardError::setting(
+                "accumulate",
+                format!("span {}", s.0),
+                "unpartitioned gradients (ZeRO-1) already accumulate whole and are reduced once \
+                 per step",
+            )
+            .with_fix("accumulate", "none")),
+            (States::Replicated, Some(s)) => Err(ShardError::setting(
+                "accumulate",
+                format!("span {}", s.0),
+                "replicated optimizer state all-reduces gradients in one hop: there is no \
+                 inner hop to accumulate at",
+            )
+            .with_fix("accumulate", "none")),
+        }
+    }
+
     /// Checks the spans against `topology`; the error says what is wrong and why.
     pub fn validate(&self, topology: &Topology) -> Result<(), ShardError> {
         let depth = topology.depth();
@@ -629,6 +680,28 @@ impl ShardConfig {
                     "gradient hops must widen strictly, innermost first, starting above the \
                      gcd level, and end at the optimizer state's",
                 ));
+            }
+            if let Some(span) = s.accumulate
+                && !s.inner_hops.contains(&span)
+            {
+                return Err(ShardError::setting(
+                    "accumulate",
+                    name(span),
+                    format!(
+                        "gradients accumulate at the end of one of the path's inner hops ({}), \
+                         so that hops remain to run once per step",
+                        if s.inner_hops.is_empty() {
+                            "this path has none: it is one hop".to_string()
+                        } else {
+                            s.inner_hops
+                                .iter()
+                                .map(|&h| name(h))
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        }
+                    ),
+                )
+                .with_fix("accumulate", "none"));
             }
             if let Some(secondary) = self.secondary()
                 && secondary >= s.optimizer
@@ -670,13 +743,15 @@ impl fmt::Display for ShardConfig {
         write!(
             f,
             "{} (params span {}, secondary {:?}, optimizer span {}, grad hops {:?}, \
-             sharded grads {}, weights {:?}, grads {:?}, {:?}, prefetch {}, recompute {:?})",
+             sharded grads {}, accumulate {:?}, weights {:?}, grads {:?}, {:?}, prefetch {}, \
+             recompute {:?})",
             self.preset,
             self.params().0,
             self.secondary().map(|s| s.0),
             self.optimizer().0,
             self.grad_hops().iter().map(|s| s.0).collect::<Vec<_>>(),
             self.shard_grads(),
+            self.accumulate().map(|s| s.0),
             self.quantize_weights(),
             self.quantize_grads(),
             self.compute,
@@ -710,9 +785,11 @@ mod tests {
         let hier3 = ShardConfig::preset("hier3", 3).unwrap();
         assert_eq!(hier3.grad_hops(), vec![Span(1), Span(2), Span(3)]);
         assert_eq!(hier3.secondary(), Some(Span(1)));
+        assert_eq!(hier3.accumulate(), Some(Span(2)));
         let zpp = ShardConfig::preset("zeropp", 3).unwrap();
         assert_eq!(zpp.grad_hops(), vec![Span(2), Span(3)]);
         assert_eq!(zpp.secondary(), Some(Span(2)));
+        assert_eq!(zpp.accumulate(), None);
         let ddp = ShardConfig::preset("ddp", 3).unwrap();
         assert_eq!((ddp.params(), ddp.optimizer()), (Span(0), Span(0)));
         let z1 = ShardConfig::preset("zero1", 3).unwrap();
@@ -758,6 +835,21 @@ mod tests {
         }
         let e = c.validate(&topo).unwrap_err().to_string();
         assert!(e.contains("widen strictly"), "{e}");
+        // Gradients accumulate only where hops remain beyond.
+        let mut c = ShardConfig::preset("zero3", 3).unwrap();
+        c.set_accumulate(Some(Span(2))).unwrap();
+        let e = c.validate(&topo).unwrap_err().to_string();
+        assert!(e.contains("one hop"), "{e}");
+        let mut c = ShardConfig::preset("hier3", 3).unwrap();
+        c.set_accumulate(Some(Span(3))).unwrap();
+        let e = c.validate(&topo).unwrap_err().to_string();
+        assert!(e.contains("gpu, node"), "{e}");
+        let e = ShardConfig::preset("zero1", 3)
+            .unwrap()
+            .set_accumulate(Some(Span(2)))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("once per step"), "{e}");
     }
 
     #[test]
@@ -798,6 +890,7 @@ mod tests {
             optimizer: Span(2),
             inner_hops: vec![Span(1)],
             shard_grads: true,
+            accumulate: Some(Span(1)),
             quantize_grads: Some(GradQuantize {
                 format: GradQuant::Int8,
                 error_feedback: false,

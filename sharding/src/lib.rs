@@ -89,7 +89,7 @@
 //! | `zero2` | replicated | world | world | none | DeepSpeed ZeRO-2 |
 //! | `zero3` | world | world | world | none | DeepSpeed ZeRO-3; FSDP2 `fully_shard` per block and root |
 //! | `zeropp` | world, secondary copy per node | node, then world | world | int8 weights, int4 gradients | DeepSpeed ZeRO++ (qwZ, hpZ, qgZ) |
-//! | `hier3` | world, secondary copy per GPU | GPU, node, then world | world | int8 weights, int4 gradients | the three-level scheme of arXiv 2501.04266 |
+//! | `hier3` | world, secondary copy per GPU | GPU and node every micro-batch, accumulated over the node, then world once per step | world | int8 weights, int4 gradients | the three-level scheme of arXiv 2501.04266 |
 //!
 //! Other equivalents: [`Shard::blocks`] is FSDP2's `fully_shard` on each block and on the
 //! root; one [`UnitDecl`] per block is the same by hand;

@@ -480,8 +480,9 @@ impl Plan {
         }
     }
 
-    /// The collectives of reducing unit `u`'s gradient once, in the order they run.
-    pub fn reduce_collectives(&self, u: usize) -> Vec<Collective> {
+    /// The collectives of reducing unit `u`'s gradient once, in the order they run: only the
+    /// hops up to the accumulation span when `inner_only` (see [`Plan::accumulated_hops`]).
+    pub fn reduce_collectives(&self, u: usize, inner_only: bool) -> Vec<Collective> {
         let padded = self.units[u].padded;
         let world = Levels {
             lo: 0,
@@ -498,7 +499,11 @@ impl Plan {
             return out;
         }
         let mut len = padded;
-        for hop in self.hops() {
+        let inner = match (inner_only, self.accumulated_hops()) {
+            (true, Some(i)) => i,
+            _ => usize::MAX,
+        };
+        for hop in self.hops().into_iter().take(inner) {
             let g = hop.size(&self.topology);
             if g == 1 {
                 continue;
@@ -525,10 +530,22 @@ impl Plan {
             lo: o.0,
             hi: self.topology.depth(),
         };
-        if across.size(&self.topology) > 1 {
+        if across.size(&self.topology) > 1 && inner == usize::MAX {
             out.push(Collective::new(across, Op::AllReduce, (len * c) as u64));
         }
         out
+    }
+
+    /// How many of the gradient path's hops every micro-batch runs when gradients accumulate
+    /// inside the path ([`ShardConfig::accumulate`](crate::ShardConfig::accumulate)): the hops
+    /// up to the accumulation span, when some of them and some beyond it move data. The hops
+    /// beyond run once, after the step's last micro-batch. `None`: every hop, every time.
+    pub fn accumulated_hops(&self) -> Option<usize> {
+        let span = self.config.accumulate()?;
+        let hops = self.hops();
+        let i = hops.iter().position(|h| h.hi == span.0)? + 1;
+        let moves = |h: &Levels| h.size(&self.topology) > 1;
+        (hops[..i].iter().any(moves) && hops[i..].iter().any(moves)).then_some(i)
     }
 
     pub(crate) fn block(&self) -> BlockSize {
@@ -585,6 +602,7 @@ impl Collective {
 mod tests {
     use super::*;
     use crate::config::DEFAULT_QUANT_BLOCK;
+    use crate::schedule::Event;
 
     fn units() -> Vec<UnitSpec> {
         vec![
@@ -718,6 +736,41 @@ mod tests {
     }
 
     #[test]
+    fn hier3_accumulates_gradients_over_the_node_and_crosses_nodes_once_per_step() {
+        let h3 = plan("hier3", "2x2x2");
+        // The path's hops: gcd pair, node, world; the first two run every micro-batch.
+        assert_eq!(h3.accumulated_hops(), Some(2));
+        let hops = h3.hops();
+        // Gradient collectives over one hop's group in a step of `accum` micro-batches.
+        let reductions = |p: &Plan, accum: usize, hop: Levels| {
+            p.schedule(accum)
+                .into_iter()
+                .filter(|e| matches!(e, Event::Reduce { .. }))
+                .flat_map(|e| p.collectives(e))
+                .filter(|c| c.group == hop)
+                .count()
+        };
+        let across_nodes = |p: &Plan, accum: usize| reductions(p, accum, hops[2]);
+        let inside_node = |p: &Plan, accum: usize| reductions(p, accum, hops[1]);
+        let k = h3.units.len();
+        assert_eq!(across_nodes(&h3, 1), k);
+        assert_eq!(across_nodes(&h3, 4), k);
+        assert_eq!(inside_node(&h3, 4), 4 * k);
+        // Without accumulation every micro-batch crosses nodes.
+        let mut every = h3.clone();
+        every.config.set_accumulate(None).unwrap();
+        assert_eq!(every.accumulated_hops(), None);
+        assert_eq!(across_nodes(&every, 4), 4 * k);
+        // The accumulated f32 shards over the node, only when there is more than one
+        // micro-batch.
+        let acc: u64 = (0..k).map(|u| 4 * h3.shard_len(u, Span(2)) as u64).sum();
+        assert_eq!(h3.memory(2).grads, every.memory(2).grads + acc);
+        assert_eq!(h3.memory(1).grads, every.memory(1).grads);
+        // One node: nothing beyond the node to save, so every hop runs every time.
+        assert_eq!(plan("hier3", "1x2x2").accumulated_hops(), None);
+    }
+
+    #[test]
     fn f32_modules_over_bf16_parameters_hold_the_units_they_compute_with_in_f32() {
         let bf16 = |preset: &str| {
             let mut c = ShardConfig::preset(preset, 3).unwrap();
@@ -794,7 +847,6 @@ mod tests {
 
     #[test]
     fn every_backward_gathers_before_it_computes_and_reduces_after() {
-        use crate::schedule::Event;
         for preset in ["zero3", "hier3", "zero2", "ddp"] {
             let p = plan(preset, "2x2x2");
             let events = p.schedule(2);
@@ -808,7 +860,7 @@ mod tests {
                             gathered[u] -= 1;
                         }
                     }
-                    Event::Reduce { unit } => assert!(
+                    Event::Reduce { unit, .. } => assert!(
                         events[..i].iter().any(|e| matches!(e, Event::Visit(v)
                             if v.backward && v.stage == p.units[*unit].grad_ready_at)
                             || matches!(e, Event::Whole { .. })),

@@ -418,11 +418,14 @@ pub struct Residuals {
 /// over. Unquantized reductions move the compute dtype: bf16 when computing in bf16 (each hop
 /// adds in f32 and rounds to bf16), as DeepSpeed and FSDP reduce by default. `deliver` gets
 /// the shard, in f32.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn reduce_flow<'e>(
     plan: &'e Plan,
     u: usize,
     grad: Tensor<1>,
+    inner_only: bool,
     residuals: &'e std::sync::Mutex<Vec<Residuals>>,
+    accumulated: &'e Accumulated,
     device: &'e Device,
     deliver: impl FnOnce(Result<Tensor<1>, ShardError>) + Send + 'e,
 ) -> Result<Flow<'e>, ShardError> {
@@ -480,6 +483,15 @@ pub(crate) fn reduce_flow<'e>(
     }
     let feedback = cfg.error_feedback();
     let hop_count = path_hops.len();
+    // Gradients accumulating inside the path: the first live hop beyond the accumulation span
+    // starts from this micro-batch's partial sum plus the earlier ones'.
+    let beyond = plan
+        .accumulated_hops()
+        .and_then(|i| live.iter().position(|&(k, _)| k >= i));
+    let live = match beyond {
+        Some(b) if inner_only => &live[..b],
+        _ => &live[..],
+    };
     // The whole gradient in hop order, so each hop hands member m its part m.
     let path_for_order = path.clone();
     let hop_ordered = move |grad: Tensor<1>| -> Tensor<1> {
@@ -556,7 +568,34 @@ pub(crate) fn reduce_flow<'e>(
                 )?)))
             }),
         };
+        let stage: StageFn<'e> = if beyond == Some(i) {
+            Box::new(move |c: &Comm, carry: Carry| {
+                stage(c, add_accumulated(carry, accumulated, u, device))
+            })
+        } else {
+            stage
+        };
         stages.push((hop, stage));
+    }
+    if inner_only && beyond.is_some() {
+        // An earlier micro-batch: its partial sum joins the step's, for the last one to carry
+        // over the remaining hops.
+        drop(deliver);
+        return Ok(Flow {
+            stages,
+            finish: Box::new(move |carry| {
+                let part = match carry {
+                    Carry::Tensor(t) => *t,
+                    c => host_to_f32(c, device),
+                };
+                let mut all = accumulated.lock().unwrap_or_else(|e| e.into_inner());
+                all[u] = Some(match all[u].take() {
+                    Some(a) => a + part,
+                    None => part,
+                });
+                Ok(())
+            }),
+        });
     }
     let across = Levels {
         lo: cfg.optimizer().0,
@@ -610,6 +649,26 @@ pub(crate) fn reduce_flow<'e>(
             Ok(())
         }),
     })
+}
+
+/// Each unit's gradient accumulated inside the gradient path over a step's earlier
+/// micro-batches (f32, in the hop order of the span it accumulates at).
+pub(crate) type Accumulated = std::sync::Mutex<Vec<Option<Tensor<1>>>>;
+
+/// `carry` (a partial sum at the accumulation span) plus unit `u`'s accumulated gradient,
+/// taken, in the carry's own form; unchanged when nothing accumulated (one micro-batch).
+fn add_accumulated(carry: Carry, accumulated: &Accumulated, u: usize, device: &Device) -> Carry {
+    let Some(acc) = accumulated.lock().unwrap_or_else(|e| e.into_inner())[u].take() else {
+        return carry;
+    };
+    match carry {
+        Carry::Tensor(t) => Carry::Tensor(Box::new(*t + acc)),
+        Carry::F32(v) => Carry::F32(staging::to_f32(staging::from_f32(v, device) + acc)),
+        Carry::Bf16(v) => Carry::Bf16(staging::to_bf16(
+            staging::from_bf16(&v, device).cast(DType::F32) + acc,
+        )),
+        _ => unreachable!("a reduction's hop carries values"),
+    }
 }
 
 /// The sum of `t` over the group of `levels`, in bf16 when `bf16`, else in f32.

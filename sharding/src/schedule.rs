@@ -48,6 +48,10 @@ pub enum Event {
     Reduce {
         /// The unit reduced.
         unit: usize,
+        /// Only the hops up to the accumulation span run, adding into the step's accumulated
+        /// gradient (every micro-batch but the last, when gradients accumulate inside the
+        /// path: [`Plan::accumulated_hops`]).
+        inner_only: bool,
     },
 }
 
@@ -66,11 +70,16 @@ impl Plan {
         let cfg = &self.config;
         let k = self.units.len();
         let mut out = Vec::new();
+        let accumulates = self.accumulated_hops().is_some();
+        let inner_only = |micro: usize| accumulates && micro + 1 < grad_accum;
         if cfg.params() == Span(0) {
             for micro in 0..grad_accum {
                 out.push(Event::Whole { micro });
                 if cfg.shard_grads() {
-                    out.extend((0..k).map(|unit| Event::Reduce { unit }));
+                    out.extend((0..k).map(|unit| Event::Reduce {
+                        unit,
+                        inner_only: inner_only(micro),
+                    }));
                 }
             }
         } else {
@@ -104,14 +113,20 @@ impl Plan {
                 if v.backward && cfg.shard_grads() {
                     for &unit in &self.units[v.stage].needs {
                         if self.units[unit].grad_ready_at == v.stage {
-                            out.push(Event::Reduce { unit });
+                            out.push(Event::Reduce {
+                                unit,
+                                inner_only: inner_only(v.micro),
+                            });
                         }
                     }
                 }
             }
         }
         if !cfg.shard_grads() {
-            out.extend((0..k).map(|unit| Event::Reduce { unit }));
+            out.extend((0..k).map(|unit| Event::Reduce {
+                unit,
+                inner_only: false,
+            }));
         }
         out
     }
@@ -123,7 +138,7 @@ impl Plan {
                 (Source::Secondary, Some(span)) => self.gather_secondary_collectives(unit, span),
                 _ => self.gather_primary_collectives(unit),
             },
-            Event::Reduce { unit } => self.reduce_collectives(unit),
+            Event::Reduce { unit, inner_only } => self.reduce_collectives(unit, inner_only),
             Event::Visit(_) | Event::Whole { .. } => Vec::new(),
         }
     }
@@ -209,6 +224,14 @@ impl Plan {
         } else {
             sum(&|u| 4 * padded(u))
         };
+        // Gradients accumulating inside the path: an f32 shard per unit at that span.
+        let grads = grads
+            + match (self.accumulated_hops(), cfg.accumulate()) {
+                (Some(_), Some(span)) if grad_accum > 1 => {
+                    sum(&|u| 4 * self.shard_len(u, span) as u64)
+                }
+                _ => 0,
+            };
         let optimizer = sum(&|u| 12 * self.shard_len(u, cfg.optimizer()) as u64);
         let residuals = if cfg.error_feedback() && cfg.quantize_grads() != GradQuant::Off {
             sum(&|u| {
@@ -417,7 +440,7 @@ impl Plan {
                         }
                     }
                 }
-                Event::Reduce { unit } => {
+                Event::Reduce { unit, .. } => {
                     let handed = if cfg.shard_grads() {
                         std::mem::take(&mut work[unit])
                     } else {

@@ -214,7 +214,7 @@ pub fn simulate(plan: &Plan, grad_accum: usize, profile: &Profile) -> Timeline {
             };
             next += 1;
             match event {
-                Event::Gather { unit, .. } | Event::Reduce { unit } => {
+                Event::Gather { unit, .. } | Event::Reduce { unit, .. } => {
                     let lane = usize::from(matches!(event, Event::Reduce { .. }));
                     let kind = if lane == 0 { "gather" } else { "reduce" };
                     let stages: Vec<Stage> = plan

@@ -23,7 +23,7 @@ use ember_comm::Comm;
 
 use crate::error::ShardError;
 use crate::plan::{Levels, Plan};
-use crate::route::{self, Carry, FinishFn, Flow, Residuals, Secondaries, StageFn};
+use crate::route::{self, Accumulated, Carry, FinishFn, Flow, Residuals, Secondaries, StageFn};
 use crate::schedule::Source;
 use crate::simulate::Span;
 
@@ -31,8 +31,13 @@ use crate::simulate::Span;
 pub(crate) enum Job {
     /// Gather a unit whole.
     Gather { unit: usize, source: Source },
-    /// Reduce a unit's complete gradient to this rank's optimizer shard.
-    Reduce { unit: usize, grad: Box<Tensor<1>> },
+    /// Reduce a unit's complete gradient to this rank's optimizer shard (only over the hops
+    /// up to the accumulation span when `inner_only`).
+    Reduce {
+        unit: usize,
+        grad: Box<Tensor<1>>,
+        inner_only: bool,
+    },
 }
 
 /// The lane gathers run on (lane 0 is the training thread's).
@@ -96,6 +101,8 @@ pub(crate) struct Shared {
     pub secondaries: Secondaries,
     /// Error-feedback residuals, per unit.
     pub residuals: Mutex<Vec<Residuals>>,
+    /// Gradients accumulated inside the path over the step's earlier micro-batches, per unit.
+    pub accumulated: Accumulated,
     /// When the step started, and what ran when (the training thread's visits, every stage).
     pub clock: Instant,
     pub spans: Mutex<Vec<Span>>,
@@ -106,6 +113,7 @@ impl Shared {
         Self {
             secondaries: Secondaries::new(units),
             residuals: Mutex::new(residuals),
+            accumulated: Mutex::new(vec![None; units]),
             clock,
             spans: Mutex::new(Vec::new()),
         }
@@ -187,13 +195,19 @@ impl<'scope, 'env> Worker<'scope, 'env> {
                 )?;
                 (GATHER_LANE, flow)
             }
-            Job::Reduce { unit, grad } => {
+            Job::Reduce {
+                unit,
+                grad,
+                inner_only,
+            } => {
                 let tx = self.reduced_tx.clone();
                 let flow = route::reduce_flow(
                     self.plan,
                     unit,
                     *grad,
+                    inner_only,
                     self.residuals,
+                    &self.shared.accumulated,
                     self.device,
                     move |r| {
                         let _ = tx.send(r.map(|shard| (unit, shard)));

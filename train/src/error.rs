@@ -102,6 +102,7 @@ const FLAGS: &[(&str, &str)] = &[
     ("grad_hops", "--shard"),
     ("shard_grads", "--shard"),
     ("secondary", "--secondary"),
+    ("accumulate", "--accumulate-at"),
     ("quantize_weights", "--quantize-weights"),
     ("quantize_grads", "--quantize-grads"),
     ("error_feedback", "--error-feedback"),

@@ -27,6 +27,12 @@ pub struct ShardArgs {
     /// copy per rank), gpu (split over the GCDs of a GPU), node (split over the node)
     #[arg(long)]
     pub secondary: Option<String>,
+    /// Where gradients accumulate over the micro-batches of a step: a level inside the
+    /// gradient path (gpu, node), whose hops run after every micro-batch while the hops
+    /// beyond it run once per step, or none (every hop after every micro-batch) [default:
+    /// node for hier3, none for the other presets]
+    #[arg(long, value_name = "LEVEL")]
+    pub accumulate_at: Option<String>,
     /// Weight quantization of parameter gathers: off, int8
     #[arg(long)]
     pub quantize_weights: Option<String>,
@@ -63,6 +69,7 @@ impl Default for ShardArgs {
             shard: None,
             topology: None,
             secondary: None,
+            accumulate_at: None,
             quantize_weights: None,
             quantize_grads: None,
             prefetch: None,
@@ -80,6 +87,7 @@ impl ShardArgs {
         let given = [
             ("--topology", self.topology.is_some()),
             ("--secondary", self.secondary.is_some()),
+            ("--accumulate-at", self.accumulate_at.is_some()),
             ("--quantize-weights", self.quantize_weights.is_some()),
             ("--quantize-grads", self.quantize_grads.is_some()),
             ("--prefetch", self.prefetch.is_some()),
@@ -137,20 +145,10 @@ impl ShardArgs {
         let preset = self.shard.as_deref().unwrap_or("ddp");
         let mut c = ShardConfig::preset(preset, topology.depth())?;
         if let Some(s) = &self.secondary {
-            c.set_secondary(match s.as_str() {
-                "none" => None,
-                name => Some(Span::parse(name, topology).map_err(|e| match e {
-                    ShardError::Setting { .. } => {
-                        let levels: Vec<&str> =
-                            topology.levels().iter().map(|l| l.name.as_str()).collect();
-                        usage(format!(
-                            "--secondary {name}: not a level; use one of {}, or none",
-                            levels.join(", ")
-                        ))
-                    }
-                    e => e.into(),
-                })?),
-            })?;
+            c.set_secondary(level_or_none("--secondary", s, topology)?)?;
+        }
+        if let Some(s) = &self.accumulate_at {
+            c.set_accumulate(level_or_none("--accumulate-at", s, topology)?)?;
         }
         if let Some(q) = &self.quantize_weights {
             c.set_quantize_weights(match q.as_str() {
@@ -193,6 +191,23 @@ impl ShardArgs {
         c.validate(topology)?;
         Ok(c)
     }
+}
+
+/// A level's span, or `None` for `none`, as flag `flag` gave it.
+fn level_or_none(flag: &str, name: &str, topology: &Topology) -> CliResult<Option<Span>> {
+    if name == "none" {
+        return Ok(None);
+    }
+    Span::parse(name, topology).map(Some).map_err(|e| match e {
+        ShardError::Setting { .. } => {
+            let levels: Vec<&str> = topology.levels().iter().map(|l| l.name.as_str()).collect();
+            usage(format!(
+                "{flag} {name}: not a level; use one of {}, or none",
+                levels.join(", ")
+            ))
+        }
+        e => e.into(),
+    })
 }
 
 /// Several ranks started by a launcher without `--shard` would each train alone and write the

@@ -346,13 +346,14 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
                     self.whole_micro_batch(micro, &micro_batches[micro], state)?;
                     shared.record(format!("whole {micro}"), t);
                 }
-                Event::Reduce { unit } => {
+                Event::Reduce { unit, inner_only } => {
                     let grad = state.work[unit]
                         .take()
                         .expect("the schedule reduces a unit after its backward");
                     worker.send(Job::Reduce {
                         unit,
                         grad: Box::new(grad),
+                        inner_only,
                     })?;
                 }
             }
