@@ -589,10 +589,7 @@ pub(crate) fn reduce_flow<'e>(
                     c => host_to_f32(c, device),
                 };
                 let mut all = accumulated.lock().unwrap_or_else(|e| e.into_inner());
-                all[u] = Some(match all[u].take() {
-                    Some(a) => a + part,
-                    None => part,
-                });
+                crate::worker::add_to(&mut all[u], part);
                 Ok(())
             }),
         });
