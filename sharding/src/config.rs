@@ -417,7 +417,7 @@ impl ShardConfig {
                 optimizer: world,
                 inner_hops: (1..depth).map(Span).collect(),
                 shard_grads: true,
-                accumulate: depth.checked_sub(1).filter(|&d| d > 0).map(Span),
+                accumulate: (depth > 1).then(|| Span(depth - 1)),
                 quantize_grads: int4,
                 params: split(Some(Span(1.min(depth))), WeightQuant::Int8),
             }),

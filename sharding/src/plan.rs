@@ -499,11 +499,9 @@ impl Plan {
             return out;
         }
         let mut len = padded;
-        let inner = match (inner_only, self.accumulated_hops()) {
-            (true, Some(i)) => i,
-            _ => usize::MAX,
-        };
-        for hop in self.hops().into_iter().take(inner) {
+        // Hops run, when only those up to the accumulation span do.
+        let inner = self.accumulated_hops().filter(|_| inner_only);
+        for hop in self.hops().into_iter().take(inner.unwrap_or(usize::MAX)) {
             let g = hop.size(&self.topology);
             if g == 1 {
                 continue;
@@ -530,7 +528,7 @@ impl Plan {
             lo: o.0,
             hi: self.topology.depth(),
         };
-        if across.size(&self.topology) > 1 && inner == usize::MAX {
+        if across.size(&self.topology) > 1 && inner.is_none() {
             out.push(Collective::new(across, Op::AllReduce, (len * c) as u64));
         }
         out

@@ -226,10 +226,8 @@ impl Plan {
         };
         // Gradients accumulating inside the path: an f32 shard per unit at that span.
         let grads = grads
-            + match (self.accumulated_hops(), cfg.accumulate()) {
-                (Some(_), Some(span)) if grad_accum > 1 => {
-                    sum(&|u| 4 * self.shard_len(u, span) as u64)
-                }
+            + match self.accumulated_hops().and(cfg.accumulate()) {
+                Some(span) if grad_accum > 1 => sum(&|u| 4 * self.shard_len(u, span) as u64),
                 _ => 0,
             };
         let optimizer = sum(&|u| 12 * self.shard_len(u, cfg.optimizer()) as u64);
