@@ -509,10 +509,10 @@ mod transpose {
 
 /// An operand's pointer, read by parallel tasks.
 #[derive(Clone, Copy)]
-struct In<E>(*const E);
+pub(super) struct In<E>(pub(super) *const E);
 impl<E> In<E> {
     /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
-    fn get(self) -> *const E {
+    pub(super) fn get(self) -> *const E {
         self.0
     }
 }
@@ -523,10 +523,10 @@ unsafe impl<E> Sync for In<E> {}
 
 /// The output pointer, shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
-struct Out(*mut f32);
+pub(super) struct Out(pub(super) *mut f32);
 impl Out {
     /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
-    fn get(self) -> *mut f32 {
+    pub(super) fn get(self) -> *mut f32 {
         self.0
     }
 }

@@ -2,8 +2,15 @@
 //! every operand given by its row and column strides, so transposed and strided views (a
 //! head inside the packed q/k/v projection) are read in place.
 
+use rayon::prelude::*;
+
+use super::bf16::{In, Out};
+
 /// Products smaller than this many multiply-adds run on one thread.
 const PARALLEL_MACS: usize = 1 << 21;
+/// Output columns per piece when a product is split by columns: a multiple of the widest
+/// `gemm` micro-kernel's 16 lanes.
+const SPLIT_COLUMNS: usize = 64;
 
 /// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`: an `m x k` times
 /// `k x n` product. `dst` has unit column stride and row stride `dst.1`; `lhs` and `rhs` are
@@ -21,37 +28,53 @@ pub(crate) unsafe fn product(
     accumulate: bool,
     parallel: bool,
 ) {
-    let parallelism = if parallel && m * n * k >= PARALLEL_MACS {
-        gemm::Parallelism::Rayon(0)
-    } else {
-        gemm::Parallelism::None
+    let large = parallel && m * n * k >= PARALLEL_MACS;
+    let threads = rayon::current_num_threads();
+    let (out, out_rs) = (Out(dst.0), dst.1);
+    let (a, b) = ((In(lhs.0), lhs.1), (In(rhs.0), rhs.1));
+    // Columns `c0..c0 + width` of the product, on `gemm`'s threads or on this one.
+    let columns = |[c0, width]: [usize; 2], parallelism| {
+        let ((lhs, [lhs_rs, lhs_cs]), (rhs, [rhs_rs, rhs_cs])) = (a, b);
+        // SAFETY: as the caller guarantees, for these columns of `dst` and `rhs`.
+        unsafe {
+            gemm::gemm(
+                m,
+                width,
+                k,
+                out.get().add(c0),
+                1,
+                out_rs,
+                accumulate,
+                lhs.get(),
+                lhs_cs,
+                lhs_rs,
+                rhs.get().offset(c0 as isize * rhs_cs),
+                rhs_cs,
+                rhs_rs,
+                1.0,
+                beta,
+                false,
+                false,
+                false,
+                parallelism,
+            )
+        }
     };
-    let (dst, dst_rs) = dst;
-    let (lhs, [lhs_rs, lhs_cs]) = lhs;
-    let (rhs, [rhs_rs, rhs_cs]) = rhs;
-    // SAFETY: as the caller guarantees.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            dst_rs,
-            accumulate,
-            lhs,
-            lhs_cs,
-            lhs_rs,
-            rhs,
-            rhs_cs,
-            rhs_rs,
-            1.0,
-            beta,
-            false,
-            false,
-            false,
-            parallelism,
-        )
+    if large && rhs.1[1] != 1 && threads > 1 && n >= 2 * SPLIT_COLUMNS {
+        // A right operand whose columns are not contiguous (a transposed weight) makes `gemm`
+        // repack all of it on the calling thread before its threads start: 158 GFLOP/s
+        // against 186 for [1024, 3072] x [3072, 768] on two threads here. Each thread instead
+        // takes its own columns of the output and packs only its columns of `rhs`. Every
+        // element is the same sum in the same order, so the bits do not change.
+        let width = n.div_ceil(threads).next_multiple_of(SPLIT_COLUMNS);
+        (0..n.div_ceil(width)).into_par_iter().for_each(|piece| {
+            let c0 = piece * width;
+            columns([c0, width.min(n - c0)], gemm::Parallelism::None)
+        });
+    } else if large {
+        columns([0, n], gemm::Parallelism::Rayon(0))
+    } else {
+        columns([0, n], gemm::Parallelism::None)
     }
 }
 
@@ -93,6 +116,79 @@ pub(crate) unsafe fn product_in(
                 accumulate,
                 parallel,
             ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::product;
+    use crate::kernels::tests::values;
+
+    /// `dst (+)= beta * lhs rhs^T` with `rhs_t` stored `n x k`, on a pool of `threads`.
+    fn with_transposed_rhs(
+        [m, n, k]: [usize; 3],
+        threads: usize,
+        parallel: bool,
+        accumulate: bool,
+    ) -> Vec<f32> {
+        let (lhs, rhs_t) = (values(m * k, 11, 1.0), values(n * k, 12, 1.0));
+        let mut dst = values(m * n, 13, 1.0);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        // SAFETY: every operand spans its `rows x columns` at the strides given.
+        pool.install(|| unsafe {
+            product(
+                [m, n, k],
+                (dst.as_mut_ptr(), n as isize),
+                (lhs.as_ptr(), [k as isize, 1]),
+                (rhs_t.as_ptr(), [1, k as isize]),
+                0.5,
+                accumulate,
+                parallel,
+            )
+        });
+        dst
+    }
+
+    #[test]
+    fn a_product_split_by_columns_has_the_bits_of_one_call_and_the_f64_value() {
+        // 300 columns: pieces of 192 and 108 on two threads, 128, 128 and 44 on three.
+        let mnk @ [m, n, k] = [96, 300, 100];
+        assert!(m * n * k >= super::PARALLEL_MACS);
+        for accumulate in [false, true] {
+            let one = with_transposed_rhs(mnk, 1, false, accumulate);
+            for threads in [2, 3] {
+                let split = with_transposed_rhs(mnk, threads, true, accumulate);
+                let same = split
+                    .iter()
+                    .zip(&one)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{threads} threads, accumulate {accumulate}");
+            }
+            let (lhs, rhs_t, before) = (
+                values(m * k, 11, 1.0),
+                values(n * k, 12, 1.0),
+                values(m * n, 13, 1.0),
+            );
+            for (i, got) in one.iter().enumerate() {
+                let (r, c) = (i / n, i % n);
+                let dot: f64 = (0..k)
+                    .map(|j| f64::from(lhs[r * k + j]) * f64::from(rhs_t[c * k + j]))
+                    .sum();
+                let want = 0.5 * dot
+                    + if accumulate {
+                        f64::from(before[i])
+                    } else {
+                        0.0
+                    };
+                assert!(
+                    (f64::from(*got) - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "element {i}: {got} against {want}"
+                );
+            }
         }
     }
 }
