@@ -78,7 +78,8 @@ pub(crate) fn exp(x: f32) -> f32 {
     // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.3, 88.7);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let shifted = x * LOG2E + ROUND;
+    let n = shifted - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let mut p = 1.987_569_1e-4_f32;
     p = p * r + 1.398_199_9e-3;
@@ -87,7 +88,11 @@ pub(crate) fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let e = p * r * r + r + 1.0;
-    e * f32::from_bits(((n as i32 + 127) << 23) as u32)
+    // `shifted` is ROUND + n with |n| <= 128, where the f32 spacing is 1: its low bits are n
+    // in two's complement, read without a float-to-int cast (Rust's saturating `as i32`
+    // does not vectorise). A NaN `x` makes `e` NaN, whatever these bits are.
+    let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());
+    e * f32::from_bits(n_bits.wrapping_add(127) << 23)
 }
 
 /// The sum of `xs`, in [`LANES`] interleaved partial sums added in a fixed order.
