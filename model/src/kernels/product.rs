@@ -61,11 +61,11 @@ pub(crate) unsafe fn product(
         }
     };
     if large && rhs.1[1] != 1 && threads > 1 && n >= 2 * SPLIT_COLUMNS {
-        // A right operand whose columns are not contiguous (a transposed weight) makes `gemm`
-        // repack all of it on the calling thread before its threads start: 158 GFLOP/s
-        // against 186 for [1024, 3072] x [3072, 768] on two threads here. Each thread instead
-        // takes its own columns of the output and packs only its columns of `rhs`. Every
-        // element is the same sum in the same order, so the bits do not change.
+        // A right operand whose rows are strided (a transposed weight) makes `gemm` repack
+        // all of it on the calling thread before its threads start, while they wait
+        // (BENCHMARKS.md, "Transposed right operands"). Each thread instead takes its own
+        // columns of the output and packs only its columns of `rhs`. Every element is the
+        // same sum in the same order, so the bits do not change.
         let width = n.div_ceil(threads).next_multiple_of(SPLIT_COLUMNS);
         (0..n.div_ceil(width)).into_par_iter().for_each(|piece| {
             let c0 = piece * width;
