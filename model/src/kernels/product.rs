@@ -125,15 +125,15 @@ mod tests {
     use super::product;
     use crate::kernels::tests::values;
 
-    /// `dst (+)= beta * lhs rhs^T` with `rhs_t` stored `n x k`, on a pool of `threads`.
+    /// `dst (+)= 0.5 lhs rhs_t^T`, with `rhs_t` stored `n x k`, on a pool of `threads`.
     fn with_transposed_rhs(
         [m, n, k]: [usize; 3],
+        [lhs, rhs_t, dst]: [&[f32]; 3],
         threads: usize,
         parallel: bool,
         accumulate: bool,
     ) -> Vec<f32> {
-        let (lhs, rhs_t) = (values(m * k, 11, 1.0), values(n * k, 12, 1.0));
-        let mut dst = values(m * n, 13, 1.0);
+        let mut dst = dst.to_vec();
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
@@ -158,32 +158,33 @@ mod tests {
         // 300 columns: pieces of 192 and 108 on two threads, 128, 128 and 44 on three.
         let mnk @ [m, n, k] = [96, 300, 100];
         assert!(m * n * k >= super::PARALLEL_MACS);
+        let (lhs, rhs_t, before) = (
+            values(m * k, 11, 1.0),
+            values(n * k, 12, 1.0),
+            values(m * n, 13, 1.0),
+        );
+        let operands = [&lhs[..], &rhs_t, &before];
         for accumulate in [false, true] {
-            let one = with_transposed_rhs(mnk, 1, false, accumulate);
+            let one = with_transposed_rhs(mnk, operands, 1, false, accumulate);
             for threads in [2, 3] {
-                let split = with_transposed_rhs(mnk, threads, true, accumulate);
+                let split = with_transposed_rhs(mnk, operands, threads, true, accumulate);
                 let same = split
                     .iter()
                     .zip(&one)
                     .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{threads} threads, accumulate {accumulate}");
             }
-            let (lhs, rhs_t, before) = (
-                values(m * k, 11, 1.0),
-                values(n * k, 12, 1.0),
-                values(m * n, 13, 1.0),
-            );
             for (i, got) in one.iter().enumerate() {
                 let (r, c) = (i / n, i % n);
                 let dot: f64 = (0..k)
                     .map(|j| f64::from(lhs[r * k + j]) * f64::from(rhs_t[c * k + j]))
                     .sum();
-                let want = 0.5 * dot
-                    + if accumulate {
-                        f64::from(before[i])
-                    } else {
-                        0.0
-                    };
+                let kept = if accumulate {
+                    f64::from(before[i])
+                } else {
+                    0.0
+                };
+                let want = 0.5 * dot + kept;
                 assert!(
                     (f64::from(*got) - want).abs() <= 1e-5 * (1.0 + want.abs()),
                     "element {i}: {got} against {want}"
