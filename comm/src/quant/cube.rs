@@ -120,6 +120,44 @@ impl std::fmt::Debug for CubeKernels {
     }
 }
 
+/// CUDA GPU `index`, or why this machine cannot give it: no NVIDIA driver library, or fewer
+/// GPUs than that. Asked before anything loads the driver: CubeCL's CUDA runtime panics when
+/// it cannot, where this answers with what to do.
+#[cfg(feature = "cuda")]
+pub fn cuda_device(index: usize) -> Result<cubecl::Device, String> {
+    use cubecl::device::DeviceUnavailable;
+    cubecl::Device::cuda(index).map_err(|e| match e {
+        DeviceUnavailable::NoSuchDevice { available: 0, .. } if !cuda_driver_present() => {
+            "no NVIDIA driver on this machine (libcuda.so.1 cannot be loaded): run on a machine \
+             with an NVIDIA GPU and its driver (nvidia-smi lists the GPUs), or choose another \
+             --device such as flex"
+                .to_string()
+        }
+        DeviceUnavailable::NoSuchDevice { available, .. } => format!(
+            "there is no CUDA GPU {index}: the driver reports {available} (nvidia-smi lists \
+             them; indices start at 0)"
+        ),
+        e => e.to_string(),
+    })
+}
+
+/// Whether the NVIDIA driver's library loads (the names cudarc tries first).
+#[cfg(feature = "cuda")]
+fn cuda_driver_present() -> bool {
+    [c"libcuda.so.1", c"libcuda.so"].iter().any(|name| {
+        // SAFETY: dlopen of a driver library runs its initialisers only, and the handle is
+        // closed at once; a null return means it could not be loaded.
+        unsafe {
+            let handle = libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+            if handle.is_null() {
+                return false;
+            }
+            libc::dlclose(handle);
+            true
+        }
+    })
+}
+
 const CUBE_DIM: u32 = 256;
 
 fn cube_count(units: usize) -> CubeCount {
@@ -162,6 +200,13 @@ impl CubeKernels {
             format!("no wgpu device ({e:?}): install a Vulkan driver (Debian: mesa-vulkan-drivers)")
         })?;
         Ok(Self::on(device.client(), "wgpu"))
+    }
+
+    /// The kernels on CUDA GPU `index`; an error (not CubeCL's panic) without one.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(index: usize) -> Result<Self, String> {
+        let device = cuda_device(index)?;
+        Ok(Self::on(device.client(), &format!("cuda:{index}")))
     }
 
     /// The kernels on an existing client (e.g. the one a Burn device uses).

@@ -24,6 +24,7 @@
 
 pub mod host;
 pub mod reference;
+pub mod selfcheck;
 
 #[cfg(feature = "cubecl")]
 pub mod cube;
