@@ -82,6 +82,14 @@ pub(crate) fn device_bytes_in_use(device: &Device) -> Option<u64> {
     )
 }
 
+/// `device` as its CubeCL runtime names it, with what kernels are compiled for; `None` off
+/// CubeCL.
+pub(crate) fn device_name(device: &Device) -> Option<String> {
+    let (_, probe) = output(1, device)?;
+    let identity = probe.client.properties().identity.clone();
+    Some(format!("{} ({})", identity.name, identity.fingerprint))
+}
+
 #[cfg(all(test, feature = "wgpu"))]
 mod tests {
     use super::*;

@@ -12,9 +12,15 @@ use crate::staging;
 
 /// `x` (f32) quantized blockwise; the result is host bytes, ready to send.
 pub(crate) fn quantize(x: Tensor<1>, format: QuantFormat, block: BlockSize) -> Quantized {
+    // On the device, the packed bytes and scales are what crosses to the host.
     #[cfg(feature = "cubecl")]
-    if let Some(q) = crate::cube::quantize(&x, format, block) {
-        return q;
+    {
+        let start = std::time::Instant::now();
+        if let Some(q) = crate::cube::quantize(&x, format, block) {
+            let wire = Quantized::wire_bytes(format, block, q.len);
+            staging::record(staging::Way::ToHost, wire, start);
+            return q;
+        }
     }
     HostKernels.quantize(&staging::to_f32(x), format, block)
 }
@@ -23,8 +29,12 @@ pub(crate) fn quantize(x: Tensor<1>, format: QuantFormat, block: BlockSize) -> Q
 /// part order from zero, as an f32 tensor on `device`.
 pub(crate) fn dequantize_sum(parts: &[Quantized], device: &Device) -> Tensor<1> {
     #[cfg(feature = "cubecl")]
-    if let Some(t) = crate::cube::dequantize_sum(parts, device) {
-        return t;
+    {
+        let start = std::time::Instant::now();
+        if let Some(t) = crate::cube::dequantize_sum(parts, device) {
+            staging::record(staging::Way::ToDevice, wire_bytes(parts), start);
+            return t;
+        }
     }
     staging::from_f32(HostKernels.dequantize_sum(parts), device)
 }
@@ -33,12 +43,69 @@ pub(crate) fn dequantize_sum(parts: &[Quantized], device: &Device) -> Tensor<1> 
 /// quantized all-gather delivers).
 pub(crate) fn dequantize_concat(parts: &[Quantized], device: &Device) -> Tensor<1> {
     #[cfg(feature = "cubecl")]
-    if let Some(t) = crate::cube::dequantize_concat(parts, device) {
-        return t;
+    {
+        let start = std::time::Instant::now();
+        if let Some(t) = crate::cube::dequantize_concat(parts, device) {
+            staging::record(staging::Way::ToDevice, wire_bytes(parts), start);
+            return t;
+        }
     }
     let mut out = Vec::with_capacity(parts.iter().map(|p| p.len).sum());
     for p in parts {
         out.extend(HostKernels.dequantize(p));
     }
     staging::from_f32(out, device)
+}
+
+/// Bytes of `parts` on the wire: what a dequantization on the device takes there.
+#[cfg(feature = "cubecl")]
+fn wire_bytes(parts: &[Quantized]) -> usize {
+    parts
+        .iter()
+        .map(|p| Quantized::wire_bytes(p.format, p.block, p.len))
+        .sum()
+}
+
+/// The quantization kernels the training step runs on `device`'s tensors (the CubeCL kernels
+/// on a CubeCL device, through Burn's fusion; the host kernels on a host backend), as one
+/// [`QuantKernels`] runtime: what `ember selftest` checks against the reference, bit for bit.
+/// Each call copies its input to the device and its output back.
+#[derive(Debug, Clone)]
+pub struct DeviceKernels {
+    device: Device,
+}
+
+impl DeviceKernels {
+    /// The kernels on `device`'s tensors.
+    pub fn new(device: Device) -> Self {
+        Self { device }
+    }
+
+    /// The device as its runtime names it (`NVIDIA H100 80GB HBM3 (ptx_sm90)`, `llvmpipe`),
+    /// or `host` where the device's memory is host memory.
+    pub fn device_name(&self) -> String {
+        #[cfg(feature = "cubecl")]
+        if let Some(name) = crate::cube::device_name(&self.device) {
+            return name;
+        }
+        "host".to_string()
+    }
+}
+
+impl QuantKernels for DeviceKernels {
+    fn name(&self) -> String {
+        format!("training path on {}", self.device_name())
+    }
+
+    fn quantize(&self, x: &[f32], format: QuantFormat, block: BlockSize) -> Quantized {
+        quantize(staging::from_f32(x.to_vec(), &self.device), format, block)
+    }
+
+    fn dequantize(&self, q: &Quantized) -> Vec<f32> {
+        staging::to_f32(dequantize_concat(std::slice::from_ref(q), &self.device))
+    }
+
+    fn dequantize_sum(&self, parts: &[Quantized]) -> Vec<f32> {
+        staging::to_f32(dequantize_sum(parts, &self.device))
+    }
 }

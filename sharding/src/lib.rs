@@ -152,3 +152,4 @@ pub use optim::{Adam, AdamW, DecayOn, FlatState, Optimizer, Sgd};
 pub use plan::{Memory, Plan};
 pub use source::{FnSource, ParamSource};
 pub use stage::{Flow, Staged, UnitDecl};
+pub use staging::Staging;

@@ -45,6 +45,12 @@ pub mod stage {
     pub use crate::stage::assign;
 }
 
+/// The quantization kernels the step runs on a device's tensors, as one runtime a check can
+/// hold against the reference (`ember selftest`).
+pub mod kernels {
+    pub use crate::kernels::DeviceKernels;
+}
+
 /// Collective helpers the binary shares with the engine.
 pub mod engine {
     pub use crate::engine::all_ranks_sum;

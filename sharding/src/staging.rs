@@ -1,22 +1,85 @@
 //! Device tensors to and from the host buffers an MPI call reads and writes. On a backend whose
 //! memory is host memory (flex) a uniquely owned tensor hands its buffer over without a copy;
-//! elsewhere these are the staging copies of the call and live only as long as it does.
+//! elsewhere these are the staging copies of the call and live only as long as it does. Every
+//! crossing runs on one process-wide clock ([`Staging`]), which each step's report takes.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use ember_comm::Bf16;
+use serde::{Deserialize, Serialize};
+
+/// Time and bytes of the crossings between device and host memory since the last
+/// [`Staging::take`], summed over every thread that stages (the training thread and the
+/// communication threads). A crossing's time includes waiting for the kernels that produce
+/// the tensor it reads, since reading a device tensor waits for them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Staging {
+    /// Seconds spent inside crossings (threads overlapping each other count twice).
+    pub seconds: f64,
+    /// Bytes read back from the device.
+    pub to_host_bytes: u64,
+    /// Bytes written to the device.
+    pub to_device_bytes: u64,
+}
+
+static NANOS: AtomicU64 = AtomicU64::new(0);
+static TO_HOST: AtomicU64 = AtomicU64::new(0);
+static TO_DEVICE: AtomicU64 = AtomicU64::new(0);
+
+impl Staging {
+    /// The crossings since the last call, process-wide; the counters restart at zero.
+    pub fn take() -> Self {
+        Self {
+            seconds: NANOS.swap(0, Ordering::Relaxed) as f64 * 1e-9,
+            to_host_bytes: TO_HOST.swap(0, Ordering::Relaxed),
+            to_device_bytes: TO_DEVICE.swap(0, Ordering::Relaxed),
+        }
+    }
+}
+
+/// Which way a crossing goes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Way {
+    ToHost,
+    ToDevice,
+}
+
+/// Runs `f`, a crossing of `bytes` bytes the way `way` says, on the staging clock.
+pub(crate) fn timed<T>(way: Way, bytes: usize, f: impl FnOnce() -> T) -> T {
+    let start = Instant::now();
+    let out = f();
+    record(way, bytes, start);
+    out
+}
+
+/// Puts a crossing of `bytes` bytes that began at `start` and ends now on the staging clock.
+pub(crate) fn record(way: Way, bytes: usize, start: Instant) {
+    NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    match way {
+        Way::ToHost => TO_HOST.fetch_add(bytes as u64, Ordering::Relaxed),
+        Way::ToDevice => TO_DEVICE.fetch_add(bytes as u64, Ordering::Relaxed),
+    };
+}
 
 /// The values of an f32 tensor, on the host (cast from any other float dtype).
 pub(crate) fn to_f32(t: Tensor<1>) -> Vec<f32> {
-    crate::host::cast(t, DType::F32)
-        .into_data()
-        .try_into_vec::<f32>()
-        .expect("an f32 tensor reads back as f32")
+    let bytes = t.dims()[0] * 4;
+    timed(Way::ToHost, bytes, || {
+        crate::host::cast(t, DType::F32)
+            .into_data()
+            .try_into_vec::<f32>()
+            .expect("an f32 tensor reads back as f32")
+    })
 }
 
 /// An f32 tensor of `values` on `device`.
 pub(crate) fn from_f32(values: Vec<f32>, device: &Device) -> Tensor<1> {
     let n = values.len();
-    Tensor::from_data(TensorData::new(values, [n]), (device, DType::F32))
+    timed(Way::ToDevice, n * 4, || {
+        Tensor::from_data(TensorData::new(values, [n]), (device, DType::F32))
+    })
 }
 
 /// The values of a bf16 tensor as bf16 bits, on the host.
@@ -26,8 +89,8 @@ pub(crate) fn to_bf16(t: Tensor<1>) -> Vec<Bf16> {
     } else {
         t.cast(DType::BF16)
     };
-    t.into_data()
-        .as_bytes()
+    let data = timed(Way::ToHost, t.dims()[0] * 2, || t.into_data());
+    data.as_bytes()
         .chunks_exact(2)
         .map(|c| Bf16(u16::from_le_bytes([c[0], c[1]])))
         .collect()
@@ -36,8 +99,11 @@ pub(crate) fn to_bf16(t: Tensor<1>) -> Vec<Bf16> {
 /// A bf16 tensor of `values` on `device`.
 pub(crate) fn from_bf16(values: &[Bf16], device: &Device) -> Tensor<1> {
     let bytes: Vec<u8> = values.iter().flat_map(|b| b.0.to_le_bytes()).collect();
+    let n = bytes.len();
     let data = TensorData::from_bytes_vec(bytes, [values.len()], DType::BF16);
-    Tensor::from_data(data, (device, DType::BF16))
+    timed(Way::ToDevice, n, || {
+        Tensor::from_data(data, (device, DType::BF16))
+    })
 }
 
 /// Bytes kept on the device as little-endian i32 words (the tail word zero-padded): how the
@@ -52,12 +118,14 @@ pub(crate) fn bytes_to_device(bytes: &[u8], device: &Device) -> Tensor<1, Int> {
         })
         .collect();
     let n = words.len();
-    Tensor::from_data(TensorData::new(words, [n]), (device, DType::I32))
+    timed(Way::ToDevice, n * 4, || {
+        Tensor::from_data(TensorData::new(words, [n]), (device, DType::I32))
+    })
 }
 
 /// The first `len` bytes of words written by [`bytes_to_device`].
 pub(crate) fn bytes_from_device(t: Tensor<1, Int>, len: usize) -> Vec<u8> {
-    let data = t.into_data();
+    let data = timed(Way::ToHost, t.dims()[0] * 4, || t.into_data());
     let mut bytes = data.as_bytes().to_vec();
     bytes.truncate(len);
     bytes

@@ -106,6 +106,9 @@ pub struct StepReport {
     pub device_bytes: Option<u64>,
     /// Bytes of the secondary copies held during the step.
     pub secondary_bytes: u64,
+    /// The step's crossings between device and host memory: the bytes collectives send and
+    /// receive, staged for MPI, and the quantized bytes the device kernels produce and take.
+    pub staging: crate::Staging,
     /// What ran when on this rank, seconds into the step: the training thread's visits and
     /// every stage of a gather or reduction (the plan's replay names them alike).
     pub timeline: Vec<crate::simulate::Span>,

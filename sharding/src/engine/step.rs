@@ -133,6 +133,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
     pub fn backward(&mut self, micro_batches: &[S::Batch]) -> Result<Gradients, ShardError> {
         let start = Instant::now();
         self.comm.take_counters();
+        crate::Staging::take();
         let accum = micro_batches.len();
         if accum == 0 {
             return Err(ShardError::setting(
@@ -277,6 +278,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             resident: memory::resident(),
             device_bytes: memory::device_bytes_in_use(&self.device),
             secondary_bytes: grads.secondary_bytes,
+            staging: crate::Staging::take(),
             timeline: grads.timeline,
         })
     }
