@@ -636,3 +636,95 @@ fn a_kill_during_training_never_damages_saved_checkpoints() {
     // And the out dir resolves to its latest complete checkpoint.
     ok(&["eval", "--checkpoint", path(&out), "--data", path(&text)]);
 }
+
+/// `ember selftest` checks the quantization kernels of each runtime it can reach against the
+/// reference, bit for bit: the host kernels on flex, and (in wgpu builds) the CubeCL kernels
+/// on the runtime's client and on the device's Burn tensors, the path a training step takes.
+#[test]
+fn selftest_checks_every_kernel_path_of_the_device() {
+    let mut devices = vec!["flex"];
+    if cfg!(feature = "wgpu") {
+        devices.push("wgpu");
+    }
+    for device in devices {
+        let out = ok(&["selftest", "--device", device, "--json"]);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["passed"], true, "{device}: {report}");
+        let checks = report["checks"].as_array().unwrap();
+        assert_eq!(checks.len(), 2, "{device}: {report}");
+        for c in checks {
+            assert!(c["checks"].as_u64().unwrap() > 100, "{device}: {c}");
+            assert!(
+                c["failures"].as_array().unwrap().is_empty(),
+                "{device}: {c}"
+            );
+        }
+        let path = checks[1]["runtime"].as_str().unwrap();
+        assert!(path.starts_with("training path on"), "{path}");
+        if device == "wgpu" {
+            // The tensors really were on the Vulkan device, not handed to the host kernels.
+            assert_ne!(report["device_name"], "host", "{report}");
+        }
+    }
+}
+
+/// `--against-torch` runs PyTorch's step on the device ember ran on: the CPU for flex (the
+/// GPU check runs it on a CUDA card), with torch.compile beside eager on request; wgpu has no
+/// PyTorch device and is refused.
+#[test]
+fn bench_against_torch_pairs_on_the_same_device() {
+    refused(
+        &[
+            "bench",
+            "train",
+            "--presets",
+            "tiny",
+            "--device",
+            "wgpu",
+            "--against-torch",
+            "python3",
+        ],
+        2,
+        "PyTorch has no wgpu device",
+    );
+    refused(
+        &["bench", "train", "--presets", "tiny", "--torch-compile"],
+        2,
+        "--against-torch",
+    );
+    let has_torch = Command::new("python3")
+        .args(["-c", "import torch"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_torch {
+        eprintln!(
+            "python3 cannot import torch: the pairing itself is not run (.ci/run installs it)"
+        );
+        return;
+    }
+    let out = ok(&[
+        "bench",
+        "train",
+        "--presets",
+        "tiny",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        "--vocab-size",
+        "50304",
+        "--against-torch",
+        "python3",
+        "--json",
+    ]);
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["device"], "cpu", "{r}");
+    // The same model on both sides, the vocabulary included (a benchmark keeps the asked-for
+    // one even where the data's tokenizer learned fewer tokens).
+    assert_eq!(r["params"][0], r["params"][1], "{r}");
+    assert!(r["params"][0].as_u64().unwrap() > 50304 * 64, "{r}");
+    assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(r["torch_compile_median_ms"].is_null(), "{r}");
+}

@@ -366,26 +366,57 @@ pub struct PairedBench {
     pub ratio: f64,
     /// PyTorch's version.
     pub torch: String,
+    /// Where both ran: PyTorch's `--device` (`cpu`, `cuda:0`) and the card PyTorch named.
+    pub device: String,
+    /// The card's name as PyTorch gives it (`cpu` on the CPU).
+    pub device_name: String,
+    /// Tokens per step (batch x block).
+    pub tokens_per_step: usize,
+    /// ember's MFU at its median step, where the peak is known (`--peak-tflops` on a GPU).
+    pub ember_mfu: Option<f64>,
+    /// The largest device memory PyTorch's allocator held over the timed steps, bytes (GPU).
+    pub torch_peak_device_bytes: Option<u64>,
+    /// With `--torch-compile`: each round's median step time of the model under
+    /// `torch.compile`, ms, its median, ember's tokens/s over it, and its peak memory.
+    pub torch_compile_ms: Vec<f64>,
+    /// Median over rounds, ms.
+    pub torch_compile_median_ms: Option<f64>,
+    /// ember's tokens/s over `torch.compile`'s.
+    pub ratio_compile: Option<f64>,
+    /// Peak device memory under `torch.compile`, bytes (GPU).
+    pub torch_compile_peak_device_bytes: Option<u64>,
 }
 
-/// Alternates `ember bench train` and the PyTorch reference under `python`, `rounds` times
-/// per preset, each timing `steps` steps after `warmup`.
+/// How `--against-torch` runs the reference.
+#[derive(Debug, Clone)]
+pub struct TorchReference {
+    /// The interpreter, which must import torch.
+    pub python: String,
+    /// Also time the model under `torch.compile`, alternated with eager and ember.
+    pub compile: bool,
+}
+
+/// Alternates `ember bench train` and the PyTorch reference, `rounds` times per preset, each
+/// timing `steps` steps after `warmup`, on the same device: the CPU for flex, the same CUDA
+/// GPU for `cuda`.
 pub fn against_torch(
     comm: &Comm,
-    python: &str,
+    torch: &TorchReference,
     presets: &[String],
     base: &TrainOverrides,
     steps: u64,
     warmup: u64,
     rounds: usize,
 ) -> CliResult<Vec<PairedBench>> {
+    let python = torch.python.as_str();
     check_torch(python)?;
+    torch_device(base)?;
     let script = std::env::temp_dir().join(format!("ember-torch-gpt-{}.py", std::process::id()));
     std::fs::write(&script, TORCH_SCRIPT)
         .map_err(|e| anyhow::anyhow!("writing {}: {e}", script.display()))?;
     let result = presets
         .iter()
-        .map(|preset| pair(comm, python, &script, preset, base, steps, warmup, rounds))
+        .map(|preset| pair(comm, torch, &script, preset, base, steps, warmup, rounds))
         .collect();
     let _ = std::fs::remove_file(&script);
     result
@@ -396,6 +427,23 @@ fn dtype_flag(base: &TrainOverrides) -> &'static str {
     match base.dtype {
         Some(crate::config::Dtype::Bf16) => "bf16",
         _ => "f32",
+    }
+}
+
+/// PyTorch's `--device` for the device ember runs on; CPU backends compare with the CPU.
+fn torch_device(base: &TrainOverrides) -> CliResult<String> {
+    use crate::config::DeviceKind;
+    match base.device.unwrap_or(DeviceKind::Flex) {
+        DeviceKind::Flex | DeviceKind::Ndarray => Ok("cpu".into()),
+        // PyTorch's ROCm builds name HIP devices `cuda` too.
+        DeviceKind::Cuda(i) | DeviceKind::Rocm(i) => Ok(format!(
+            "cuda:{}",
+            i.unwrap_or_else(crate::device::local_rank)
+        )),
+        DeviceKind::Wgpu => Err(crate::error::usage(
+            "--against-torch compares on the CPU (flex) or a CUDA or ROCm GPU; PyTorch has no \
+             wgpu device",
+        )),
     }
 }
 
@@ -416,25 +464,22 @@ fn check_torch(python: &str) -> CliResult<()> {
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn pair(
-    comm: &Comm,
-    python: &str,
-    script: &std::path::Path,
-    preset: &str,
-    base: &TrainOverrides,
+/// The PyTorch reference's runs for one preset: where and how long.
+struct TorchJob<'a> {
+    python: &'a str,
+    script: &'a std::path::Path,
+    device: &'a str,
+    dtype: &'a str,
     steps: u64,
     warmup: u64,
-    rounds: usize,
-) -> CliResult<PairedBench> {
-    let mut ember_ms = Vec::new();
-    let mut torch_ms = Vec::new();
-    let mut paired = None;
-    for _ in 0..rounds {
-        let e = bench_train(comm, &[preset.to_string()], base, steps, warmup)?.remove(0);
+}
+
+impl TorchJob<'_> {
+    /// One run on `e`'s shape, eager or under `torch.compile`: its JSON result.
+    fn run(&self, e: &TrainBench, compile: bool) -> CliResult<serde_json::Value> {
         let m = &e.model;
-        let out = std::process::Command::new(python)
-            .arg(script)
+        let mut cmd = std::process::Command::new(self.python);
+        cmd.arg(self.script)
             .args(["--n-layer", &m.n_layer.to_string()])
             .args(["--n-head", &m.n_head.to_string()])
             .args(["--n-embd", &m.n_embd.to_string()])
@@ -443,50 +488,99 @@ fn pair(
             .args(["--vocab-size", &m.vocab_size.to_string()])
             .args([
                 "--steps",
-                &steps.to_string(),
+                &self.steps.to_string(),
                 "--warmup",
-                &warmup.to_string(),
+                &self.warmup.to_string(),
             ])
             .args(["--threads", &e.threads.to_string()])
-            .args(["--dtype", dtype_flag(base)])
+            .args(["--dtype", self.dtype, "--device", self.device]);
+        if compile {
+            cmd.arg("--compile");
+        }
+        let out = cmd
             .output()
-            .map_err(|e| anyhow::anyhow!("running {python}: {e}"))?;
+            .map_err(|err| anyhow::anyhow!("running {}: {err}", self.python))?;
         if !out.status.success() {
             return Err(anyhow::anyhow!(
-                "the PyTorch reference failed: {}",
+                "the PyTorch reference{} failed: {}",
+                if compile { " under torch.compile" } else { "" },
                 String::from_utf8_lossy(&out.stderr).trim()
             )
             .into());
         }
-        let t: serde_json::Value = serde_json::from_slice(&out.stdout)
-            .map_err(|err| anyhow::anyhow!("the PyTorch reference printed no result: {err}"))?;
-        let field = |k: &str| t[k].as_f64().unwrap_or(f64::NAN);
-        ember_ms.push(e.step_ms_median);
-        torch_ms.push(field("step_ms_median"));
-        paired = Some((
-            e,
-            field("params") as u64,
-            t["torch"].as_str().unwrap_or("").to_owned(),
-        ));
+        serde_json::from_slice(&out.stdout)
+            .map_err(|err| anyhow::anyhow!("the PyTorch reference printed no result: {err}").into())
     }
-    let (e, torch_params, torch) = paired.expect("at least one round");
+}
+
+#[allow(clippy::too_many_arguments)]
+fn pair(
+    comm: &Comm,
+    torch: &TorchReference,
+    script: &std::path::Path,
+    preset: &str,
+    base: &TrainOverrides,
+    steps: u64,
+    warmup: u64,
+    rounds: usize,
+) -> CliResult<PairedBench> {
+    let device = torch_device(base)?;
+    let dtype = dtype_flag(base);
+    let job = TorchJob {
+        python: &torch.python,
+        script,
+        device: &device,
+        dtype,
+        steps,
+        warmup,
+    };
+    let mut ember_ms = Vec::new();
+    let mut torch_ms = Vec::new();
+    let mut compile_ms = Vec::new();
+    let mut paired = None;
+    let mut compiled = None;
+    for _ in 0..rounds {
+        let e = bench_train(comm, &[preset.to_string()], base, steps, warmup)?.remove(0);
+        let t = job.run(&e, false)?;
+        let field = |t: &serde_json::Value, k: &str| t[k].as_f64().unwrap_or(f64::NAN);
+        if torch.compile {
+            let c = job.run(&e, true)?;
+            compile_ms.push(field(&c, "step_ms_median"));
+            compiled = Some(c);
+        }
+        ember_ms.push(e.step_ms_median);
+        torch_ms.push(field(&t, "step_ms_median"));
+        paired = Some((e, t));
+    }
+    let (e, t) = paired.expect("at least one round");
     let median = |v: &[f64]| {
         let mut v = v.to_vec();
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
     let (em, tm) = (median(&ember_ms), median(&torch_ms));
+    let cm = (!compile_ms.is_empty()).then(|| median(&compile_ms));
+    let peak = |t: &serde_json::Value| t["peak_device_bytes"].as_u64();
     Ok(PairedBench {
         preset: preset.to_string(),
-        params: (e.params, torch_params),
+        params: (e.params, t["params"].as_u64().unwrap_or(0)),
         threads: e.threads,
-        dtype: dtype_flag(base).to_owned(),
+        dtype: dtype.to_owned(),
         ember_arithmetic: e.arithmetic.clone(),
         ember_ms,
         torch_ms,
         ember_median_ms: em,
         torch_median_ms: tm,
         ratio: tm / em,
-        torch,
+        torch: t["torch"].as_str().unwrap_or("").to_owned(),
+        device,
+        device_name: t["device"].as_str().unwrap_or("").to_owned(),
+        tokens_per_step: e.batch_size * e.block_size,
+        ember_mfu: e.mfu,
+        torch_peak_device_bytes: peak(&t),
+        torch_compile_ms: compile_ms,
+        torch_compile_median_ms: cm,
+        ratio_compile: cm.map(|c| c / em),
+        torch_compile_peak_device_bytes: compiled.as_ref().and_then(peak),
     })
 }

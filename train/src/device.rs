@@ -6,7 +6,8 @@ use burn::tensor::Device;
 use crate::config::DeviceKind;
 use crate::error::{CliResult, usage};
 
-/// The (non-autodiff) device for `kind`, or a usage error saying how to build it in.
+/// The (non-autodiff) device for `kind`, or a usage error saying how to build it in, or that
+/// this machine has no such GPU.
 pub fn device(kind: DeviceKind) -> CliResult<Device> {
     let missing = |feature: &str| {
         usage(format!(
@@ -26,7 +27,13 @@ pub fn device(kind: DeviceKind) -> CliResult<Device> {
         #[cfg(not(feature = "wgpu"))]
         DeviceKind::Wgpu => Err(missing("wgpu")),
         #[cfg(feature = "cuda")]
-        DeviceKind::Cuda(index) => Ok(Device::cuda(index.unwrap_or_else(local_rank))),
+        DeviceKind::Cuda(index) => {
+            let index = index.unwrap_or_else(local_rank);
+            // Asked first: Burn's CUDA device panics inside the driver loader without one.
+            ember_comm::quant::cube::cuda_device(index)
+                .map_err(|e| usage(format!("--device {kind}: {e}")))?;
+            Ok(Device::cuda(index))
+        }
         #[cfg(not(feature = "cuda"))]
         DeviceKind::Cuda(_) => Err(missing("cuda")),
         #[cfg(feature = "rocm")]
@@ -38,8 +45,7 @@ pub fn device(kind: DeviceKind) -> CliResult<Device> {
 
 /// This process's index among the ranks of its node, as the launcher numbers them (Open MPI,
 /// MPICH/Hydra, Slurm, torchrun-style `LOCAL_RANK`); 0 outside a launcher.
-#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
-fn local_rank() -> usize {
+pub fn local_rank() -> usize {
     [
         "OMPI_COMM_WORLD_LOCAL_RANK",
         "MPI_LOCALRANKID",

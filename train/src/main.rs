@@ -1,5 +1,5 @@
 //! The `ember` command line: `train`, `generate`, `eval`, `prepare`, `plan`, `reshard`,
-//! `export` and `bench {train,comm,shard}`. Each command parses its flags (clap) and runs
+//! `export`, `bench {train,comm,shard}`, `cluster` and `selftest`. Each command parses its flags (clap) and runs
 //! (`cli/`); errors print one line and exit 2 (usage) or 1 (runtime), as `error.rs`
 //! classifies them.
 
@@ -13,6 +13,7 @@ use cli::bench::{self, BenchCommand};
 use cli::cluster::ClusterCommand;
 use cli::inspect::{EvalArgs, ExportArgs, GenerateArgs, PrepareArgs};
 use cli::layout::{PlanArgs, ReshardArgs};
+use cli::selftest::SelftestArgs;
 use cli::train::TrainArgs;
 
 /// Train GPT models in Rust, single-process or sharded (see README.md).
@@ -51,6 +52,9 @@ enum Command {
     /// An emulated cluster on this machine: network namespaces with shaped links (root)
     #[command(subcommand)]
     Cluster(ClusterCommand),
+    /// Check this binary on a device: the quantization kernels against their reference, bit
+    /// for bit (run it first on a new GPU)
+    Selftest(SelftestArgs),
 }
 
 fn main() -> ExitCode {
@@ -67,6 +71,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Comm(args)) => bench::bench_comm(args),
         Command::Bench(BenchCommand::Shard(args)) => bench::bench_shard(args),
         Command::Cluster(command) => cli::cluster::run(command),
+        Command::Selftest(args) => cli::selftest::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

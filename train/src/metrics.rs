@@ -53,6 +53,17 @@ pub struct StepMetrics {
     /// them (wgpu); absent on CPU backends, whose memory is the resident set.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub device_bytes: Option<Vec<u64>>,
+    /// Sharded runs: rank 0's seconds in the step's crossings between device and host memory
+    /// (collectives' bytes staged for MPI, quantized bytes to and from the device kernels),
+    /// summed over its threads, and that as a share of the step.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub staging_s: Option<f64>,
+    /// Sharded runs: `staging_s` over the step's time.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub staging_frac: Option<f64>,
+    /// Sharded runs: bytes rank 0's step moved between device and host memory, both ways.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub staging_bytes: Option<u64>,
     /// Sharded runs: the plan's prediction of what one rank holds at its peak, in bytes.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub plan_bytes: Option<u64>,

@@ -125,6 +125,9 @@ pub fn run(
                 comm_wait_frac: None,
                 rss_peak_bytes: None,
                 device_bytes: None,
+                staging_s: None,
+                staging_frac: None,
+                staging_bytes: None,
                 plan_bytes: None,
                 stragglers: None,
             };

@@ -246,7 +246,13 @@ impl RunSetup {
                 r.dir.display()
             )));
         }
-        config.model.vocab_size = vocab;
+        config.model.vocab_size = match args.purpose {
+            // A benchmark may ask for more tokens than its data's tokenizer learned (GPT-2's
+            // 50304 on the embedded corpus): the extra rows of the embedding are never looked
+            // up, but the head computes every logit, as the full-size model does.
+            Purpose::Benchmark => vocab.max(config.vocab_size),
+            _ => vocab,
+        };
         ember_data::Sampler::new(&data.train, config.block_size, config.seed, STREAM_TRAIN)?;
         if config.eval_interval > 0 {
             ember_data::Sampler::new(&data.val, config.block_size, config.seed, STREAM_VAL)

@@ -5,7 +5,9 @@ scaled-dot-product attention, GELU (tanh) MLP of width 4d, final LayerNorm, head
 wte) and the same step (mean cross-entropy over the batch, backward, global-norm clipping at
 1.0, AdamW with betas (0.9, 0.95), eps 1e-8 and weight decay 0.1 on 2-D weights only).
 Initialisation and data do not matter for speed: weights are normal(0, 0.02), tokens are
-uniform. Prints one JSON object: the median step time of the timed steps and tokens/s.
+uniform. Runs on the CPU or a CUDA GPU (`--device`), eager or under `torch.compile`
+(`--compile`). Prints one JSON object: the median step time of the timed steps, tokens/s and,
+on a GPU, the peak memory PyTorch's allocator held.
 """
 
 import argparse
@@ -51,7 +53,7 @@ class Gpt(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def forward(self, idx, targets):
-        pos = torch.arange(idx.shape[1])
+        pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
             x = block(x)
@@ -70,7 +72,13 @@ def main():
         "--dtype",
         choices=["f32", "bf16"],
         default="f32",
-        help="bf16: the forward pass under CPU autocast to bfloat16 (f32 weights and optimizer)",
+        help="bf16: the forward pass under autocast to bfloat16 (f32 weights and optimizer)",
+    )
+    a.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    a.add_argument(
+        "--compile",
+        action="store_true",
+        help="the model under torch.compile (its compilation falls in the warm-up steps)",
     )
     a.add_argument(
         "--profile",
@@ -81,7 +89,9 @@ def main():
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    device = torch.device(args.device)
     model = Gpt(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size)
+    model = model.to(device)
     decay = [p for p in model.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW(
@@ -91,26 +101,33 @@ def main():
         eps=1e-8,
     )
     shape = (args.batch_size, args.block_size)
+    forward = torch.compile(model) if args.compile else model
 
     def step():
-        idx = torch.randint(args.vocab_size, shape)
-        targets = torch.randint(args.vocab_size, shape)
+        idx = torch.randint(args.vocab_size, shape, device=device)
+        targets = torch.randint(args.vocab_size, shape, device=device)
         t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
-            loss = model(idx, targets)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+            loss = forward(idx, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        # `item` waits for the step's kernels on a GPU, so the time covers them.
         if not math.isfinite(loss.item()):
             raise SystemExit(f"loss is {loss.item()}")
         return time.perf_counter() - t0
 
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     times = [step() for _ in range(args.warmup + args.steps)][args.warmup :]
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        activities = [ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
             for _ in range(3):
                 step()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
@@ -123,6 +140,11 @@ def main():
                 "step_ms_median": 1e3 * median,
                 "tokens_per_s": args.batch_size * args.block_size / median,
                 "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "compiled": args.compile,
+                "peak_device_bytes": (
+                    torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+                ),
             }
         )
     )

@@ -103,6 +103,9 @@ pub struct BenchTrainArgs {
     /// Rounds of ember and PyTorch alternated per preset (with --against-torch)
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
+    /// Also time PyTorch's model under torch.compile in each round (with --against-torch)
+    #[arg(long, requires = "against_torch")]
+    pub torch_compile: bool,
     #[command(flatten)]
     pub settings: TrainOverrides,
 }
@@ -321,9 +324,13 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
     }
     let comm = ShardArgs::default().start()?;
     if let Some(python) = &args.against_torch {
+        let torch = bench::TorchReference {
+            python: python.clone(),
+            compile: args.torch_compile,
+        };
         let results = bench::against_torch(
             &comm,
-            python,
+            &torch,
             &args.presets,
             &args.settings,
             args.steps,
@@ -340,9 +347,21 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
                 let hi = v.iter().copied().fold(0.0, f64::max);
                 format!("{lo:.1}-{hi:.1}")
             };
+            let compiled = r.torch_compile_median_ms.map_or(String::new(), |c| {
+                format!(
+                    "  torch.compile {c:>8.1} ms/step ({})  ember/compiled {:.2}x",
+                    spread(&r.torch_compile_ms),
+                    r.ratio_compile.unwrap_or(f64::NAN)
+                )
+            });
+            let on = if r.device == "cpu" {
+                format!("{} threads", r.threads)
+            } else {
+                format!("on {} ({})", r.device, r.device_name)
+            };
             println!(
-                "{:<10} {}{} {} threads  ember {:>8.1} ms/step ({} over {} rounds)  PyTorch {}{} \
-                 {:>8.1} ms/step ({})  ember/PyTorch tokens/s {:.2}x",
+                "{:<10} {}{} {}  ember {:>8.1} ms/step ({} over {} rounds)  PyTorch {}{} \
+                 {:>8.1} ms/step ({})  ember/PyTorch tokens/s {:.2}x{compiled}",
                 r.preset,
                 r.dtype,
                 if r.ember_arithmetic == r.dtype {
@@ -350,7 +369,7 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
                 } else {
                     format!(" (ember computing in {})", r.ember_arithmetic)
                 },
-                r.threads,
+                on,
                 r.ember_median_ms,
                 spread(&r.ember_ms),
                 r.ember_ms.len(),

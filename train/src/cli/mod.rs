@@ -1,8 +1,9 @@
 //! The commands, one file per group: `train`; `bench`; `cluster`; `plan` and `reshard` (`layout`);
-//! `generate`, `eval`, `prepare` and `export` (`inspect`).
+//! `generate`, `eval`, `prepare` and `export` (`inspect`); `selftest`.
 
 pub mod bench;
 pub mod cluster;
 pub mod inspect;
 pub mod layout;
+pub mod selftest;
 pub mod train;

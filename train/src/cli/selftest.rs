@@ -1,0 +1,104 @@
+//! `ember selftest`: this binary checked on one device before it trains there. The
+//! quantization kernels of the quantized collectives run against their scalar reference, bit
+//! for bit, twice: on the device runtime's own client, as `ember-comm` launches them, and on
+//! the device's Burn tensors, the path a training step takes (through Burn's fusion on a GPU).
+//! The wgpu tests make the same checks (`comm/tests/quant_runtimes.rs`).
+
+use std::time::Instant;
+
+use clap::Args;
+use serde::Serialize;
+
+use ember_comm::quant::selfcheck::{SelfCheck, check};
+use ember_sharding::plumbing::kernels::DeviceKernels;
+use ember_train::config::DeviceKind;
+use ember_train::device::device;
+use ember_train::error::{CliResult, usage};
+
+#[derive(Debug, Args)]
+pub struct SelftestArgs {
+    /// The device to check: flex, wgpu, cuda[:I] or rocm[:I] (those this binary was built with)
+    #[arg(long, default_value = "flex")]
+    pub device: DeviceKind,
+    /// One JSON object instead of lines
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What `ember selftest` found.
+#[derive(Debug, Serialize)]
+struct Report {
+    /// `--device`.
+    device: String,
+    /// The device as its runtime names it, or `host`.
+    device_name: String,
+    /// Every runtime checked.
+    checks: Vec<SelfCheck>,
+    /// Whether every comparison matched.
+    passed: bool,
+    /// Seconds the checks took, kernel compilation included.
+    seconds: f64,
+}
+
+pub fn run(args: SelftestArgs) -> CliResult<()> {
+    let start = Instant::now();
+    let burn_device = device(args.device)?;
+    let mut checks = Vec::new();
+    // The runtime's own client. On a host backend the host kernels are what runs.
+    match args.device {
+        DeviceKind::Flex | DeviceKind::Ndarray => {
+            checks.push(check(&ember_comm::quant::host::HostKernels));
+        }
+        #[cfg(feature = "wgpu")]
+        DeviceKind::Wgpu => {
+            let kernels = ember_comm::quant::cube::CubeKernels::wgpu()
+                .map_err(|e| usage(format!("--device wgpu: {e}")))?;
+            checks.push(check(&kernels));
+        }
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda(index) => {
+            let index = index.unwrap_or_else(ember_train::device::local_rank);
+            let kernels = ember_comm::quant::cube::CubeKernels::cuda(index)
+                .map_err(|e| usage(format!("--device {}: {e}", args.device)))?;
+            checks.push(check(&kernels));
+        }
+        // ROCm: the training path below only.
+        _ => {}
+    }
+    let kernels = DeviceKernels::new(burn_device);
+    checks.push(check(&kernels));
+    let report = Report {
+        device: args.device.to_string(),
+        device_name: kernels.device_name(),
+        passed: checks.iter().all(SelfCheck::passed),
+        checks,
+        seconds: start.elapsed().as_secs_f64(),
+    };
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(anyhow::Error::new)?
+        );
+    } else {
+        println!("device {}: {}", report.device, report.device_name);
+        for c in &report.checks {
+            println!(
+                "{}: {} of {} comparisons bit-identical to the reference",
+                c.runtime,
+                c.checks - c.failures.len(),
+                c.checks
+            );
+            for f in &c.failures {
+                println!("  differs: {f}");
+            }
+        }
+    }
+    if !report.passed {
+        return Err(anyhow::anyhow!(
+            "selftest on {}: some kernels differ from the reference (listed above)",
+            report.device
+        )
+        .into());
+    }
+    Ok(())
+}
