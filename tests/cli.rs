@@ -728,3 +728,57 @@ fn bench_against_torch_pairs_on_the_same_device() {
     assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
     assert!(r["torch_compile_median_ms"].is_null(), "{r}");
 }
+
+/// `ember launch` refuses what is not a training job before starting anything, and does not
+/// restart a job whose configuration its ranks refused (a restart would not change it).
+#[test]
+fn launch_refuses_what_a_restart_would_not_fix() {
+    let tmp = tempfile::tempdir().unwrap();
+    refused(
+        &["launch", "--np", "1", "--", "eval"],
+        2,
+        "ember launch runs ember train",
+    );
+    refused(
+        &["launch", "--np", "1", "--", "train", "--bogus-flag"],
+        2,
+        "--bogus-flag",
+    );
+    let out = tmp.path().join("refused");
+    let root = [
+        ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+        ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+    ];
+    let run = ember_with(
+        &[
+            "launch",
+            "--np",
+            "1",
+            "--max-restarts",
+            "3",
+            "--",
+            "train",
+            "--preset",
+            "tiny",
+            "--n-embd",
+            "100",
+            "--n-head",
+            "3",
+            "--out-dir",
+            path(&out),
+        ],
+        &root,
+        Duration::from_secs(120),
+    );
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("refused the job's configuration")
+            && stderr.contains("--n-embd 100 is not divisible by --n-head 3"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("restart 1"), "{stderr}");
+    let events = ember_train::metrics::read_events(&out.join("metrics.jsonl")).unwrap();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["event"], "gave_up");
+}

@@ -3,8 +3,9 @@
 //! One test, in phases that share the cluster: sharded training matches one process; the bytes
 //! the kernel counted on the GPU links and node uplinks match `ember plan`'s; a node uplink
 //! taken down mid-run ends every rank within `--comm-timeout` + 10 s, naming the ranks it
-//! cannot reach, and the last checkpoint resumes once the link is back; `ember cluster down`
-//! leaves nothing behind.
+//! cannot reach, and the last checkpoint resumes once the link is back; under `ember launch`
+//! the same cut restarts the job by itself on the node left, which finishes it; `ember
+//! cluster down` leaves nothing behind.
 //!
 //! It needs root and network namespaces (`ip netns`); where they cannot be made it says so in
 //! one line and checks nothing else.
@@ -313,6 +314,130 @@ fn an_emulated_cluster_trains_counts_its_links_survives_a_link_down_and_cleans_u
     ]);
     ok(&resumed.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(run.join(format!("step-{:06}", step + 2)).exists());
+
+    // `ember launch` on the cluster: a node's uplink goes down mid-run; the launcher ends the
+    // attempt once every rank has exited (mpirun would wait for the node), finds that node's
+    // host no longer answers, and finishes on the other node with half the ranks from the
+    // newest checkpoint, the global batch kept. Unquantized, so the losses can be held to one
+    // process's at fp32 parity before and after the restart.
+    let launched = tmp.path().join("launched");
+    let steps = "40";
+    let train = [
+        "--preset",
+        "tiny",
+        "--max-iters",
+        steps,
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "0",
+        "--save-interval",
+        "5",
+    ];
+    let one_long = tmp.path().join("one-long");
+    let mut args = vec!["train", "--out-dir", one_long.to_str().unwrap()];
+    args.extend(train);
+    ok(&args);
+    let mut args = vec![
+        "launch",
+        "--cluster",
+        PREFIX,
+        "--max-restarts",
+        "2",
+        "--backoff",
+        "0.2",
+        "--mpi=-x",
+        "--mpi=EMBER_CACHE_DIR",
+        "--",
+        "train",
+        "--shard",
+        "hier3",
+        "--topology",
+        "2x1x2",
+        "--quantize-weights",
+        "off",
+        "--quantize-grads",
+        "off",
+        "--comm-timeout",
+        "5",
+        "--out-dir",
+        launched.to_str().unwrap(),
+    ];
+    args.extend(train);
+    let mut job = Command::new("timeout")
+        .args(["--kill-after=5", "600", exe()])
+        .args(&args)
+        .env("EMBER_CACHE_DIR", cache_dir())
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    loop {
+        let past = launched.join("step-000005").join("manifest.json").exists()
+            && read_metrics(&launched.join("metrics.jsonl"))
+                .ok()
+                .and_then(|m| m.last().map(|m| m.step))
+                .is_some_and(|s| s >= 7);
+        if past {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(180),
+            "the launched run did not get past step 7"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let down = Command::new("ip")
+        .args(["link", "set", &uplink, "down"])
+        .output()
+        .unwrap();
+    assert!(down.status.success());
+    let cut = Instant::now();
+    let status = job.wait().unwrap();
+    let finished = cut.elapsed().as_secs_f64();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut job.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(
+        status.success(),
+        "ember launch did not finish on the node left:\n{stderr}"
+    );
+    let _ = Command::new("ip")
+        .args(["link", "set", &uplink, "up"])
+        .output();
+    let events = ember_train::metrics::read_events(&launched.join("metrics.jsonl")).unwrap();
+    let names: Vec<&str> = events
+        .iter()
+        .map(|e| e["event"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["failure", "restart", "recovered", "finished"],
+        "{events:?}\n{stderr}"
+    );
+    let restart = &events[1];
+    assert_eq!(restart["np"], 2, "{restart}");
+    assert_eq!(restart["topology"], "1x1x2", "{restart}");
+    assert_eq!(
+        restart["dropped"],
+        serde_json::json!(["198.18.2.1"]),
+        "{restart}"
+    );
+    let (a, b) = (losses(&one_long), losses(&launched));
+    assert_eq!(b.len(), 40, "one history of 40 steps");
+    for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            (x - y).abs() <= PARITY_TOL,
+            "step {}: one process {x}, launched and restarted {y}",
+            step + 1
+        );
+    }
+    eprintln!(
+        "the launched job finished {finished:.1} s after the uplink went down; recovery: {}",
+        events[2]
+    );
 
     // Down leaves no namespace, link or state behind.
     drop(guard);

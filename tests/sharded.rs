@@ -1464,3 +1464,122 @@ fn wgpu_sharded_training_matches_flex() {
 /// and for hier3 (int8 weights, int4 gradients).
 #[cfg(feature = "wgpu")]
 const WGPU_TOL: f64 = PARITY_TOL;
+
+/// `ember launch` after a `kill -9` of one rank: mpirun ends the job, the launcher restarts it
+/// from the newest complete checkpoint on the same layout (every host answers), and the run
+/// ends where an uninterrupted one ends, bit for bit, with its failure, restart and recovery
+/// in `metrics.jsonl`. Checkpoints are written in the background.
+#[test]
+fn ember_launch_restarts_after_a_kill_and_ends_where_an_uninterrupted_run_ends() {
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = [
+        "--shard",
+        "zero3",
+        "--topology",
+        "2x2x1",
+        "--save-interval",
+        "10",
+        "--async-save",
+        "on",
+    ];
+    let straight = tmp.path().join("straight");
+    ok(4, &train_args(&straight, "100", &layout));
+
+    let out = tmp.path().join("launched");
+    let mpi_tmp = tmp.path().join("ompi");
+    std::fs::create_dir_all(&mpi_tmp).unwrap();
+    let _one = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
+    let mpi_flags = [
+        "--oversubscribe",
+        "--mca",
+        "orte_tmpdir_base",
+        p(&mpi_tmp),
+        "-x",
+        "RAYON_NUM_THREADS=1",
+        "-x",
+        "EMBER_CACHE_DIR",
+    ];
+    let mut cmd = Command::new("timeout");
+    cmd.args([
+        "--kill-after=5",
+        "600",
+        env!("CARGO_BIN_EXE_ember"),
+        "launch",
+    ])
+    .args(["--np", "4", "--max-restarts", "2", "--backoff", "0.2"]);
+    for f in mpi_flags {
+        cmd.arg(format!("--mpi={f}"));
+    }
+    let mut child = cmd
+        .arg("--")
+        .args(train_args(&out, "100", &layout))
+        .env("EMBER_CACHE_DIR", cache_dir())
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once a checkpoint is complete and the run is past it, rank 2 dies.
+    let start = std::time::Instant::now();
+    let attempt = out.join(".launch").join("attempt-1");
+    loop {
+        let past = out.join("step-000010").join("manifest.json").exists()
+            && read_metrics(&out.join("metrics.jsonl"))
+                .ok()
+                .and_then(|m| m.last().map(|m| m.step))
+                .is_some_and(|s| s >= 15);
+        if past {
+            break;
+        }
+        assert!(
+            start.elapsed().as_secs() < 300,
+            "the run did not get past step 15"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(attempt.join("rank-2.start.json")).unwrap())
+            .unwrap();
+    let pid = record["pid"].as_u64().unwrap().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-9", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    drop(_one);
+    assert!(status.success(), "ember launch failed:\n{stderr}");
+    assert!(stderr.contains("restart 1 of 2"), "{stderr}");
+
+    // Every step's loss is the uninterrupted run's, the steps after the restart included.
+    let (a, b) = (metrics(&straight), metrics(&out));
+    assert_eq!(a.len(), 100);
+    assert_eq!(b.len(), 100, "one history, the lost steps dropped");
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!((x.step, x.loss), (y.step, y.loss), "step {}", x.step);
+    }
+    let events = ember_train::metrics::read_events(&out.join("metrics.jsonl")).unwrap();
+    let names: Vec<&str> = events
+        .iter()
+        .map(|e| e["event"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["failure", "restart", "recovered", "finished"],
+        "{events:?}"
+    );
+    let failure = &events[0];
+    assert!(failure["steps_lost"].as_u64().unwrap() >= 5, "{failure}");
+    assert!(failure["steps_lost"].as_u64().unwrap() < 20, "{failure}");
+    assert_eq!(events[1]["np"], 4);
+    assert_eq!(events[1]["topology"], "2x2x1");
+    let recovered = &events[2];
+    let total = recovered["seconds_to_recover"].as_f64().unwrap();
+    assert!(total > 0.0 && total < 60.0, "{recovered}");
+    eprintln!("recovered in {total:.2} s: {recovered}");
+}

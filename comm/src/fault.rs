@@ -26,7 +26,10 @@ pub const PANIC_EXIT_CODE: i32 = 101;
 /// `MPI_Abort` asks the launcher to end the job, which it cannot do for ranks it can no longer
 /// reach (a network cut off between them): this rank then ends itself after
 /// [`ABORT_GRACE`], so every rank still ends on its own watchdog.
-pub fn abort_job(code: i32) -> ! {
+pub fn abort_job(code: i32, reason: &str) -> ! {
+    if let Some(hook) = ABORT_HOOK.get() {
+        hook(code, reason);
+    }
     std::thread::spawn(move || {
         std::thread::sleep(ABORT_GRACE);
         // SAFETY: _exit ends the process at once; nothing is left to run on its behalf.
@@ -38,6 +41,15 @@ pub fn abort_job(code: i32) -> ! {
     }
     // MPI_Abort should not return; if a broken MPI lets it, make sure the job still ends.
     std::process::exit(code)
+}
+
+static ABORT_HOOK: std::sync::OnceLock<fn(i32, &str)> = std::sync::OnceLock::new();
+
+/// Sets what [`abort_job`] does first, with the exit code and the reason (once per process;
+/// later calls are ignored): the application records how the rank ended, for a launcher
+/// that cannot see the abort otherwise.
+pub fn before_abort(hook: fn(i32, &str)) {
+    let _ = ABORT_HOOK.set(hook);
 }
 
 /// How long a rank waits for `MPI_Abort` to end it before it ends itself.
@@ -54,7 +66,7 @@ pub fn install_panic_hook(rank: usize) -> Arc<AtomicBool> {
         previous(info);
         if seen.load(Ordering::SeqCst) {
             eprintln!("ember-comm: rank {rank} panicked; aborting the MPI job");
-            abort_job(PANIC_EXIT_CODE);
+            abort_job(PANIC_EXIT_CODE, &format!("panicked: {info}"));
         }
     }));
     live
@@ -126,14 +138,15 @@ impl Watchdog {
                                 names.join(", ")
                             )
                         };
-                        eprintln!(
-                            "ember-comm: rank {rank}: {} on level {} waited longer than the \
-                             collective timeout of {} s{peers}; aborting the MPI job",
+                        let reason = format!(
+                            "{} on level {} waited longer than the collective timeout of {} \
+                             s{peers}",
                             w.op.name(),
                             topology.scope_name(w.scope),
                             timeout.as_secs_f64()
                         );
-                        abort_job(TIMEOUT_EXIT_CODE);
+                        eprintln!("ember-comm: rank {rank}: {reason}; aborting the MPI job");
+                        abort_job(TIMEOUT_EXIT_CODE, &reason);
                     }
                 }
             })

@@ -144,7 +144,7 @@ mod staging;
 mod worker;
 
 pub use blocks::{BlockModel, Blocks, InitSource, Preset, Rows, Shard};
-pub use checkpoint::{Checkpoint, SaveOptions};
+pub use checkpoint::{Checkpoint, PendingSave, SaveOptions};
 pub use config::{Compute, GradQuant, PRESETS, Recompute, ShardConfig, Span, WeightQuant};
 pub use engine::{Gradients, Layout, ShardedModel, StepHyper, StepReport};
 pub use error::ShardError;

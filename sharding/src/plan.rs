@@ -149,11 +149,16 @@ pub struct Memory {
     /// way to the reduction, their staging copies and activations, plus the staging each
     /// communication thread's heap keeps for reuse.
     pub working_peak: u64,
+    /// The host copy of the optimizer shard and residuals that a checkpoint written in the
+    /// background ([`save_async`](crate::checkpoint::save_async)) is written from, held while
+    /// training goes on; 0 unless [`with_background_saves`](Self::with_background_saves).
+    #[serde(default)]
+    pub checkpoint_staging: u64,
 }
 
 impl Memory {
     /// Everything a rank holds at its peak: the states held through the step plus the
-    /// working peak.
+    /// working peak (and the host copy of a checkpoint being written in the background).
     pub fn total(&self) -> u64 {
         self.params
             + self.secondary
@@ -161,6 +166,16 @@ impl Memory {
             + self.optimizer
             + self.residuals
             + self.working_peak
+            + self.checkpoint_staging
+    }
+
+    /// The same with checkpoints written in the background: a copy of the optimizer shard
+    /// and the residuals in host memory while one is written.
+    pub fn with_background_saves(self) -> Self {
+        Self {
+            checkpoint_staging: self.optimizer + self.residuals,
+            ..self
+        }
     }
 }
 

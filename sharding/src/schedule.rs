@@ -491,6 +491,7 @@ impl Plan {
             gathered_peak,
             activations_peak,
             working_peak: working_peak.max(update) + heaps,
+            checkpoint_staging: 0,
         }
     }
 }

@@ -182,6 +182,11 @@ impl Cluster {
 
     /// The `mpirun` flags that start a job on the cluster (before the program).
     pub fn mpirun_args(&self, exe: &Path) -> Vec<String> {
+        self.mpirun_args_on(exe, self.topology().world_size(), &self.hosts())
+    }
+
+    /// The `mpirun` flags that start `np` ranks on `hosts` of the cluster (`--host` syntax).
+    pub fn mpirun_args_on(&self, exe: &Path, np: usize, hosts: &str) -> Vec<String> {
         let agent = format!(
             "{} cluster rsh --prefix {}",
             exe.display(),
@@ -189,9 +194,9 @@ impl Cluster {
         );
         [
             "-np",
-            &self.topology().world_size().to_string(),
+            &np.to_string(),
             "--host",
-            &self.hosts(),
+            hosts,
             "--map-by",
             "slot",
             "--mca",
@@ -215,6 +220,30 @@ impl Cluster {
         .iter()
         .map(|s| s.to_string())
         .collect()
+    }
+
+    /// Ends the MPI daemons left in the cluster's namespaces: after mpirun is ended, those of
+    /// a node it can no longer reach would wait for it until the node came back.
+    pub fn end_daemons(&self) {
+        for g in &self.gpus {
+            let Ok(out) = Command::new("ip")
+                .args(["netns", "pids", &g.namespace])
+                .output()
+            else {
+                continue;
+            };
+            for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                let is_daemon = cmdline
+                    .split(|&b| b == 0)
+                    .next()
+                    .is_some_and(|exe| exe.ends_with(b"orted"));
+                if is_daemon && let Ok(pid) = pid.parse::<i32>() {
+                    // SAFETY: a signal to an MPI daemon of this cluster's namespace.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
+        }
     }
 
     /// Bytes that crossed the cluster's links so far, read from the kernel's interface

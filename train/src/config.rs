@@ -24,6 +24,21 @@ pub enum Dtype {
     Bf16,
 }
 
+/// How checkpoints are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum AsyncSave {
+    /// In the background where the plan, with the host copy counted, fits the machine's
+    /// memory; blocking otherwise.
+    #[default]
+    Auto,
+    /// Every rank copies its state to host memory at the step and a thread writes it while
+    /// training goes on (the last checkpoint of a run is written before it ends).
+    On,
+    /// Every rank writes its state before the next step, streaming it with no copy.
+    Off,
+}
+
 impl From<Dtype> for ember_sharding::Compute {
     fn from(dtype: Dtype) -> Self {
         match dtype {
@@ -213,6 +228,10 @@ pub struct TrainOverrides {
     /// 0 keeps all [default: 0]
     #[arg(long)]
     pub keep_last: Option<u64>,
+    /// Write checkpoints in the background (on), before the next step (off), or in the
+    /// background where memory allows the host copy (auto) [default: auto]
+    #[arg(long, value_enum)]
+    pub async_save: Option<AsyncSave>,
     /// Peak FLOP/s of the device in TFLOP/s, for MFU [default: estimated for CPUs]
     #[arg(long)]
     pub peak_tflops: Option<f64>,
@@ -274,6 +293,10 @@ pub struct TrainConfig {
     /// Checkpoints kept (0 = all).
     #[serde(default)]
     pub keep_last: u64,
+    /// How checkpoints are written, as asked (`auto` is settled for each run from the memory
+    /// of the machines it runs on).
+    #[serde(default)]
+    pub async_save: AsyncSave,
     /// Peak device TFLOP/s for MFU (None = estimate).
     pub peak_tflops: Option<f64>,
 }
@@ -338,6 +361,7 @@ impl TrainOverrides {
             save_interval,
             log_interval,
             keep_last,
+            async_save,
             peak_tflops,
         );
         self
@@ -385,6 +409,7 @@ impl TrainConfig {
             save_interval: 500,
             log_interval: 10,
             keep_last: 0,
+            async_save: AsyncSave::Auto,
             peak_tflops: None,
         };
         // A fresh model takes its positions from --block-size (nanoGPT's meaning).
@@ -439,7 +464,7 @@ impl TrainConfig {
             dtype => self.dtype, device => self.device, seed => self.seed,
             out_dir => self.out_dir, save_interval => self.save_interval,
             log_interval => self.log_interval,
-            keep_last => self.keep_last,
+            keep_last => self.keep_last, async_save => self.async_save,
         );
         if o.data.is_some() {
             self.data = o.data.clone();

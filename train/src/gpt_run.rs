@@ -4,15 +4,16 @@
 //! size. Also what building, saving and resharding it take.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use anyhow::{Context, Result};
 use burn::tensor::Device;
 use ember_comm::Comm;
 use ember_data::{Batch, BatchPlan, STREAM_TRAIN, STREAM_VAL, Sampler};
 use ember_sharding::{
-    AdamW, Checkpoint, DecayOn, Layout, Plan, SaveOptions, ShardConfig, ShardError, ShardedModel,
-    StepHyper, StepReport,
+    AdamW, Checkpoint, DecayOn, Layout, PendingSave, Plan, SaveOptions, ShardConfig, ShardError,
+    ShardedModel, StepHyper, StepReport,
 };
 
 use crate::checkpoint::RunRecord;
@@ -22,7 +23,7 @@ use crate::export::HfDir;
 use crate::host_memory::{gather_u64, rss_peaks, set_allocator_for_training};
 use crate::log0;
 use crate::metrics::StepMetrics;
-use crate::run_loop::{Stepped, Trainee};
+use crate::run_loop::{Saved, Stepped, Trainee};
 use crate::schedule::LrSchedule;
 use crate::setup::{Resumed, RunSetup, batch_plan};
 use crate::stages::{GptStages, SeededGpt};
@@ -41,6 +42,11 @@ pub struct GptRun<'c, 'd> {
     batches: BatchPlan,
     plan_bytes: u64,
     last: Option<StepReport>,
+    /// Whether checkpoints are written in the background (`--async-save`, as settled by the
+    /// memory check).
+    background_saves: bool,
+    /// The checkpoint being written in the background, if any.
+    pending: Option<PendingSave>,
     /// The first step this run trains and the tokens behind it.
     pub start: (u64, u64),
 }
@@ -128,8 +134,16 @@ impl<'c, 'd> GptRun<'c, 'd> {
             sharded,
             plan_bytes: memory.total(),
             last: None,
+            background_saves: false,
+            pending: None,
             start,
         })
+    }
+
+    /// Writes checkpoints other than the last in the background from now on (`on`), or
+    /// before the next step.
+    pub fn write_in_background(&mut self, on: bool) {
+        self.background_saves = on;
     }
 
     /// The partitioned model.
@@ -194,12 +208,55 @@ impl Trainee for GptRun<'_, '_> {
         Ok(sum as f64 / world as f64)
     }
 
-    fn save(&mut self, steps: u64, tokens_seen: u64) -> Result<PathBuf> {
-        let tokenizer = (
-            self.setup.data.dir.join("tokenizer.json"),
+    fn save(&mut self, steps: u64, tokens_seen: u64, last: bool) -> Result<Saved> {
+        let start = Instant::now();
+        let comm = self.sharded.comm();
+        // One checkpoint in flight at a time: an earlier one is finished first.
+        let waited = match self.pending.take() {
+            Some(p) => {
+                let dir = p.dir().to_path_buf();
+                let step = p.step();
+                p.wait(comm).with_context(|| {
+                    format!(
+                        "the checkpoint of step {step}, written in the background, was not                          completed; earlier checkpoints are untouched"
+                    )
+                })?;
+                Some((dir, start.elapsed().as_secs_f64()))
+            }
+            None => None,
+        };
+        let options = save_options(
+            &self.config,
+            steps,
+            tokens_seen,
+            &self.setup.data.dir.join("tokenizer.json"),
             self.setup.data.tokenizer.sha256(),
         );
-        save(&self.sharded, &self.config, steps, tokens_seen, &tokenizer)
+        let start = Instant::now();
+        if self.background_saves && !last {
+            let pending = ember_sharding::plumbing::checkpoint::save_async(
+                &self.sharded,
+                &self.config.out_dir,
+                steps,
+                &options,
+            )
+            .with_context(|| format!("starting the checkpoint of step {steps}"))?;
+            let saved = Saved {
+                dir: pending.dir().to_path_buf(),
+                blocked_s: start.elapsed().as_secs_f64(),
+                staged_bytes: pending.staged_bytes(),
+                waited: waited.filter(|(_, s)| *s > 0.01),
+            };
+            self.pending = Some(pending);
+            return Ok(saved);
+        }
+        let dir = save(&self.sharded, &self.config.out_dir, steps, &options)?;
+        Ok(Saved {
+            dir,
+            blocked_s: start.elapsed().as_secs_f64(),
+            staged_bytes: 0,
+            waited: waited.filter(|(_, s)| *s > 0.01),
+        })
     }
 
     fn observe(&mut self, m: &mut StepMetrics) -> Result<()> {
@@ -326,23 +383,31 @@ pub fn traffic_by_name(comm: &Comm, traffic: &ember_comm::Counters) -> BTreeMap<
 /// failure on any rank fails every rank and leaves earlier checkpoints untouched.
 pub fn save(
     sharded: &ShardedModel<'_, GptStages, 3>,
+    out_dir: &Path,
+    step: u64,
+    options: &SaveOptions,
+) -> Result<PathBuf> {
+    ember_sharding::plumbing::checkpoint::save(sharded, out_dir, step, options).with_context(|| {
+        format!(
+            "the checkpoint of step {step} was not completed; earlier checkpoints are untouched"
+        )
+    })
+}
+
+/// What ember records in a checkpoint of step `step` of run `c`, with its tokenizer (copied
+/// in) and that tokenizer's checksum.
+pub fn save_options(
     c: &TrainConfig,
     step: u64,
     tokens_seen: u64,
-    tokenizer: &(PathBuf, String),
-) -> Result<PathBuf> {
-    let options = SaveOptions {
-        app: RunRecord::new(c, step, tokens_seen, RNG_SCHEME, tokenizer.1.clone()).app(),
-        files: vec![tokenizer.0.clone()],
+    tokenizer: &Path,
+    tokenizer_sha256: String,
+) -> SaveOptions {
+    SaveOptions {
+        app: RunRecord::new(c, step, tokens_seen, RNG_SCHEME, tokenizer_sha256).app(),
+        files: vec![tokenizer.to_path_buf()],
         keep_last: c.keep_last as usize,
-    };
-    ember_sharding::plumbing::checkpoint::save(sharded, &c.out_dir, step, &options).with_context(
-        || {
-            format!(
-                "the checkpoint of step {step} was not completed; earlier checkpoints are untouched"
-            )
-        },
-    )
+    }
 }
 
 /// `ember reshard`: loads `resumed` into this job's partition and writes it again under
@@ -355,16 +420,14 @@ pub fn reshard(
     shard: ShardConfig,
 ) -> Result<PathBuf> {
     let checkpoint = Checkpoint::open(comm, &resumed.dir)?;
-    let tokenizer = (
-        checkpoint.dir().join("tokenizer.json"),
+    let step = checkpoint.manifest().step;
+    let options = save_options(
+        c,
+        step,
+        resumed.record.data.tokens_seen,
+        &checkpoint.dir().join("tokenizer.json"),
         resumed.record.tokenizer_sha256.clone(),
     );
     let sharded = build(comm, c, shard, Device::flex(), Some(&checkpoint), None)?;
-    save(
-        &sharded,
-        c,
-        checkpoint.manifest().step,
-        resumed.record.data.tokens_seen,
-        &tokenizer,
-    )
+    save(&sharded, &c.out_dir, step, &options)
 }

@@ -15,6 +15,7 @@ pub mod export;
 pub mod generate;
 pub mod gpt_run;
 pub mod host_memory;
+pub mod launch;
 pub mod metrics;
 pub mod planning;
 pub mod plot;

@@ -1,5 +1,5 @@
 //! The `ember` command line: `train`, `generate`, `eval`, `prepare`, `plan`, `reshard`,
-//! `export`, `bench {train,comm,shard}`, `cluster` and `selftest`. Each command parses its flags (clap) and runs
+//! `export`, `bench {train,comm,shard}`, `cluster`, `launch` and `selftest`. Each command parses its flags (clap) and runs
 //! (`cli/`); errors print one line and exit 2 (usage) or 1 (runtime), as `error.rs`
 //! classifies them.
 
@@ -12,6 +12,7 @@ use clap::{Parser, Subcommand};
 use cli::bench::{self, BenchCommand};
 use cli::cluster::ClusterCommand;
 use cli::inspect::{EvalArgs, ExportArgs, GenerateArgs, PrepareArgs};
+use cli::launch::LaunchArgs;
 use cli::layout::{PlanArgs, ReshardArgs};
 use cli::selftest::SelftestArgs;
 use cli::train::TrainArgs;
@@ -52,6 +53,20 @@ enum Command {
     /// An emulated cluster on this machine: network namespaces with shaped links (root)
     #[command(subcommand)]
     Cluster(ClusterCommand),
+    /// Run `ember train` under mpirun and restart it by itself after a failure, from the
+    /// newest complete checkpoint, on the hosts that still answer
+    #[command(allow_negative_numbers = true)]
+    Launch(LaunchArgs),
+    /// Connects back to a launcher asking whether this host answers
+    #[command(hide = true)]
+    ProbeBack {
+        /// The launcher's address
+        addr: String,
+        /// Its port
+        port: u16,
+        /// What to say
+        token: String,
+    },
     /// Check this binary on a device: the quantization kernels against their reference, bit
     /// for bit (run it first on a new GPU)
     Selftest(SelftestArgs),
@@ -59,6 +74,22 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Under `ember launch`, every rank says when it starts and how it ends (a panic too).
+    let records = ember_train::launch::RankRecords::get();
+    if let Some(r) = records {
+        r.started();
+        // A collective's timeout or a panic aborts the MPI job from inside ember-comm.
+        ember_comm::fault::before_abort(|code, reason| {
+            if let Some(r) = ember_train::launch::RankRecords::get() {
+                r.exited(code, Some(reason.to_string()));
+            }
+        });
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            r.exited(101, Some(format!("panicked: {info}")));
+            default(info);
+        }));
+    }
     let result = match cli.command {
         Command::Train(args) => cli::train::run(args),
         Command::Generate(args) => cli::inspect::generate_cmd(args),
@@ -72,10 +103,22 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Shard(args)) => bench::bench_shard(args),
         Command::Cluster(command) => cli::cluster::run(command),
         Command::Selftest(args) => cli::selftest::run(args),
+        Command::Launch(args) => cli::launch::run(args),
+        Command::ProbeBack { addr, port, token } => {
+            ember_train::launch::probe_back(&addr, port, &token).map_err(Into::into)
+        }
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => {
+            if let Some(r) = records {
+                r.exited(0, None);
+            }
+            ExitCode::SUCCESS
+        }
         Err(e) => {
+            if let Some(r) = records {
+                r.exited(e.exit_code(), Some(e.to_string()));
+            }
             // One write: the ranks of a job share mpirun's stderr, and a line written in
             // pieces interleaves with theirs.
             let line = format!("error: {e}\n");

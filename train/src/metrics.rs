@@ -53,6 +53,10 @@ pub struct StepMetrics {
     /// them (wgpu); absent on CPU backends, whose memory is the resident set.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub device_bytes: Option<Vec<u64>>,
+    /// Steps that saved a checkpoint: seconds the save held training on rank 0 (the whole
+    /// write, or only the copy to host memory of a checkpoint written in the background).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub save_blocked_s: Option<f64>,
     /// Sharded runs: rank 0's seconds in the step's crossings between device and host memory
     /// (collectives' bytes staged for MPI, quantized bytes to and from the device kernels),
     /// summed over its threads, and that as a share of the step.
@@ -152,14 +156,20 @@ impl MetricsWriter {
         let path = out_dir.join("metrics.jsonl");
         match resume_step {
             Some(step) if path.exists() => {
-                let kept: Vec<StepMetrics> = read_metrics(&path)?
-                    .into_iter()
-                    .filter(|m| m.step <= step)
-                    .collect();
-                let mut f = File::create(&path)?;
-                for m in kept {
-                    writeln!(f, "{}", serde_json::to_string(&m)?)?;
+                // Events (a launcher's failures and restarts) stay; steps past the
+                // checkpoint go.
+                let text = fs::read_to_string(&path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                let mut kept = String::new();
+                for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                    let v: serde_json::Value = serde_json::from_str(line)
+                        .with_context(|| format!("{}: bad line {line}", path.display()))?;
+                    if v.get("event").is_some() || v["step"].as_u64().is_some_and(|s| s <= step) {
+                        kept.push_str(line);
+                        kept.push('\n');
+                    }
                 }
+                fs::write(&path, kept).with_context(|| format!("writing {}", path.display()))?;
             }
             None => {
                 File::create(&path).with_context(|| format!("creating {}", path.display()))?;
@@ -184,8 +194,30 @@ impl MetricsWriter {
     }
 }
 
-/// Reads every line of a metrics file.
+/// Reads every step line of a metrics file (event lines are [`read_events`]').
 pub fn read_metrics(path: &Path) -> Result<Vec<StepMetrics>> {
+    let mut out = Vec::new();
+    for v in read_lines(path)? {
+        if v.get("event").is_none() {
+            out.push(
+                serde_json::from_value(v.clone())
+                    .with_context(|| format!("{}: bad line {v}", path.display()))?,
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// Reads the event lines of a metrics file: those `ember launch` writes (`failure`,
+/// `restart`, `recovered`, `finished`, `gave_up`), in order.
+pub fn read_events(path: &Path) -> Result<Vec<serde_json::Value>> {
+    Ok(read_lines(path)?
+        .into_iter()
+        .filter(|v| v.get("event").is_some())
+        .collect())
+}
+
+fn read_lines(path: &Path) -> Result<Vec<serde_json::Value>> {
     let f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     BufReader::new(f)
         .lines()

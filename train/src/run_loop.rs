@@ -36,8 +36,9 @@ pub trait Trainee {
     fn step(&mut self, step: u64) -> Result<Stepped>;
     /// The validation loss with the run's evaluation settings.
     fn val_loss(&mut self) -> Result<f64>;
-    /// Writes a checkpoint after `steps` steps and `tokens_seen` tokens; returns its path.
-    fn save(&mut self, steps: u64, tokens_seen: u64) -> Result<PathBuf>;
+    /// Writes a checkpoint after `steps` steps and `tokens_seen` tokens (the run's `last`
+    /// one is complete when this returns; others may be written in the background).
+    fn save(&mut self, steps: u64, tokens_seen: u64, last: bool) -> Result<Saved>;
     /// Fills the fields of a logged step's metrics that the trainee measures (bytes sent,
     /// resident memory) into `m`.
     fn observe(&mut self, m: &mut StepMetrics) -> Result<()>;
@@ -45,6 +46,21 @@ pub trait Trainee {
     fn rank(&self) -> usize;
     /// Ranks training together.
     fn ranks(&self) -> usize;
+}
+
+/// What a save did.
+#[derive(Debug, Clone)]
+pub struct Saved {
+    /// The checkpoint's directory (complete, or once its writer is done).
+    pub dir: PathBuf,
+    /// Seconds training was held by this save: the whole write, or the copy to host memory.
+    pub blocked_s: f64,
+    /// Bytes of this rank's state copied to host memory for a background write (0 when the
+    /// save was written before it returned).
+    pub staged_bytes: u64,
+    /// The earlier checkpoint this save first waited for, and how long (its writer was not
+    /// done yet).
+    pub waited: Option<(PathBuf, f64)>,
 }
 
 /// What the loop writes besides stepping.
@@ -91,6 +107,7 @@ pub fn run(
     let mut logged = Vec::new();
     for step in first_step..c.max_iters {
         let s = trainee.step(step)?;
+        crate::launch::RankRecords::stepped(step + 1);
         window.0 += s.step_s;
         window.1 += c.tokens_per_step() as u64;
         tokens_seen += c.tokens_per_step() as u64;
@@ -108,6 +125,40 @@ pub fn run(
         };
         bar.set_position(done);
         bar.set_message(format!("loss {:.4}", s.loss));
+        // Saved before the step's metrics line, which says how long the save held training.
+        let saved = if (c.save_interval > 0 && done.is_multiple_of(c.save_interval)) || last {
+            let saved = trainee.save(done, tokens_seen, last)?;
+            if let Some((dir, s)) = &saved.waited {
+                bar.suspend(|| {
+                    log0!(
+                        rank,
+                        "waited {s:.2} s for {} to be written before the next save",
+                        dir.display()
+                    )
+                });
+            }
+            bar.suspend(|| {
+                if saved.staged_bytes > 0 {
+                    log0!(
+                        rank,
+                        "saving {} in the background (training held {:.3} s to copy {:.1} MB)",
+                        saved.dir.display(),
+                        saved.blocked_s,
+                        saved.staged_bytes as f64 / 1e6
+                    )
+                } else {
+                    log0!(
+                        rank,
+                        "saved {} ({:.2} s)",
+                        saved.dir.display(),
+                        saved.blocked_s
+                    )
+                }
+            });
+            Some(saved)
+        } else {
+            None
+        };
         if done.is_multiple_of(c.log_interval) || eval_now || last {
             let tokens_per_s = window.1 as f64 / window.0.max(1e-9);
             let ranks = trainee.ranks() as f64;
@@ -125,6 +176,7 @@ pub fn run(
                 comm_wait_frac: None,
                 rss_peak_bytes: None,
                 device_bytes: None,
+                save_blocked_s: saved.as_ref().map(|s| s.blocked_s),
                 staging_s: None,
                 staging_frac: None,
                 staging_bytes: None,
@@ -158,10 +210,6 @@ pub fn run(
             }
             logged.push(m);
             window = (0.0, 0);
-        }
-        if (c.save_interval > 0 && done.is_multiple_of(c.save_interval)) || last {
-            let dir = trainee.save(done, tokens_seen)?;
-            bar.suspend(|| log0!(rank, "saved {}", dir.display()));
         }
     }
     bar.finish_and_clear();

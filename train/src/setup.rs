@@ -14,7 +14,7 @@ use ember_data::{DataError, PreparedData, STREAM_TRAIN, STREAM_VAL};
 use ember_sharding::{Compute, Plan, Recompute, ShardConfig, Span};
 
 use crate::checkpoint::{self, RunRecord};
-use crate::config::{DeviceKind, Dtype, TrainConfig, TrainOverrides};
+use crate::config::{AsyncSave, DeviceKind, Dtype, TrainConfig, TrainOverrides};
 use crate::error::{CliError, CliResult, InitFromMismatch, usage};
 use crate::export::HfDir;
 use crate::planning::run_plan;
@@ -516,22 +516,50 @@ impl RunSetup {
 
     /// Refuses, on every rank, a run whose plan times the ranks on this machine exceeds the
     /// memory available (unless `skip`), naming both and the presets that would fit.
-    pub fn check_memory(&self, comm: &Comm, plan: &Plan, skip: bool) -> CliResult<()> {
+    ///
+    /// Also settles `--async-save auto`: checkpoints are written in the background where the
+    /// plan with their host copy fits on every rank's machine. Returns whether they are.
+    pub fn check_memory(&self, comm: &Comm, plan: &Plan, skip: bool) -> CliResult<bool> {
         self.check_memory_of(comm, plan, skip)
             .map_err(|e| self.origins.explain(e))
     }
 
     /// [`RunSetup::check_memory`], its message not yet explained.
-    fn check_memory_of(&self, comm: &Comm, plan: &Plan, skip: bool) -> CliResult<()> {
+    fn check_memory_of(&self, comm: &Comm, plan: &Plan, skip: bool) -> CliResult<bool> {
         let shard = &plan.config;
+        let memory = plan.memory(self.config.grad_accum);
+        let staged = memory.with_background_saves();
+        let ranks = comm.ranks_on_this_node();
+        let background = match self.config.async_save {
+            AsyncSave::Off => false,
+            AsyncSave::On => true,
+            AsyncSave::Auto => {
+                let fits = planning::check_memory(&staged, ranks, skip, |_| Vec::new())
+                    .map_err(CliError::Runtime);
+                let fits = agreed(comm, fits).is_ok();
+                if !fits {
+                    log0!(
+                        comm.rank(),
+                        "checkpoints are written before the next step: their host copy ({:.2} \
+                         GB per rank) would not fit beside the run (--async-save on to insist)",
+                        staged.checkpoint_staging as f64 / 1e9
+                    );
+                }
+                fits
+            }
+        };
         let checked = planning::check_memory(
-            &plan.memory(self.config.grad_accum),
-            comm.ranks_on_this_node(),
+            if background { &staged } else { &memory },
+            ranks,
             skip,
             planning::fitting_presets(&self.config, comm.topology()),
         );
         let keeping = shard.params() != Span(0) && shard.recompute == Recompute::None;
-        agreed(comm, checked.map_err(CliError::Runtime)).map_err(|e| {
+        agreed(
+            comm,
+            checked.map_err(CliError::Runtime).map(|()| background),
+        )
+        .map_err(|e| {
             let hint = if keeping {
                 " (--recompute none keeps every unit's activations and parameters for \
                  backward; --recompute unit keeps one unit's at a time)"

@@ -19,9 +19,12 @@
 //!   written with, every file's size and SHA-256, and the application's own record.
 //!
 //! A directory appears under its final name only once it is complete (temporary directory,
-//! fsync, rename), so a crash or kill never damages a checkpoint that existed before. Files
-//! are written as a stream, one parameter range at a time: saving needs no memory beyond the
-//! model's own state.
+//! fsync, the manifest last, rename), so a crash or kill never damages a checkpoint that
+//! existed before. [`save`] streams the files one parameter range at a time: it needs no
+//! memory beyond the model's own state. [`save_async`] copies each rank's state to host memory
+//! and writes it on a thread of its own while training goes on ([`PendingSave`]); each rank
+//! leaves a record of its files in the temporary directory, and rank 0's writer completes the
+//! checkpoint once every rank's record is there.
 //!
 //! The layout is that of PyTorch DCP: shards with global offsets, loadable into any partition
 //! (which refuses gaps and overlaps, and reads only the bytes of the ranges it asks for).
@@ -40,7 +43,7 @@ use crate::config::ShardConfig;
 use crate::error::ShardError;
 
 pub use read::{Checkpoint, Index};
-pub use write::{FileDtype, SaveOptions, ShardWriter, save};
+pub use write::{FileDtype, PendingSave, SaveOptions, ShardWriter, save, save_async};
 
 /// Name of the manifest inside a checkpoint directory.
 pub const MANIFEST: &str = "manifest.json";

@@ -8,6 +8,7 @@ use std::fs::{self, File};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::{
@@ -294,154 +295,383 @@ pub fn save<S: Staged<D>, const D: usize>(
     options: &SaveOptions,
 ) -> Result<PathBuf, ShardError> {
     let comm = sharded.comm();
-    let rank = comm.rank();
-    // Every rank names the temporary directory after rank 0's process id.
-    let mut token = std::process::id().to_le_bytes();
-    comm.world().broadcast(&mut token, 0)?;
-    let tmp = tmp_dir(out_dir, step, u32::from_le_bytes(token));
-    let begun = if rank == 0 {
-        begin(out_dir, step, u32::from_le_bytes(token)).map(|_| ())
-    } else {
-        Ok(())
-    };
-    agree(comm, begun)?;
-    let written = (|| -> Result<[Option<FileEntry>; 2], ShardError> {
-        let shard = if sharded.is_writer() {
-            Some(write_shard(sharded, &tmp.join(shard_file_name(rank)))?)
+    let job = SaveJob::begin(sharded, out_dir, step, options)?;
+    let files = RankFiles::of(sharded, &job.tmp);
+    // Streamed from the model, one range at a time.
+    let pieces = sharded.owned_pieces();
+    let mut values = pieces.iter().flat_map(|p| sharded.read_piece(p));
+    let mut residuals = sharded
+        .residual_tensors()
+        .into_iter()
+        .map(|(_, _, t)| crate::staging::to_f32(t));
+    let written = files.write(&mut || values.next(), &mut || residuals.next());
+    agree(comm, written).map_err(|e| job.discard(comm.rank(), e))?;
+    let finished = job.finish(Ok(()));
+    agree(comm, finished).map_err(|e| job.discard(comm.rank(), e))
+}
+
+/// Starts a checkpoint of `sharded` at `step` that is written in the background: every rank
+/// copies its optimizer shard and residuals to host memory now (the only part training waits
+/// for), then a thread of its own writes its files while training goes on, and rank 0's
+/// thread completes the checkpoint (manifest last, then the rename) once every rank's files
+/// are on disk. Until then the previous checkpoint stays the newest complete one. Every rank
+/// must call it, and later [`PendingSave::wait`] together (before the next save, and before
+/// the end of the job).
+pub fn save_async<S: Staged<D>, const D: usize>(
+    sharded: &ShardedModel<'_, S, D>,
+    out_dir: &Path,
+    step: u64,
+    options: &SaveOptions,
+) -> Result<PendingSave, ShardError> {
+    let start = std::time::Instant::now();
+    let job = SaveJob::begin(sharded, out_dir, step, options)?;
+    let files = RankFiles::of(sharded, &job.tmp);
+    let values: Vec<Vec<f32>> = sharded
+        .owned_pieces()
+        .iter()
+        .flat_map(|p| sharded.read_piece(p))
+        .collect();
+    let residuals: Vec<Vec<f32>> = sharded
+        .residual_tensors()
+        .into_iter()
+        .map(|(_, _, t)| crate::staging::to_f32(t))
+        .collect();
+    let staged_bytes = 4
+        * (values.iter().map(Vec::len).sum::<usize>()
+            + residuals.iter().map(Vec::len).sum::<usize>()) as u64;
+    let blocked_s = start.elapsed().as_secs_f64();
+    let dir = out_dir.join(step_dir_name(step));
+    let rank = sharded.comm().rank();
+    let handle = std::thread::Builder::new()
+        .name(format!("ember-save-{step}"))
+        .spawn(move || {
+            let mut values = values.into_iter();
+            let mut residuals = residuals.into_iter();
+            let written = files.write(&mut || values.next(), &mut || residuals.next());
+            let finished = job.finish(written);
+            finished.map_err(|e| job.discard(rank, e))
+        })
+        .map_err(|e| ShardError::Io(format!("starting the checkpoint writer: {e}")))?;
+    Ok(PendingSave {
+        step,
+        dir,
+        handle,
+        staged_bytes,
+        blocked_s,
+    })
+}
+
+/// A checkpoint being written in the background ([`save_async`]).
+#[derive(Debug)]
+#[must_use = "a checkpoint being written must be waited for before the next save and the end"]
+pub struct PendingSave {
+    step: u64,
+    dir: PathBuf,
+    handle: std::thread::JoinHandle<Result<PathBuf, ShardError>>,
+    staged_bytes: u64,
+    blocked_s: f64,
+}
+
+impl PendingSave {
+    /// The step it saves.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The directory it becomes once complete.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Seconds the caller was held: agreeing on the temporary directory and copying this
+    /// rank's state to host memory.
+    pub fn blocked_s(&self) -> f64 {
+        self.blocked_s
+    }
+
+    /// Bytes of this rank's state copied to host memory for the writer.
+    pub fn staged_bytes(&self) -> u64 {
+        self.staged_bytes
+    }
+
+    /// Whether this rank's writer is done (rank 0's once the checkpoint is complete).
+    pub fn is_written(&self) -> bool {
+        self.handle.is_finished()
+    }
+
+    /// Waits for the writer, then agrees with every rank on the outcome: the directory of the
+    /// complete checkpoint, or the first rank's error (and no partial directory is left).
+    /// Every rank must call it together.
+    pub fn wait(self, comm: &ember_comm::Comm) -> Result<PathBuf, ShardError> {
+        let done = self.handle.join().unwrap_or_else(|_| {
+            Err(ShardError::Io(format!(
+                "the writer of the checkpoint of step {} panicked",
+                self.step
+            )))
+        });
+        agree(comm, done)
+    }
+}
+
+/// One checkpoint being written: its temporary directory (agreed by every rank), and what
+/// rank 0 needs to complete it.
+struct SaveJob {
+    step: u64,
+    out_dir: PathBuf,
+    tmp: PathBuf,
+    world: usize,
+    /// Rank 0's manifest (its files filled in at completion) and files to copy in.
+    manifest: Option<(Manifest, SaveOptions)>,
+}
+
+impl SaveJob {
+    /// Agrees on the temporary directory (named after rank 0's process id) and creates it.
+    fn begin<S: Staged<D>, const D: usize>(
+        sharded: &ShardedModel<'_, S, D>,
+        out_dir: &Path,
+        step: u64,
+        options: &SaveOptions,
+    ) -> Result<Self, ShardError> {
+        let comm = sharded.comm();
+        let rank = comm.rank();
+        let mut token = std::process::id().to_le_bytes();
+        comm.world().broadcast(&mut token, 0)?;
+        let token = u32::from_le_bytes(token);
+        let begun = if rank == 0 {
+            begin(out_dir, step, token).map(|_| ())
         } else {
-            None
+            Ok(())
         };
-        let residuals = write_residuals(sharded, &tmp.join(residual_file_name(rank)))?;
-        Ok([shard, residuals])
-    })();
-    // Once every rank is past its writes, a failed save leaves no partial directory behind.
-    let discard = |e: ShardError| {
+        agree(comm, begun)?;
+        let plan = sharded.plan();
+        let manifest = (rank == 0).then(|| {
+            let tensors = plan
+                .units
+                .iter()
+                .flat_map(|u| u.params.iter())
+                .map(|p| TensorMeta {
+                    name: p.name.clone(),
+                    shape: p.shape.clone(),
+                })
+                .collect();
+            let manifest = Manifest {
+                shard: Some(plan.config.clone()),
+                topology: Some(plan.topology.to_string()),
+                app: options.app.clone(),
+                ..Manifest::new(step, plan.topology.world_size(), tensors)
+            };
+            (manifest, options.clone())
+        });
+        Ok(Self {
+            step,
+            out_dir: out_dir.to_path_buf(),
+            tmp: tmp_dir(out_dir, step, token),
+            world: plan.topology.world_size(),
+            manifest,
+        })
+    }
+
+    /// Rank 0: waits for every rank's record of its files, then writes the manifest and
+    /// renames the directory into place; other ranks: the directory it will have. `written`
+    /// is this rank's own outcome (already in its record).
+    fn finish(&self, written: Result<(), ShardError>) -> Result<PathBuf, ShardError> {
+        written?;
+        let Some((manifest, options)) = &self.manifest else {
+            return Ok(self.out_dir.join(step_dir_name(self.step)));
+        };
+        let mut files = Vec::new();
+        for r in 0..self.world {
+            files.extend(await_record(&self.tmp, r)?);
+        }
+        let dir = complete(
+            &self.out_dir,
+            &self.tmp,
+            manifest.clone(),
+            files,
+            &options.files,
+        )?;
+        if options.keep_last > 0 {
+            prune(&self.out_dir, options.keep_last)?;
+        }
+        Ok(dir)
+    }
+
+    /// `e`, after rank 0 removed the temporary directory: a failed save leaves nothing.
+    fn discard(&self, rank: usize, e: ShardError) -> ShardError {
         if rank == 0 {
-            let _ = fs::remove_dir_all(&tmp);
+            let _ = fs::remove_dir_all(&self.tmp);
         }
         e
-    };
-    let written = agree(comm, written).map_err(discard)?;
-    // Two fixed-size records per rank to rank 0: (present, size, SHA-256).
-    const RECORD: usize = 1 + 8 + 64;
-    let mut records = [0u8; 2 * RECORD];
-    for (slot, entry) in written.iter().enumerate() {
-        if let Some(e) = entry {
-            let r = &mut records[slot * RECORD..(slot + 1) * RECORD];
-            r[0] = 1;
-            r[1..9].copy_from_slice(&e.bytes.to_le_bytes());
-            r[9..].copy_from_slice(e.sha256.as_bytes());
-        }
     }
-    let all = comm.world().all_gather(&records)?;
-    let finished = if rank == 0 {
-        let mut files = Vec::new();
-        for (r, pair) in all.chunks_exact(2 * RECORD).enumerate() {
-            for (slot, rec) in pair.chunks_exact(RECORD).enumerate() {
-                if rec[0] == 1 {
-                    files.push(FileEntry {
-                        path: if slot == 0 {
-                            shard_file_name(r)
-                        } else {
-                            residual_file_name(r)
+}
+
+/// What one rank writes into a checkpoint: the file of its optimizer shard (writing ranks
+/// only) and that of its error-feedback residuals (when it holds any), each with its header.
+struct RankFiles {
+    rank: usize,
+    tmp: PathBuf,
+    shard: Option<FileHeader>,
+    residuals: Option<FileHeader>,
+}
+
+/// A safetensors file's path, metadata and tensors, before its values.
+struct FileHeader {
+    path: PathBuf,
+    metadata: BTreeMap<String, String>,
+    tensors: Vec<(String, Vec<usize>)>,
+}
+
+impl RankFiles {
+    fn of<S: Staged<D>, const D: usize>(sharded: &ShardedModel<'_, S, D>, tmp: &Path) -> Self {
+        let rank = sharded.comm().rank();
+        let shard = sharded.is_writer().then(|| {
+            let pieces = sharded.owned_pieces();
+            let mut layout = BTreeMap::new();
+            let kinds: Vec<&str> = std::iter::once("param")
+                .chain(sharded.state_names().iter().map(String::as_str))
+                .collect();
+            let mut tensors = Vec::with_capacity(kinds.len() * pieces.len());
+            for p in &pieces {
+                for kind in &kinds {
+                    let key = format!("{kind}/{}", p.name);
+                    layout.insert(
+                        key.clone(),
+                        Range {
+                            offset: p.offset,
+                            global_numel: p.global_numel,
                         },
-                        bytes: u64::from_le_bytes(rec[1..9].try_into().expect("8 bytes")),
-                        sha256: String::from_utf8_lossy(&rec[9..]).into_owned(),
-                    });
+                    );
+                    tensors.push((key, vec![p.len]));
                 }
             }
-        }
-        let plan = sharded.plan();
-        let tensors = plan
-            .units
-            .iter()
-            .flat_map(|u| u.params.iter())
-            .map(|p| TensorMeta {
-                name: p.name.clone(),
-                shape: p.shape.clone(),
-            })
-            .collect();
-        let manifest = Manifest {
-            shard: Some(plan.config.clone()),
-            topology: Some(plan.topology.to_string()),
-            app: options.app.clone(),
-            ..Manifest::new(step, plan.topology.world_size(), tensors)
-        };
-        complete(out_dir, &tmp, manifest, files, &options.files).and_then(|dir| {
-            if options.keep_last > 0 {
-                prune(out_dir, options.keep_last)?;
+            let metadata = BTreeMap::from([
+                (
+                    LAYOUT_KEY.to_string(),
+                    serde_json::to_string(&layout).expect("ranges serialise"),
+                ),
+                (ADAM_STEP_KEY.to_string(), sharded.step().to_string()),
+                (
+                    STATE_KEY.to_string(),
+                    serde_json::to_string(sharded.state_names()).expect("names serialise"),
+                ),
+            ]);
+            FileHeader {
+                path: tmp.join(shard_file_name(rank)),
+                metadata,
+                tensors,
             }
-            Ok(dir)
-        })
-    } else {
-        Ok(out_dir.join(step_dir_name(step)))
-    };
-    agree(comm, finished).map_err(discard)
-}
-
-/// This rank's optimizer-shard file: `param` and each optimizer state of every range it
-/// owns, streamed one range at a time.
-fn write_shard<S: Staged<D>, const D: usize>(
-    sharded: &ShardedModel<'_, S, D>,
-    path: &Path,
-) -> Result<FileEntry, ShardError> {
-    let pieces = sharded.owned_pieces();
-    let mut layout = BTreeMap::new();
-    let kinds: Vec<&str> = std::iter::once("param")
-        .chain(sharded.state_names().iter().map(String::as_str))
-        .collect();
-    let mut tensors = Vec::with_capacity(kinds.len() * pieces.len());
-    for p in &pieces {
-        for kind in &kinds {
-            let key = format!("{kind}/{}", p.name);
-            layout.insert(
-                key.clone(),
-                Range {
-                    offset: p.offset,
-                    global_numel: p.global_numel,
-                },
-            );
-            tensors.push((key, vec![p.len]));
+        });
+        let residuals = sharded.residual_tensors();
+        let residuals = (!residuals.is_empty()).then(|| FileHeader {
+            path: tmp.join(residual_file_name(rank)),
+            metadata: BTreeMap::from([(RESIDUALS_KEY.to_string(), sharded.residual_layout())]),
+            tensors: residuals
+                .iter()
+                .map(|(unit, hop, t)| (format!("{unit}/{hop}"), vec![t.dims()[0]]))
+                .collect(),
+        });
+        Self {
+            rank,
+            tmp: tmp.to_path_buf(),
+            shard,
+            residuals,
         }
     }
-    let metadata = BTreeMap::from([
-        (
-            LAYOUT_KEY.to_string(),
-            serde_json::to_string(&layout).expect("ranges serialise"),
-        ),
-        (ADAM_STEP_KEY.to_string(), sharded.step().to_string()),
-        (
-            STATE_KEY.to_string(),
-            serde_json::to_string(sharded.state_names()).expect("names serialise"),
-        ),
-    ]);
-    let mut w = ShardWriter::create(path, &metadata, &tensors, FileDtype::F32)?;
-    for p in &pieces {
-        for values in sharded.read_piece(p) {
+
+    /// Writes both files, taking their tensors' values in header order from `shard` and
+    /// `residuals` (a writing rank's shard file holds the master weights, then each optimizer
+    /// state, of every range), then this rank's record of them (or of its error) for rank 0.
+    fn write(
+        &self,
+        shard: &mut dyn FnMut() -> Option<Vec<f32>>,
+        residuals: &mut dyn FnMut() -> Option<Vec<f32>>,
+    ) -> Result<(), ShardError> {
+        let written = (|| -> Result<Record, ShardError> {
+            Ok(Record {
+                shard: self.shard.as_ref().map(|h| h.write(shard)).transpose()?,
+                residuals: self
+                    .residuals
+                    .as_ref()
+                    .map(|h| h.write(residuals))
+                    .transpose()?,
+                error: None,
+            })
+        })();
+        let record = match &written {
+            Ok(r) => r.clone(),
+            Err(e) => Record {
+                shard: None,
+                residuals: None,
+                error: Some(e.to_string()),
+            },
+        };
+        write_record(&self.tmp, self.rank, &record)?;
+        written.map(|_| ())
+    }
+}
+
+impl FileHeader {
+    fn write(&self, next: &mut dyn FnMut() -> Option<Vec<f32>>) -> Result<FileEntry, ShardError> {
+        let mut w = ShardWriter::create(&self.path, &self.metadata, &self.tensors, FileDtype::F32)?;
+        for _ in &self.tensors {
+            let values = next().ok_or_else(|| {
+                ShardError::Io(format!(
+                    "{}: fewer values than tensors",
+                    self.path.display()
+                ))
+            })?;
             w.write(&values)?;
         }
+        w.finish()
     }
-    w.finish()
 }
 
-/// This rank's error-feedback residuals (`None` when it holds none), with the layout they
-/// belong to.
-fn write_residuals<S: Staged<D>, const D: usize>(
-    sharded: &ShardedModel<'_, S, D>,
-    path: &Path,
-) -> Result<Option<FileEntry>, ShardError> {
-    let residuals = sharded.residual_tensors();
-    if residuals.is_empty() {
-        return Ok(None);
+/// One rank's files as written, or why they were not: what rank 0 waits for before it
+/// completes a checkpoint (`.rank-RRRRR.json` in the temporary directory, not part of the
+/// checkpoint's file list).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Record {
+    shard: Option<FileEntry>,
+    residuals: Option<FileEntry>,
+    error: Option<String>,
+}
+
+fn record_path(tmp: &Path, rank: usize) -> PathBuf {
+    tmp.join(format!(".rank-{rank:05}.json"))
+}
+
+/// Writes `record` for `rank` whole, or not at all (a temporary name, synced, then renamed).
+fn write_record(tmp: &Path, rank: usize, record: &Record) -> Result<(), ShardError> {
+    let path = record_path(tmp, rank);
+    let partial = path.with_extension("partial");
+    let text = serde_json::to_string(record).expect("a record serialises");
+    File::create(&partial)
+        .and_then(|mut f| {
+            f.write_all(text.as_bytes())?;
+            f.sync_all()
+        })
+        .map_err(|e| io(&partial, "writing", e))?;
+    fs::rename(&partial, &path).map_err(|e| io(&path, "renaming into place", e))
+}
+
+/// Waits for `rank`'s record (polling: the ranks share the directory, not a thread), then
+/// returns its files in the manifest's order, or its error. The record is removed once read.
+fn await_record(tmp: &Path, rank: usize) -> Result<Vec<FileEntry>, ShardError> {
+    let path = record_path(tmp, rank);
+    let text = loop {
+        match fs::read_to_string(&path) {
+            Ok(text) => break text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            Err(e) => return Err(io(&path, "reading", e)),
+        }
+    };
+    let record: Record = serde_json::from_str(&text)
+        .map_err(|e| ShardError::Io(format!("{}: {e}", path.display())))?;
+    if let Some(e) = record.error {
+        return Err(ShardError::OtherRank { rank, message: e });
     }
-    let tensors: Vec<(String, Vec<usize>)> = residuals
-        .iter()
-        .map(|(unit, hop, t)| (format!("{unit}/{hop}"), vec![t.dims()[0]]))
-        .collect();
-    let metadata = BTreeMap::from([(RESIDUALS_KEY.to_string(), sharded.residual_layout())]);
-    let mut w = ShardWriter::create(path, &metadata, &tensors, FileDtype::F32)?;
-    for (_, _, t) in residuals {
-        w.write(&crate::staging::to_f32(t))?;
-    }
-    w.finish().map(Some)
+    fs::remove_file(&path).map_err(|e| io(&path, "removing", e))?;
+    Ok(record.shard.into_iter().chain(record.residuals).collect())
 }

@@ -321,6 +321,18 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         crate::checkpoint::save(self, dir, self.adam_step, options)
     }
 
+    /// [`save`](Self::save), written in the background
+    /// ([`checkpoint::save_async`](crate::checkpoint::save_async)): returns once this rank's
+    /// state is copied to host memory. Every rank must call it, and later
+    /// [`PendingSave::wait`](crate::PendingSave::wait) together.
+    pub fn save_async(
+        &self,
+        dir: &std::path::Path,
+        options: &crate::SaveOptions,
+    ) -> Result<crate::PendingSave, ShardError> {
+        crate::checkpoint::save_async(self, dir, self.adam_step, options)
+    }
+
     /// The names of the optimizer state this model holds besides its master weights, in the
     /// order of [`FlatState::slots`] (empty before the first update of a fresh model).
     pub fn state_names(&self) -> &[String] {

@@ -50,7 +50,7 @@ pub fn run(args: TrainArgs) -> CliResult<()> {
     let mut setup = RunSetup::resolve(&comm, &run_args)?;
     let shard = args.shard.resolve(comm.topology(), setup.config.dtype)?;
     let plan = setup.plan(&comm, shard, args.shard.recompute.is_none())?;
-    setup.check_memory(&comm, &plan, args.no_memory_check)?;
+    let background_saves = setup.check_memory(&comm, &plan, args.no_memory_check)?;
     let c = setup.config.clone();
     log0!(
         rank,
@@ -64,10 +64,12 @@ pub fn run(args: TrainArgs) -> CliResult<()> {
     );
     let resumed = setup.resume.clone();
     let mut run = GptRun::start(&comm, &mut setup, plan)?;
+    run.write_in_background(background_saves);
     if let Some(r) = &resumed {
         set_aside_later(&comm, r, &c.out_dir)?;
     }
     let (first, tokens) = run.start;
+    ember_train::launch::RankRecords::ready(first);
     run_loop::run(&mut run, &c, first, tokens, Output::Run)?;
     let peaks = rss_peaks(&comm)?;
     log0!(
