@@ -13,7 +13,7 @@ use ember_comm::quant::selfcheck::{SelfCheck, check};
 use ember_sharding::plumbing::kernels::DeviceKernels;
 use ember_train::config::DeviceKind;
 use ember_train::device::device;
-use ember_train::error::{CliResult, usage};
+use ember_train::error::CliResult;
 
 #[derive(Debug, Args)]
 pub struct SelftestArgs {
@@ -52,14 +52,14 @@ pub fn run(args: SelftestArgs) -> CliResult<()> {
         #[cfg(feature = "wgpu")]
         DeviceKind::Wgpu => {
             let kernels = ember_comm::quant::cube::CubeKernels::wgpu()
-                .map_err(|e| usage(format!("--device wgpu: {e}")))?;
+                .map_err(|e| ember_train::error::usage(format!("--device wgpu: {e}")))?;
             checks.push(check(&kernels));
         }
         #[cfg(feature = "cuda")]
         DeviceKind::Cuda(index) => {
             let index = index.unwrap_or_else(ember_train::device::local_rank);
             let kernels = ember_comm::quant::cube::CubeKernels::cuda(index)
-                .map_err(|e| usage(format!("--device {}: {e}", args.device)))?;
+                .map_err(|e| ember_train::error::usage(format!("--device {}: {e}", args.device)))?;
             checks.push(check(&kernels));
         }
         // ROCm: the training path below only.
