@@ -15,13 +15,14 @@
 //! |---|---|---|
 //! | all-gather of blocks of `s` | ring, `g - 1` steps | `(g - 1) s` on each edge `i -> i + 1` |
 //! | reduce-scatter into blocks of `s` | ring, `g - 1` steps | `(g - 1) s` on each edge `i -> i + 1` |
-//! | all-to-all of blocks of `c` | pairwise, step `k`: `i -> i + k` | `c` on each ordered pair |
+//! | all-to-all of blocks of `c` | pairwise (`i -> i + k` for every `k`), posted at once | `c` on each ordered pair |
 //! | all-reduce, >= 64 KiB | ring reduce-scatter + ring all-gather | `2 (g - 1) / g` of the buffer |
 //! | all-reduce < 64 KiB | recursive doubling (ring all-gather off powers of two) | latency-bound |
-//! | broadcast | MPI's | - |
+//! | broadcast | MPI's blocking call (never inside a training step) | - |
 //!
-//! Every wait polls MPI without holding a core (see [`complete`]): on a machine whose cores
-//! the ranks share, a busy-polling wait takes the compute's time.
+//! Every wait polls MPI without holding a core (see [`complete`]): it yields the core between
+//! polls for the first 2 ms, then sleeps between them; on a machine whose cores the ranks
+//! share, a busy-polling wait takes the compute's time.
 //!
 //! The `_into` forms work on the caller's buffers; the plain forms allocate the output and
 //! apply the padding rule of `padding` to lengths that don't divide by the group size.
@@ -131,8 +132,20 @@ impl<'c> Group<'c> {
         recv: &mut [T],
     ) -> Result<(), CommError> {
         let s = send.len();
-        let (g, i) = (self.size, self.index);
+        let i = self.index;
         recv[i * s..(i + 1) * s].copy_from_slice(send);
+        self.ring_all_gather_in_place(op, recv, s)
+    }
+
+    /// The ring of [`Group::ring_all_gather`] on `recv` that already holds this rank's block
+    /// of `s` elements in its place.
+    fn ring_all_gather_in_place<T: Element>(
+        &self,
+        op: Op,
+        recv: &mut [T],
+        s: usize,
+    ) -> Result<(), CommError> {
+        let (g, i) = (self.size, self.index);
         if g == 1 || s == 0 {
             return Ok(());
         }
@@ -203,17 +216,31 @@ impl<'c> Group<'c> {
         }
         let armed = self.comm.arm(op, self.scope);
         let (right, left) = ((i + 1) % g, (i + g - 1) % g);
-        // The partial sum this rank forwards, and the one it receives.
-        let mut partial = block((i + g - 1) % g).to_vec();
-        let mut incoming = vec![T::default(); s];
-        for k in 0..g - 1 {
-            self.send_recv(&armed, op, &partial, right, &mut incoming, left)?;
-            // `incoming` is block (i - k - 2)'s sum over the k + 1 members before this one.
-            let c = (i + 2 * g - k - 2) % g;
-            std::mem::swap(&mut partial, &mut incoming);
-            T::add_into(&mut partial, block(c));
+        // Step k receives block (i - k - 2)'s sum over the k + 1 members before this one and
+        // adds this rank's own block to it (received + own, the order every rank uses). The
+        // first step sends straight from `send`, the last receives straight into `recv`: with
+        // two members nothing else is touched, and more need two buffers of one block.
+        let mut spare: [Vec<T>; 2] = Default::default();
+        if g > 2 {
+            spare = [vec![T::default(); s], vec![T::default(); s]];
         }
-        recv.copy_from_slice(&partial);
+        let [mut partial, mut incoming] = spare;
+        for k in 0..g - 1 {
+            let c = (i + 2 * g - k - 2) % g;
+            let outgoing: &[T] = if k == 0 {
+                block((i + g - 1) % g)
+            } else {
+                &partial
+            };
+            if k == g - 2 {
+                self.send_recv(&armed, op, outgoing, right, recv, left)?;
+                T::add_into(recv, block(c));
+            } else {
+                self.send_recv(&armed, op, outgoing, right, &mut incoming, left)?;
+                T::add_into(&mut incoming, block(c));
+                std::mem::swap(&mut partial, &mut incoming);
+            }
+        }
         Ok(())
     }
 
@@ -255,12 +282,15 @@ impl<'c> Group<'c> {
             recv.copy_from_slice(send);
         } else if bytes_of::<T>(send.len()) >= RING_ALL_REDUCE_BYTES {
             let layout = ShardLayout::new(send.len(), g, 1);
-            let mut shard = vec![T::default(); layout.shard];
             if layout.padded() == send.len() {
-                // The gather writes straight into `recv`: no whole-buffer copy.
-                self.ring_reduce_scatter(Op::AllReduce, send, &mut shard)?;
-                self.ring_all_gather(Op::AllReduce, &shard, recv)?;
+                // This rank's block of the sum lands in its place in `recv`, and the gather
+                // fills in the others around it: no buffer besides `recv`.
+                let s = layout.shard;
+                let i = self.index;
+                self.ring_reduce_scatter(Op::AllReduce, send, &mut recv[i * s..(i + 1) * s])?;
+                self.ring_all_gather_in_place(Op::AllReduce, recv, s)?;
             } else {
+                let mut shard = vec![T::default(); layout.shard];
                 let padded = pad_zeros(send, layout.padded());
                 self.ring_reduce_scatter(Op::AllReduce, &padded, &mut shard)?;
                 drop(padded);
@@ -342,20 +372,19 @@ impl<'c> Group<'c> {
         };
         self.charge(Op::Broadcast, bytes_of::<T>(buf.len()), role);
         let _armed = self.comm.arm(Op::Broadcast, self.scope);
-        let mut request = null_request();
-        // SAFETY: `buf` is valid for `count` elements of the datatype given and outlives the
-        // request, which completes before this function returns.
+        // MPI's blocking call, whose waits are MPI's own: a broadcast happens outside the
+        // training step (set-up, a checkpoint's start), where no compute wants the core, and
+        // the watchdog thread still ends a wait past the timeout.
+        // SAFETY: `buf` is valid for `count` elements of the datatype given.
         unsafe {
-            ffi::MPI_Ibcast(
+            ffi::MPI_Bcast(
                 buf.as_mut_ptr() as *mut c_void,
                 count,
                 T::mpi_datatype(),
                 root as i32,
                 self.raw,
-                &mut request,
             );
         }
-        complete(&mut [request]);
         Ok(())
     }
 
@@ -393,16 +422,57 @@ impl<'c> Group<'c> {
             return Ok(());
         }
         let armed = self.comm.arm(Op::AllToAll, self.scope);
+        let bytes = bytes_of::<T>(c);
+        let topology = self.comm.topology();
+        let world = |index| topology.member(self.scope, self.comm.rank(), index);
+        let peers: Vec<usize> = (0..g).filter(|&k| k != i).map(world).collect();
+        armed.waiting_on(&peers);
+        self.comm.charge(
+            self.scope,
+            Op::AllToAll,
+            Traffic {
+                sent: bytes * (g as u64 - 1),
+                received: bytes * (g as u64 - 1),
+            },
+        );
+        let gpu = |r: usize| r / topology.stride(1.min(topology.depth()));
+        let mine = gpu(self.comm.rank());
+        let off_gpu: u64 = peers.iter().filter(|&&r| gpu(r) != mine).count() as u64 * 2 * bytes;
+        let start = Instant::now();
+        // Every pair's exchange is posted at once, in the pairwise order (step k: to i + k,
+        // from i - k), and completed together: each ordered pair still carries one block.
+        let mut requests = vec![null_request(); 2 * (g - 1)];
+        let count = c as i32;
         for k in 1..g {
             let (to, from) = ((i + k) % g, (i + g - k) % g);
-            self.send_recv(
-                &armed,
-                Op::AllToAll,
-                &send[to * c..(to + 1) * c],
-                to,
-                &mut recv[from * c..(from + 1) * c],
-                from,
-            )?;
+            // SAFETY: the blocks `from` of `recv` (distinct for distinct k, none of them block
+            // `i`) and `to` of `send` are valid for `c` elements of the datatype given, and
+            // both buffers outlive the requests, which complete before this function returns.
+            unsafe {
+                ffi::MPI_Irecv(
+                    recv.as_mut_ptr().add(from * c) as *mut c_void,
+                    count,
+                    T::mpi_datatype(),
+                    from as i32,
+                    STEP_TAG,
+                    self.raw,
+                    &mut requests[2 * (k - 1)],
+                );
+                ffi::MPI_Isend(
+                    send.as_ptr().add(to * c) as *const c_void,
+                    count,
+                    T::mpi_datatype(),
+                    to as i32,
+                    STEP_TAG,
+                    self.raw,
+                    &mut requests[2 * (k - 1) + 1],
+                );
+            }
+        }
+        complete(&mut requests);
+        if off_gpu > 0 {
+            self.comm
+                .record_off_gpu(off_gpu, start.elapsed().as_nanos() as u64);
         }
         Ok(())
     }
@@ -531,11 +601,16 @@ fn two_blocks<T>(buf: &mut [T], s: usize, a: usize, b: usize) -> (&[T], &mut [T]
 }
 
 /// Waits until every request completes, without holding a core: it polls MPI (which is what
-/// moves the data) for a few microseconds, then sleeps between polls, growing the nap to
-/// [`MAX_NAP`]. A blocking `MPI_Wait` busy-polls instead, and the ranks sharing a machine's
-/// cores then take their compute's time: measured on 8 ranks over 2 cores, a system CPU
-/// share of 68% and step times 1.5x longer than with this wait.
+/// moves the data) for a few microseconds, then yields its core between polls for
+/// [`YIELDING`] (whatever else wants the core runs first), then sleeps between polls, growing
+/// the nap to [`MAX_NAP`]. A blocking `MPI_Wait` busy-polls instead, and the ranks sharing a
+/// machine's cores then take their compute's time: measured on 8 ranks over 2 cores, a system
+/// CPU share of 68% and step times 1.5x longer than with this wait. Yielding for 2 ms cost
+/// training nothing measurable there and brings messages of 1-4 MiB to the speed of MPI's own
+/// calls (sleeping at once left them at 0.3-0.9 of it); yielding for 50 ms made hier3 steps
+/// 1.15x longer.
 fn complete(requests: &mut [ffi::MPI_Request]) {
+    precise_sleeps();
     let start = Instant::now();
     let mut nap = MIN_NAP;
     loop {
@@ -552,18 +627,51 @@ fn complete(requests: &mut [ffi::MPI_Request]) {
         if flag != 0 {
             return;
         }
-        if start.elapsed() < SPIN {
+        let waited = start.elapsed();
+        if waited < SPIN {
             std::hint::spin_loop();
             continue;
         }
+        if waited < YIELDING {
+            // Other threads and ranks sharing this core run first; the poll comes back as
+            // soon as none wants the core.
+            std::thread::yield_now();
+            continue;
+        }
         std::thread::sleep(nap);
-        nap = (nap * 2).min(MAX_NAP);
+        // A nap never overshoots the wait by more than an eighth of it so far: transfers
+        // over shared memory progress only while a rank polls.
+        nap = (nap * 2)
+            .min(MAX_NAP)
+            .min((start.elapsed() / 8).max(MIN_NAP));
     }
+}
+
+/// Lets this thread's sleeps end when they are due: Linux lets a sleep run 50 us late by
+/// default (the thread's timer slack), more than a nap of [`complete`] itself.
+fn precise_sleeps() {
+    thread_local! {
+        static SET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    SET.with(|set| {
+        if !set.get() {
+            #[cfg(target_os = "linux")]
+            // SAFETY: PR_SET_TIMERSLACK takes a number of nanoseconds and affects this thread
+            // only; a refusal leaves the slack as it was.
+            unsafe {
+                libc::prctl(libc::PR_SET_TIMERSLACK, 1_000 as libc::c_ulong);
+            }
+            set.set(true);
+        }
+    });
 }
 
 /// How long [`complete`] polls without sleeping: long enough for a small message on shared
 /// memory.
 const SPIN: Duration = Duration::from_micros(50);
+/// How long [`complete`] polls between yields of its core before it sleeps between polls:
+/// a message of a few MiB on shared memory.
+const YIELDING: Duration = Duration::from_millis(2);
 /// The first and the longest sleep between polls.
 const MIN_NAP: Duration = Duration::from_micros(20);
 const MAX_NAP: Duration = Duration::from_millis(1);
