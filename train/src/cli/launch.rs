@@ -15,7 +15,7 @@ use serde_json::json;
 use ember_comm::Topology;
 use ember_train::checkpoint::completed;
 use ember_train::cluster::Cluster;
-use ember_train::config::TrainOverrides;
+use ember_train::config::{Dtype, TrainOverrides};
 use ember_train::error::{CliError, CliResult, usage};
 use ember_train::launch::{
     Attempt, Host, LAUNCH_DIR_ENV, answering, flag_value, host_name, host_of_rank, nodes_of, now,
@@ -72,6 +72,17 @@ struct TrainCommand {
     #[command(flatten)]
     args: TrainArgs,
 }
+
+/// The flags that change a sharding preset's states: a restart that falls back to zero3 drops
+/// them with the preset.
+const PRESET_FLAGS: [&str; 6] = [
+    "--secondary",
+    "--accumulate-at",
+    "--quantize-weights",
+    "--quantize-grads",
+    "--quant-block",
+    "--prefetch",
+];
 
 /// How one attempt ended.
 #[derive(Debug)]
@@ -142,7 +153,7 @@ pub fn run(a: LaunchArgs) -> CliResult<()> {
         .settings
         .out_dir
         .clone()
-        .or(file.out_dir)
+        .or(file.out_dir.clone())
         .unwrap_or_else(|| PathBuf::from("out"));
     let mut topology = parsed
         .shard
@@ -406,6 +417,26 @@ pub fn run(a: LaunchArgs) -> CliResult<()> {
         args = with_flag(&args, "--init-from", None);
         if let Some(t) = &topology {
             args = with_flag(&args, "--topology", Some(&t.to_string()));
+        }
+        // The sharding asked for, on what is left; zero3 where it no longer fits the layout.
+        if let Some(t) = &topology {
+            let mut shard = parsed.shard.clone();
+            shard.topology = Some(t.to_string());
+            let dtype = parsed.settings.dtype.or(file.dtype).unwrap_or(Dtype::F32);
+            if let Err(e) = shard.resolve(t, dtype)
+                && shard.shard.is_some()
+            {
+                say(&format!(
+                    "--shard {} with its flags does not fit --topology {t} ({e}): the restart \
+                     runs --shard zero3",
+                    shard.shard.as_deref().unwrap_or("ddp")
+                ));
+                args = with_flag(&args, "--shard", Some("zero3"));
+                for flag in PRESET_FLAGS {
+                    args = with_flag(&args, flag, None);
+                }
+                args.retain(|a| a != "--error-feedback");
+            }
         }
         let shard = flag_value(&args, "--shard").unwrap_or_else(|| "ddp".into());
         say(&format!(
