@@ -1122,7 +1122,7 @@ fn a_checkpoint_failure_on_one_rank_ends_every_rank_in_seconds() {
             "a save whose directory this rank cannot see",
             // Rank 0 creates the new checkpoint's directory on its side only.
             &|_: &Path| {},
-            "creating run/.tmp-step-000003",
+            "does not see it; every rank must save into one directory they share",
         ),
     ];
     for (what, damage, cause) in cases {

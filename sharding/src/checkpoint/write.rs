@@ -605,6 +605,15 @@ impl RankFiles {
         residuals: &mut dyn FnMut() -> Option<Vec<f32>>,
     ) -> Result<(), ShardError> {
         let written = (|| -> Result<Record, ShardError> {
+            if !self.tmp.is_dir() {
+                return Err(ShardError::Io(format!(
+                    "{}: rank 0 created this checkpoint directory but rank {} does not see it; \
+                     every rank must save into one directory they share (a shared filesystem \
+                     for --out-dir)",
+                    self.tmp.display(),
+                    self.rank
+                )));
+            }
             Ok(Record {
                 shard: self.shard.as_ref().map(|h| h.write(shard)).transpose()?,
                 residuals: self
@@ -623,8 +632,10 @@ impl RankFiles {
                 error: Some(e.to_string()),
             },
         };
-        write_record(&self.tmp, self.rank, &record)?;
-        written.map(|_| ())
+        // This rank's own error says more than a record that could not be written after it.
+        let recorded = write_record(&self.tmp, self.rank, &record);
+        written?;
+        recorded
     }
 }
 
