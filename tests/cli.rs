@@ -6,7 +6,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use ember_data::{TINY_SHAKESPEARE, TokenizerSpec, prepare_cached, unigram_entropy};
-use ember_train::metrics::{StepMetrics, read_metrics};
+use ember_train::files::metrics::{StepMetrics, read_metrics};
 
 /// Prepared corpora are shared by every test of this binary (preparation is idempotent and
 /// safe under concurrency).
@@ -778,7 +778,7 @@ fn launch_refuses_what_a_restart_would_not_fix() {
         "{stderr}"
     );
     assert!(!stderr.contains("restart 1"), "{stderr}");
-    let events = ember_train::metrics::read_events(&out.join("metrics.jsonl")).unwrap();
+    let events = ember_train::files::metrics::read_events(&out.join("metrics.jsonl")).unwrap();
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0]["event"], "gave_up");
 }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use ember_train::metrics::read_metrics;
+use ember_train::files::metrics::read_metrics;
 
 /// The cluster's name prefix: distinct from the default, so a user's cluster is left alone.
 const PREFIX: &str = "embt";
@@ -407,7 +407,7 @@ fn an_emulated_cluster_trains_counts_its_links_survives_a_link_down_and_cleans_u
     let _ = Command::new("ip")
         .args(["link", "set", &uplink, "up"])
         .output();
-    let events = ember_train::metrics::read_events(&launched.join("metrics.jsonl")).unwrap();
+    let events = ember_train::files::metrics::read_events(&launched.join("metrics.jsonl")).unwrap();
     let names: Vec<&str> = events
         .iter()
         .map(|e| e["event"].as_str().unwrap())

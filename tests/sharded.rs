@@ -20,7 +20,7 @@ use std::process::{Command, Output};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ember_train::metrics::{StepMetrics, read_metrics};
+use ember_train::files::metrics::{StepMetrics, read_metrics};
 
 const PARITY_TOL: f64 = 2e-5;
 const TOPOLOGIES: [&str; 5] = ["1", "2x1x1", "1x2x2", "2x2x2", "2x4x1"];
@@ -531,7 +531,7 @@ fn sharded_checkpoints_resume_exactly_and_reshard_to_any_layout() {
 
 #[test]
 fn resharding_keeps_every_weight_and_moment_bit_for_bit() {
-    use ember_train::checkpoint;
+    use ember_train::files::checkpoint;
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("run");
     ok(
@@ -596,7 +596,7 @@ fn resharding_keeps_every_weight_and_moment_bit_for_bit() {
 
 #[test]
 fn damaged_sharded_checkpoints_are_refused_naming_the_file() {
-    use ember_train::checkpoint;
+    use ember_train::files::checkpoint;
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("run");
     ok(
@@ -794,14 +794,14 @@ fn a_kill_during_a_sharded_save_leaves_every_checkpoint_loadable() {
         .collect();
     assert!(steps.len() >= 6, "{steps:?}");
     for dir in steps {
-        ember_train::checkpoint::load(&dir)
+        ember_train::files::checkpoint::load(&dir)
             .unwrap_or_else(|e| panic!("{} does not load after the kill: {e:#}", dir.display()));
     }
 }
 
 #[test]
 fn export_writes_the_hugging_face_layout_and_init_from_reads_it_back() {
-    use ember_train::checkpoint;
+    use ember_train::files::checkpoint;
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("run");
     ok(
@@ -872,7 +872,7 @@ fn export_writes_the_hugging_face_layout_and_init_from_reads_it_back() {
     assert!(split.join("tokenizer.json").is_file());
 
     // --init-from reads it back: one step at a vanishing learning rate keeps every weight.
-    let hf = ember_train::export::HfDir::open(&split).unwrap();
+    let hf = ember_train::files::export::HfDir::open(&split).unwrap();
     for t in &src.tensors {
         let n = t.values[0].len();
         let values = hf.read(&t.meta.name, &t.meta.shape, 0..n).unwrap();
@@ -896,7 +896,7 @@ fn export_writes_the_hugging_face_layout_and_init_from_reads_it_back() {
             "bf16",
         ],
     );
-    let back = ember_train::export::HfDir::open(&half).unwrap();
+    let back = ember_train::files::export::HfDir::open(&half).unwrap();
     for t in &src.tensors {
         let rounded = t.values[0]
             .iter()
@@ -1043,7 +1043,7 @@ fn keep_last_deletes_older_checkpoints_only_after_a_new_one_is_complete() {
             .collect();
         names.sort();
         assert_eq!(names, ["step-000005", "step-000006"], "{np} ranks");
-        ember_train::checkpoint::load(&out.join("step-000005")).unwrap();
+        ember_train::files::checkpoint::load(&out.join("step-000005")).unwrap();
     }
 }
 
@@ -1141,7 +1141,7 @@ fn a_checkpoint_failure_on_one_rank_ends_every_rank_in_seconds() {
             "{what}: the job took {secs:.1} s to end:\n{err}"
         );
         // The checkpoint that existed is untouched on the healthy side.
-        ember_train::checkpoint::load(&sides[0].join("run").join("step-000002")).unwrap();
+        ember_train::files::checkpoint::load(&sides[0].join("run").join("step-000002")).unwrap();
     }
 }
 
@@ -1563,7 +1563,7 @@ fn ember_launch_restarts_after_a_kill_and_ends_where_an_uninterrupted_run_ends()
     for (x, y) in a.iter().zip(&b) {
         assert_eq!((x.step, x.loss), (y.step, y.loss), "step {}", x.step);
     }
-    let events = ember_train::metrics::read_events(&out.join("metrics.jsonl")).unwrap();
+    let events = ember_train::files::metrics::read_events(&out.join("metrics.jsonl")).unwrap();
     let names: Vec<&str> = events
         .iter()
         .map(|e| e["event"].as_str().unwrap())

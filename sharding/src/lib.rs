@@ -122,26 +122,15 @@
 pub mod blocks;
 mod checkpoint;
 pub mod config;
-#[cfg(feature = "cubecl")]
-mod cube;
 mod engine;
 pub mod error;
-mod host;
-mod kernels;
-mod memory;
-mod network;
 pub mod optim;
 pub mod params;
 mod plan;
 pub mod plumbing;
-mod profile;
-mod route;
-mod schedule;
-mod simulate;
 mod source;
 mod stage;
-mod staging;
-mod worker;
+mod transport;
 
 pub use blocks::{BlockModel, Blocks, InitSource, Preset, Rows, Shard};
 pub use checkpoint::{Checkpoint, PendingSave, SaveOptions};
@@ -152,4 +141,4 @@ pub use optim::{Adam, AdamW, DecayOn, FlatState, Optimizer, Sgd};
 pub use plan::{Memory, Plan};
 pub use source::{FnSource, ParamSource};
 pub use stage::{Flow, Staged, UnitDecl};
-pub use staging::Staging;
+pub use transport::staging::Staging;

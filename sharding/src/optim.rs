@@ -11,7 +11,7 @@ use std::ops::Range;
 use burn::tensor::{Device, Tensor};
 use rayon::prelude::*;
 
-use crate::staging;
+use crate::transport::staging;
 use serde::{Deserialize, Serialize};
 
 /// An elementwise optimizer of flat buffers: what [`ShardedModel::apply`] runs on each of the
@@ -39,7 +39,12 @@ pub trait Optimizer {
         grad: Tensor<1>,
         factors: &[f64],
     ) {
-        self.update(step, lr, state, crate::host::scale_by(grad, factors))
+        self.update(
+            step,
+            lr,
+            state,
+            crate::transport::host::scale_by(grad, factors),
+        )
     }
 }
 
@@ -253,7 +258,7 @@ impl Optimizer for AdamW {
         if state.master.device() == Device::flex() {
             self.update_on_host(&k, state, grad, factors);
         } else {
-            self.update_with_tensor_ops(&k, state, crate::host::scale_by(grad, factors));
+            self.update_with_tensor_ops(&k, state, crate::transport::host::scale_by(grad, factors));
         }
     }
 }
@@ -313,7 +318,7 @@ impl AdamW {
                     let (lo, hi) = (r.start.max(start), r.end.min(start + p.len()));
                     if lo < hi {
                         let p = &mut p[lo - start..hi - start];
-                        crate::host::wide(move || {
+                        crate::transport::host::wide(move || {
                             for x in p {
                                 *x *= decay;
                             }
@@ -322,9 +327,11 @@ impl AdamW {
                 }
                 let c = [b1, b1c, b2, b2c, sb2, eps, lr];
                 match factors[..] {
-                    [] => crate::host::wide(|| adamw_pass(p, m, v, g, c, |g| g)),
-                    [f] => crate::host::wide(|| adamw_pass(p, m, v, g, c, move |g| g * f)),
-                    ref all => crate::host::wide(|| {
+                    [] => crate::transport::host::wide(|| adamw_pass(p, m, v, g, c, |g| g)),
+                    [f] => {
+                        crate::transport::host::wide(|| adamw_pass(p, m, v, g, c, move |g| g * f))
+                    }
+                    ref all => crate::transport::host::wide(|| {
                         adamw_pass(p, m, v, g, c, |g| all.iter().fold(g, |g, &f| g * f))
                     }),
                 }

@@ -11,28 +11,28 @@ pub mod plan {
 
 /// Link and cluster profiles (`ember plan --profile`).
 pub mod profile {
-    pub use crate::profile::*;
+    pub use crate::plan::profile::*;
 }
 
 /// The network model a profile describes: links shared by ranks, latency, each algorithm's
 /// bytes per link.
 pub mod network {
-    pub use crate::network::*;
+    pub use crate::plan::network::*;
 }
 
 /// The step's events in issue order (gathers, reductions, compute visits).
 pub mod schedule {
-    pub use crate::schedule::*;
+    pub use crate::plan::schedule::*;
 }
 
 /// The step simulated on a profile: a timeline of compute and communication.
 pub mod simulate {
-    pub use crate::simulate::*;
+    pub use crate::plan::simulate::*;
 }
 
 /// Resident memory and device memory in use, as the operating system and allocator report.
 pub mod memory {
-    pub use crate::memory::*;
+    pub use crate::transport::memory::*;
 }
 
 /// The checkpoint format: manifest, file names, writers and readers.
@@ -48,7 +48,7 @@ pub mod stage {
 /// The quantization kernels the step runs on a device's tensors, as one runtime a check can
 /// hold against the reference (`ember selftest`).
 pub mod kernels {
-    pub use crate::kernels::DeviceKernels;
+    pub use crate::transport::kernels::DeviceKernels;
 }
 
 /// Collective helpers the binary shares with the engine.

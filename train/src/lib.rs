@@ -1,27 +1,20 @@
-//! The `ember` binary's library: configuration and its resolution (`setup`), the one training
-//! loop (`run_loop`) and the GPT it trains (`gpt_run`), checkpoints, evaluation, generation,
-//! benchmarks and run output. The binary (`main.rs`, `cli/`) only parses flags and calls into
-//! here, so tests can drive the same code.
+//! The `ember` binary's library, grouped by what it does:
+//!
+//! - [`run`]: a training run, from its settings to its last step: configuration and its
+//!   resolution (`setup`), the partition's flags, the device, the data, the GPT described to
+//!   the partitioner (`stages`) and trained (`gpt_run`), the one training loop (`run_loop`),
+//!   and `ember launch`, which restarts a run after a failure;
+//! - [`files`]: what a run reads and writes: checkpoints, the Hugging Face export, metrics and
+//!   the loss curve;
+//! - [`tools`]: the commands around a run: benchmarks, evaluation, generation, `ember plan`;
+//! - [`cluster`]: the emulated cluster and the calibration that writes the planner's profiles.
+//!
+//! The binary (`main.rs`, `cli/`) only parses flags and calls into here, so tests can drive the
+//! same code.
 
-pub mod bench;
-pub mod checkpoint;
 pub mod cluster;
-pub mod config;
-pub mod data;
-pub mod device;
 pub mod error;
-pub mod eval;
-pub mod export;
-pub mod generate;
-pub mod gpt_run;
-pub mod host_memory;
-pub mod launch;
-pub mod metrics;
-pub mod planning;
-pub mod plot;
-pub mod run_loop;
-pub mod schedule;
-pub mod setup;
-pub mod shard_args;
-pub mod stages;
+pub mod files;
+pub mod run;
+pub mod tools;
 pub mod units;

@@ -75,12 +75,12 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Under `ember launch`, every rank says when it starts and how it ends (a panic too).
-    let records = ember_train::launch::RankRecords::get();
+    let records = ember_train::run::launch::RankRecords::get();
     if let Some(r) = records {
         r.started();
         // A collective's timeout or a panic aborts the MPI job from inside ember-comm.
         ember_comm::fault::before_abort(|code, reason| {
-            if let Some(r) = ember_train::launch::RankRecords::get() {
+            if let Some(r) = ember_train::run::launch::RankRecords::get() {
                 r.exited(code, Some(reason.to_string()));
             }
         });
@@ -105,7 +105,7 @@ fn main() -> ExitCode {
         Command::Selftest(args) => cli::selftest::run(args),
         Command::Launch(args) => cli::launch::run(args),
         Command::ProbeBack { addr, port, token } => {
-            ember_train::launch::probe_back(&addr, port, &token).map_err(Into::into)
+            ember_train::run::launch::probe_back(&addr, port, &token).map_err(Into::into)
         }
     };
     match result {

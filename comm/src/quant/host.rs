@@ -101,17 +101,14 @@ enum Isa {
 }
 
 impl Isa {
-    /// The widest implementation this CPU runs (`is_x86_feature_detected!` caches its answer).
+    /// The widest implementation this CPU runs (as `ember_cpu` probed it once).
     fn best() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bw")
-            {
-                return Isa::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2") {
-                return Isa::Avx2;
+            match ember_cpu::vector() {
+                ember_cpu::Vector::Avx512 => return Isa::Avx512,
+                ember_cpu::Vector::Avx2 => return Isa::Avx2,
+                ember_cpu::Vector::Baseline => {}
             }
         }
         Isa::Portable

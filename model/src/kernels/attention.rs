@@ -10,7 +10,7 @@
 
 use rayon::prelude::*;
 
-use super::product::{Precision, product_in};
+use super::bf16::{Precision, product_in};
 use super::simd::{dot, exp, max, multiversion, sum};
 
 /// Query rows per block of the causal score computation.

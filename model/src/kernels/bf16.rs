@@ -11,6 +11,7 @@ use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
+use super::product::{In, Out, product as f32_product};
 use super::simd::multiversion;
 
 /// The nearest bf16 to `x` (ties to even) as its bits; NaN stays NaN.
@@ -101,10 +102,7 @@ pub fn has_bf16_dot() -> bool {
     {
         static CPU: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         let cpu = *CPU.get_or_init(|| {
-            std::env::var("EMBER_BF16_DOT").as_deref() != Ok("0")
-                && std::arch::is_x86_feature_detected!("avx512bf16")
-                && std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx512bw")
+            std::env::var("EMBER_BF16_DOT").as_deref() != Ok("0") && ember_cpu::cpu().avx512_bf16
         });
         super::simd::level_cap() >= 2 && cpu
     }
@@ -279,7 +277,7 @@ pub(crate) unsafe fn product(
     // SAFETY: `a` and `b` address the operands' elements at their strides; `dst` as the
     // caller guarantees.
     unsafe {
-        super::product::product(
+        f32_product(
             [m, n, k],
             dst,
             (a, lhs.1),
@@ -427,7 +425,7 @@ fn lanes_of<const W: usize>(rows: &[u32], pairs: usize, panel: &mut [u32]) {
     #[allow(unused_mut)]
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if W.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx2") {
+    if W.is_multiple_of(8) && ember_cpu::vector() >= ember_cpu::Vector::Avx2 {
         done = pairs / 8 * 8;
         // SAFETY: the CPU has AVX2; the blocks of pairs below `done` are in bounds of both
         // (asserted).
@@ -506,34 +504,6 @@ mod transpose {
         }
     }
 }
-
-/// An operand's pointer, read by parallel tasks.
-#[derive(Clone, Copy)]
-pub(super) struct In<E>(pub(super) *const E);
-impl<E> In<E> {
-    /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
-    pub(super) fn get(self) -> *const E {
-        self.0
-    }
-}
-// SAFETY: the operands are only read while the product runs.
-unsafe impl<E> Send for In<E> {}
-// SAFETY: as above.
-unsafe impl<E> Sync for In<E> {}
-
-/// The output pointer, shared by tasks that write disjoint elements.
-#[derive(Clone, Copy)]
-pub(super) struct Out(pub(super) *mut f32);
-impl Out {
-    /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
-    pub(super) fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-// SAFETY: every task writes its own rows of the output.
-unsafe impl Send for Out {}
-// SAFETY: as above.
-unsafe impl Sync for Out {}
 
 #[cfg(target_arch = "x86_64")]
 mod dot {
@@ -680,6 +650,47 @@ mod dot {
     /// The mask of the first `n` of 16 lanes.
     fn lanes(n: usize) -> __mmask16 {
         ((1u32 << n) - 1) as __mmask16
+    }
+}
+
+/// How a product rounds its operands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Precision {
+    /// f32 operands.
+    F32,
+    /// Operands rounded to bf16, products summed in f32 ([`product`]).
+    Bf16,
+}
+
+/// [`f32_product`] of f32 operands, or [`product`] of them, as `how` says.
+///
+/// # Safety
+/// As for [`f32_product`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn product_in(
+    how: Precision,
+    mnk: [usize; 3],
+    dst: (*mut f32, isize),
+    lhs: (*const f32, [isize; 2]),
+    rhs: (*const f32, [isize; 2]),
+    beta: f32,
+    accumulate: bool,
+    parallel: bool,
+) {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        match how {
+            Precision::F32 => f32_product(mnk, dst, lhs, rhs, beta, accumulate, parallel),
+            Precision::Bf16 => product(
+                mnk,
+                dst,
+                (Src::F32(lhs.0), lhs.1),
+                (Src::F32(rhs.0), rhs.1),
+                beta,
+                accumulate,
+                parallel,
+            ),
+        }
     }
 }
 

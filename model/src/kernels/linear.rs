@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use super::product::Precision;
+use super::bf16::Precision;
 use super::simd::multiversion;
 use super::{bf16, product};
 

@@ -35,8 +35,8 @@ use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
 use attention::Dims;
+use bf16::Precision;
 pub use bf16::has_bf16_dot;
-use product::Precision;
 
 /// The fused operations, as a Burn backend extension.
 #[backend_extension(Flex, Autodiff)]
@@ -629,8 +629,8 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
 
 #[cfg(test)]
 mod tests {
+    use super::bf16::Precision::F32;
     use super::linear::Matrix;
-    use super::product::Precision::F32;
     use super::simd::LEVEL_CAP;
     use super::{attention, bf16, linear, rows};
 

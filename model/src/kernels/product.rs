@@ -4,8 +4,6 @@
 
 use rayon::prelude::*;
 
-use super::bf16::{In, Out};
-
 /// Products smaller than this many multiply-adds run on one thread.
 const PARALLEL_MACS: usize = 1 << 21;
 /// Output columns per piece when a product is split by columns: a multiple of the widest
@@ -78,47 +76,33 @@ pub(crate) unsafe fn product(
     }
 }
 
-/// How a product rounds its operands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Precision {
-    /// f32 operands.
-    F32,
-    /// Operands rounded to bf16, products summed in f32 ([`super::bf16::product`]).
-    Bf16,
-}
-
-/// [`product`] with f32 operands, or [`super::bf16::product`] of them, as `how` says.
-///
-/// # Safety
-/// As for [`product`].
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn product_in(
-    how: Precision,
-    mnk: [usize; 3],
-    dst: (*mut f32, isize),
-    lhs: (*const f32, [isize; 2]),
-    rhs: (*const f32, [isize; 2]),
-    beta: f32,
-    accumulate: bool,
-    parallel: bool,
-) {
-    use super::bf16::{Src, product as bf16_product};
-    // SAFETY: as the caller guarantees.
-    unsafe {
-        match how {
-            Precision::F32 => product(mnk, dst, lhs, rhs, beta, accumulate, parallel),
-            Precision::Bf16 => bf16_product(
-                mnk,
-                dst,
-                (Src::F32(lhs.0), lhs.1),
-                (Src::F32(rhs.0), rhs.1),
-                beta,
-                accumulate,
-                parallel,
-            ),
-        }
+/// An operand's pointer, read by parallel tasks.
+#[derive(Clone, Copy)]
+pub(super) struct In<E>(pub(super) *const E);
+impl<E> In<E> {
+    /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
+    pub(super) fn get(self) -> *const E {
+        self.0
     }
 }
+// SAFETY: the operands are only read while the product runs.
+unsafe impl<E> Send for In<E> {}
+// SAFETY: as above.
+unsafe impl<E> Sync for In<E> {}
+
+/// The output pointer, shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+pub(super) struct Out(pub(super) *mut f32);
+impl Out {
+    /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
+    pub(super) fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+// SAFETY: every task writes its own rows of the output.
+unsafe impl Send for Out {}
+// SAFETY: as above.
+unsafe impl Sync for Out {}
 
 #[cfg(test)]
 mod tests {

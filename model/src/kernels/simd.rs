@@ -26,14 +26,12 @@ macro_rules! multiversion {
                     body($($arg),*)
                 }
                 let level = $crate::kernels::simd::level_cap();
-                if level >= 2 && std::arch::is_x86_feature_detected!("avx512f") {
+                let vector = ember_cpu::vector();
+                if level >= 2 && vector == ember_cpu::Vector::Avx512 {
                     // SAFETY: the CPU has the features `v4` is compiled for.
                     return unsafe { v4($($arg),*) };
                 }
-                if level >= 1
-                    && std::arch::is_x86_feature_detected!("avx2")
-                    && std::arch::is_x86_feature_detected!("fma")
-                {
+                if level >= 1 && vector >= ember_cpu::Vector::Avx2 {
                     // SAFETY: the CPU has the features `v3` is compiled for.
                     return unsafe { v3($($arg),*) };
                 }

@@ -43,7 +43,9 @@ use crate::config::ShardConfig;
 use crate::error::ShardError;
 
 pub use read::{Checkpoint, Index};
-pub use write::{FileDtype, PendingSave, SaveOptions, ShardWriter, save, save_async};
+pub use write::{
+    FileDtype, PendingSave, Piece, SaveOptions, ShardView, ShardWriter, save, save_async,
+};
 
 /// Name of the manifest inside a checkpoint directory.
 pub const MANIFEST: &str = "manifest.json";

@@ -15,9 +15,9 @@ use super::{
     ADAM_STEP_KEY, LAYOUT_KEY, Manifest, RESIDUALS_KEY, Range, STATE_KEY, io, locate,
     read_manifest, residual_file_name, sha256_file,
 };
-use crate::engine::agree;
 use crate::error::ShardError;
 use crate::source::ParamSource;
+use crate::transport::route::agree;
 
 /// A rank's stored error-feedback residuals: the layout JSON they were written for, and the
 /// values by (unit, hop).

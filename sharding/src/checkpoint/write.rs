@@ -1,7 +1,9 @@
 //! Writing checkpoints: a streaming safetensors writer (header first, then each tensor's
 //! values as they are produced, hashed on the way, so nothing is held twice), the temporary
 //! directory protocol (create, fill, manifest, fsync, rename), and the collective save of a
-//! [`ShardedModel`] in which every rank writes only what it owns.
+//! sharded model in which every rank writes only what it owns. The model is read through
+//! [`ShardView`], all a checkpoint needs of it: the engine implements it for its
+//! `ShardedModel`, and nothing here reaches into the step.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -15,9 +17,50 @@ use super::{
     ADAM_STEP_KEY, FileEntry, LAYOUT_KEY, MANIFEST, Manifest, RESIDUALS_KEY, Range, STATE_KEY,
     TensorMeta, io, prune, residual_file_name, shard_file_name, step_dir_name,
 };
-use crate::engine::{ShardedModel, agree};
+use burn::tensor::Tensor;
+use ember_comm::Comm;
+
 use crate::error::ShardError;
-use crate::stage::Staged;
+use crate::plan::Plan;
+use crate::transport::route::agree;
+use crate::transport::staging;
+
+/// One parameter range of a rank's optimizer shard, as its file stores it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Piece {
+    /// The parameter's path.
+    pub name: String,
+    /// First element of the range, in the flattened parameter.
+    pub offset: usize,
+    /// Elements in the range.
+    pub len: usize,
+    /// Elements of the whole parameter.
+    pub global_numel: usize,
+}
+
+/// What a checkpoint reads of a sharded model on one rank, and all it reads
+/// (`ShardedModel` implements it).
+pub trait ShardView {
+    /// The job's communicator.
+    fn comm(&self) -> &Comm;
+    /// The partition the model runs.
+    fn plan(&self) -> &Plan;
+    /// Optimizer updates applied so far.
+    fn adam_step(&self) -> u64;
+    /// Whether this rank writes its optimizer shard (the first of the ranks holding it).
+    fn is_writer(&self) -> bool;
+    /// The optimizer's state names besides the master weights, in their stored order.
+    fn state_names(&self) -> &[String];
+    /// The parameter ranges of this rank's optimizer shard, in the order they are stored.
+    fn pieces(&self) -> Vec<Piece>;
+    /// For each of [`pieces`](Self::pieces) in turn: its master weights, then each optimizer
+    /// state, copied to the host one at a time.
+    fn piece_values(&self) -> Box<dyn Iterator<Item = Vec<f32>> + '_>;
+    /// This rank's error-feedback residuals as `(unit, hop, values)`.
+    fn residual_tensors(&self) -> Vec<(usize, usize, Tensor<1>)>;
+    /// The layout the residuals belong to (JSON), checked when they are read back.
+    fn residual_layout(&self) -> String;
+}
 
 /// Element type of a tensor in a written file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -299,8 +342,8 @@ impl SaveOptions {
 /// copied files and the manifest, then the directory is renamed into place. Every rank must
 /// call it. Nothing is gathered: each rank streams its ranges from the device one parameter
 /// at a time. A failure on any rank fails every rank and leaves earlier checkpoints untouched.
-pub fn save<S: Staged<D>, const D: usize>(
-    sharded: &ShardedModel<'_, S, D>,
+pub fn save(
+    sharded: &dyn ShardView,
     out_dir: &Path,
     step: u64,
     options: &SaveOptions,
@@ -309,12 +352,11 @@ pub fn save<S: Staged<D>, const D: usize>(
     let job = SaveJob::begin(sharded, out_dir, step, options)?;
     let files = RankFiles::of(sharded, &job.tmp);
     // Streamed from the model, one range at a time.
-    let pieces = sharded.owned_pieces();
-    let mut values = pieces.iter().flat_map(|p| sharded.read_piece(p));
+    let mut values = sharded.piece_values();
     let mut residuals = sharded
         .residual_tensors()
         .into_iter()
-        .map(|(_, _, t)| crate::staging::to_f32(t));
+        .map(|(_, _, t)| staging::to_f32(t));
     let written = files.write(&mut || values.next(), &mut || residuals.next());
     agree(comm, written).map_err(|e| job.discard(comm.rank(), e))?;
     let finished = job.finish(Ok(()));
@@ -328,8 +370,8 @@ pub fn save<S: Staged<D>, const D: usize>(
 /// are on disk. Until then the previous checkpoint stays the newest complete one. Every rank
 /// must call it, and later [`PendingSave::wait`] together (before the next save, and before
 /// the end of the job).
-pub fn save_async<S: Staged<D>, const D: usize>(
-    sharded: &ShardedModel<'_, S, D>,
+pub fn save_async(
+    sharded: &dyn ShardView,
     out_dir: &Path,
     step: u64,
     options: &SaveOptions,
@@ -337,15 +379,11 @@ pub fn save_async<S: Staged<D>, const D: usize>(
     let start = std::time::Instant::now();
     let job = SaveJob::begin(sharded, out_dir, step, options)?;
     let files = RankFiles::of(sharded, &job.tmp);
-    let values: Vec<Vec<f32>> = sharded
-        .owned_pieces()
-        .iter()
-        .flat_map(|p| sharded.read_piece(p))
-        .collect();
+    let values: Vec<Vec<f32>> = sharded.piece_values().collect();
     let residuals: Vec<Vec<f32>> = sharded
         .residual_tensors()
         .into_iter()
-        .map(|(_, _, t)| crate::staging::to_f32(t))
+        .map(|(_, _, t)| staging::to_f32(t))
         .collect();
     let staged_bytes = 4
         * (values.iter().map(Vec::len).sum::<usize>()
@@ -444,8 +482,8 @@ struct SaveJob {
 
 impl SaveJob {
     /// Agrees on the temporary directory (named after rank 0's process id) and creates it.
-    fn begin<S: Staged<D>, const D: usize>(
-        sharded: &ShardedModel<'_, S, D>,
+    fn begin(
+        sharded: &dyn ShardView,
         out_dir: &Path,
         step: u64,
         options: &SaveOptions,
@@ -540,10 +578,10 @@ struct FileHeader {
 }
 
 impl RankFiles {
-    fn of<S: Staged<D>, const D: usize>(sharded: &ShardedModel<'_, S, D>, tmp: &Path) -> Self {
+    fn of(sharded: &dyn ShardView, tmp: &Path) -> Self {
         let rank = sharded.comm().rank();
         let shard = sharded.is_writer().then(|| {
-            let pieces = sharded.owned_pieces();
+            let pieces = sharded.pieces();
             let mut layout = BTreeMap::new();
             let kinds: Vec<&str> = std::iter::once("param")
                 .chain(sharded.state_names().iter().map(String::as_str))
@@ -567,7 +605,7 @@ impl RankFiles {
                     LAYOUT_KEY.to_string(),
                     serde_json::to_string(&layout).expect("ranges serialise"),
                 ),
-                (ADAM_STEP_KEY.to_string(), sharded.step().to_string()),
+                (ADAM_STEP_KEY.to_string(), sharded.adam_step().to_string()),
                 (
                     STATE_KEY.to_string(),
                     serde_json::to_string(sharded.state_names()).expect("names serialise"),

@@ -39,9 +39,10 @@
 //! graphs alive until one backward would keep every gathered parameter alive too, which is
 //! exactly what ZeRO-3 must avoid, hence one graph per unit.
 //!
-//! Gathers and reductions run on two communication threads (`worker.rs`), each in schedule
-//! order on its own lane of communicators; the step's closing collectives (gradient norm, loss, the parameter all-gather of `zero1` /
-//! `zero2`) run on the caller once it has finished.
+//! Gathers and reductions run on communication threads (`transport/worker.rs`): one per group
+//! a unit's data crosses, on each of two lanes of communicators (gathers and reductions), each
+//! running its stages in schedule order; the step's closing collectives (gradient norm, loss,
+//! the parameter all-gather of `zero1` / `zero2`) run on the caller once it has finished.
 
 mod shards;
 mod step;
@@ -54,14 +55,14 @@ use ember_comm::{Comm, Counters};
 use crate::checkpoint::Checkpoint;
 use crate::config::ShardConfig;
 use crate::error::ShardError;
-use crate::memory::Resident;
 use crate::optim::{AdamW, FlatState, matrix_ranges};
 use crate::params::{load, param_shapes};
 use crate::plan::Plan;
-use crate::route::{self, Residuals};
 use crate::source::ParamSource;
 use crate::stage::{Staged, assign};
-use crate::staging;
+use crate::transport::memory::Resident;
+use crate::transport::route::{self, Residuals, agree};
+use crate::transport::staging;
 
 pub(crate) use shards::OwnedPiece;
 pub use step::Gradients;
@@ -111,7 +112,7 @@ pub struct StepReport {
     pub staging: crate::Staging,
     /// What ran when on this rank, seconds into the step: the training thread's visits and
     /// every stage of a gather or reduction (the plan's replay names them alike).
-    pub timeline: Vec<crate::simulate::Span>,
+    pub timeline: Vec<crate::plan::simulate::Span>,
 }
 
 /// One rank's optimizer state for one unit: the element range of the unit's padded flat
@@ -451,7 +452,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         let dtype = self.dtype();
         let cfg = &self.plan.config;
         let master = self.optimizer[u].state.master.clone();
-        let own = crate::host::cast(master, dtype);
+        let own = crate::transport::host::cast(master, dtype);
         if cfg.params() == cfg.optimizer() {
             Ok(own)
         } else {
@@ -474,31 +475,8 @@ fn pieces<'u>(
     })
 }
 
-/// Every rank learns whether every rank's `result` is `Ok`; a failure on any rank fails all
-/// of them, each naming the first failing rank and its message.
-pub(crate) fn agree<T>(comm: &Comm, result: Result<T, ShardError>) -> Result<T, ShardError> {
-    let mine = result.as_ref().err().map(|e| e.to_string());
-    match comm.agree(mine.as_deref()) {
-        Ok(()) => result,
-        Err(failure) if failure.rank == comm.rank() => result,
-        Err(failure) => Err(ShardError::OtherRank {
-            rank: failure.rank,
-            message: failure.message,
-        }),
-    }
-}
-
 /// The sum of `x` over every rank (for metrics such as a validation loss).
 pub fn all_ranks_sum(comm: &Comm, x: f32) -> Result<f32, ShardError> {
     let depth = comm.topology().depth();
     route::sum_over(comm, crate::plan::Levels { lo: 0, hi: depth }, x)
-}
-
-/// The first element of `t` as f64 (NaN when it cannot be read).
-pub(crate) fn scalar(t: Tensor<1>) -> f64 {
-    t.into_data()
-        .convert::<f64>()
-        .try_to_vec::<f64>()
-        .map(|v| v[0])
-        .unwrap_or(f64::NAN)
 }

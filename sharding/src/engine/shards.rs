@@ -6,12 +6,16 @@ use std::collections::HashMap;
 
 use burn::tensor::Tensor;
 
+use ember_comm::Comm;
+
 use super::{ShardedModel, pieces};
+use crate::checkpoint::{Piece, ShardView};
 use crate::error::ShardError;
 use crate::params::load;
-use crate::route;
+use crate::plan::Plan;
 use crate::stage::Staged;
-use crate::staging;
+use crate::transport::route;
+use crate::transport::staging;
 
 /// One parameter range of this rank's optimizer shard (what it writes to a checkpoint).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,7 +65,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
     }
 
     /// The master weights, then each optimizer state, of one owned range, copied to the host.
-    pub(crate) fn read_piece(&self, piece: &OwnedPiece) -> Vec<Vec<f32>> {
+    fn read_piece(&self, piece: &OwnedPiece) -> Vec<Vec<f32>> {
         let s = &self.optimizer[piece.unit].state;
         let part = |t: &Tensor<1>| staging::to_f32(t.clone().slice(piece.local.clone()));
         std::iter::once(&s.master)
@@ -162,5 +166,52 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
                 false,
             )
         }))
+    }
+}
+
+impl<S: Staged<D>, const D: usize> ShardView for ShardedModel<'_, S, D> {
+    fn comm(&self) -> &Comm {
+        self.comm
+    }
+
+    fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    fn adam_step(&self) -> u64 {
+        self.adam_step
+    }
+
+    fn is_writer(&self) -> bool {
+        ShardedModel::is_writer(self)
+    }
+
+    fn state_names(&self) -> &[String] {
+        &self.state_names
+    }
+
+    fn pieces(&self) -> Vec<Piece> {
+        self.owned_pieces()
+            .into_iter()
+            .map(|p| Piece {
+                name: p.name,
+                offset: p.offset,
+                len: p.len,
+                global_numel: p.global_numel,
+            })
+            .collect()
+    }
+
+    fn piece_values(&self) -> Box<dyn Iterator<Item = Vec<f32>> + '_> {
+        let pieces = self.owned_pieces();
+        Box::new(pieces.into_iter().flat_map(|p| self.read_piece(&p)))
+    }
+
+    fn residual_tensors(&self) -> Vec<(usize, usize, Tensor<1>)> {
+        ShardedModel::residual_tensors(self)
+    }
+
+    fn residual_layout(&self) -> String {
+        ShardedModel::residual_layout(self)
     }
 }

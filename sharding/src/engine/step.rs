@@ -7,17 +7,18 @@ use std::time::Instant;
 
 use burn::tensor::Tensor;
 
-use super::{OwnedPiece, ShardedModel, StepHyper, StepReport, scalar};
+use super::{OwnedPiece, ShardedModel, StepHyper, StepReport};
 use crate::config::Span;
 use crate::error::ShardError;
-use crate::memory;
 use crate::optim::Optimizer;
 use crate::params::{grads_of, load};
 use crate::plan::Visit;
-use crate::route;
-use crate::schedule::{Event, Source};
+use crate::plan::schedule::{Event, Source};
 use crate::stage::{Flow, Staged};
-use crate::worker::{GATHER_LANE, Job, REDUCE_LANE, Shared, Worker, add_to};
+use crate::transport::host::{add_to, scalar};
+use crate::transport::memory;
+use crate::transport::route;
+use crate::transport::worker::{GATHER_LANE, Job, REDUCE_LANE, Shared, Worker};
 
 /// One step's gradients, reduced over the ranks and averaged over micro-batches: this rank's
 /// shard of each unit (the elements of its optimizer shard), from [`ShardedModel::backward`].
@@ -39,7 +40,7 @@ pub struct Gradients {
     start: Instant,
     comm_wait_s: f64,
     secondary_bytes: u64,
-    timeline: Vec<crate::simulate::Span>,
+    timeline: Vec<crate::plan::simulate::Span>,
 }
 
 impl Gradients {
@@ -75,7 +76,7 @@ impl Gradients {
     /// shard; a rank holds none of a parameter outside its shard.
     pub fn pieces(&self) -> impl Iterator<Item = (&str, usize, Tensor<1>)> + '_ {
         self.pieces.iter().map(|p| {
-            let values = crate::host::scale_by(
+            let values = crate::transport::host::scale_by(
                 self.units[p.unit].clone().slice(p.local.clone()),
                 &self.factors,
             );
@@ -510,13 +511,16 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             .map(|g| g.expect("every unit's gradient was reduced"))
             .map(|g| {
                 if accum > 1 {
-                    crate::host::scale(g, inv)
+                    crate::transport::host::scale(g, inv)
                 } else {
                     g
                 }
             })
             .collect();
-        let sq: f64 = grads.iter().map(crate::host::sum_of_squares).sum();
+        let sq: f64 = grads
+            .iter()
+            .map(crate::transport::host::sum_of_squares)
+            .sum();
         let cfg = &self.plan.config;
         let closing = Instant::now();
         let sq = route::sum_over(self.comm, self.plan.group(cfg.optimizer()), sq as f32)? as f64;
@@ -545,7 +549,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         let mut values = HashMap::new();
         let dtype = self.module_dtype();
         for (&u, flat) in units.iter().zip(full) {
-            let flat = crate::host::cast(flat, dtype);
+            let flat = crate::transport::host::cast(flat, dtype);
             let flat = if autodiff { flat.autodiff() } else { flat };
             for p in &self.plan.units[u].params {
                 values.insert(
@@ -591,7 +595,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         if unit.padded > unit.numel {
             parts.push(Tensor::zeros([unit.padded - unit.numel], &self.device));
         }
-        crate::host::concat_f32(parts)
+        crate::transport::host::concat_f32(parts)
     }
 
     /// Unit `u` whole, gathered from its primary partition on the calling thread.

@@ -3,11 +3,11 @@
 
 use clap::{Args, Subcommand};
 
-use ember_train::bench;
-use ember_train::config::TrainOverrides;
 use ember_train::error::{CliResult, usage};
-use ember_train::planning::load_profile;
-use ember_train::shard_args::ShardArgs;
+use ember_train::run::config::TrainOverrides;
+use ember_train::run::shard_args::ShardArgs;
+use ember_train::tools::bench;
+use ember_train::tools::planning::load_profile;
 use ember_train::units::parse_size;
 
 // Parsed once per process and matched at once: the size of its largest variant costs nothing.

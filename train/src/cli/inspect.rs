@@ -6,8 +6,11 @@ use std::path::PathBuf;
 use clap::Args;
 
 use ember_train::error::{CliError, CliResult, usage};
+use ember_train::files::checkpoint;
+use ember_train::log0;
+use ember_train::run::data;
+use ember_train::tools::{eval, generate};
 use ember_train::units::parse_size;
-use ember_train::{checkpoint, data, eval, generate, log0};
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
@@ -73,7 +76,7 @@ pub struct ExportArgs {
     pub out: PathBuf,
     /// Weight dtype in the files: f32 or bf16 (the master weights rounded to nearest even)
     #[arg(long, value_enum, default_value = "f32", hide_possible_values = true)]
-    pub dtype: ember_train::config::Dtype,
+    pub dtype: ember_train::run::config::Dtype,
     /// Largest file; past it the weights are split into model-0000k-of-0000N.safetensors
     /// with model.safetensors.index.json (e.g. 5GB, 500MB, 2GiB)
     #[arg(long, default_value = "5GB")]
@@ -204,7 +207,7 @@ pub fn export_cmd(args: ExportArgs) -> CliResult<()> {
         ))
     })?;
     let dir = checkpoint::locate(&args.checkpoint)?;
-    let files = ember_train::export::export(&dir, &args.out, args.dtype, max)?;
+    let files = ember_train::files::export::export(&dir, &args.out, args.dtype, max)?;
     for f in files {
         println!("{}", f.display());
     }

@@ -1,6 +1,6 @@
 //! `ember launch`: `ember train` under `mpirun`, restarted by itself after a failure from the
 //! newest complete checkpoint, on the hosts that still answer (the library side is
-//! `ember_train::launch`).
+//! `ember_train::run::launch`).
 
 use std::io::BufRead;
 use std::os::unix::process::CommandExt;
@@ -13,11 +13,11 @@ use clap::{Args, Parser};
 use serde_json::json;
 
 use ember_comm::Topology;
-use ember_train::checkpoint::completed;
 use ember_train::cluster::Cluster;
-use ember_train::config::{Dtype, TrainOverrides};
 use ember_train::error::{CliError, CliResult, usage};
-use ember_train::launch::{
+use ember_train::files::checkpoint::completed;
+use ember_train::run::config::{Dtype, TrainOverrides};
+use ember_train::run::launch::{
     Attempt, Host, LAUNCH_DIR_ENV, answering, flag_value, host_name, host_of_rank, nodes_of, now,
     parse_hostfile, parse_hosts, with_flag, write_event,
 };
@@ -511,7 +511,7 @@ fn list(hosts: &[Host]) -> String {
 
 /// The failed ranks in a few words.
 fn describe(
-    failures: &[&ember_train::launch::RankRecord],
+    failures: &[&ember_train::run::launch::RankRecord],
     signalled: &[String],
     hosts: Option<&[Host]>,
 ) -> String {

@@ -5,11 +5,12 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use ember_train::config::{TrainConfig, TrainOverrides};
 use ember_train::error::{CliResult, usage};
-use ember_train::setup::{Purpose, RunArgs, RunSetup};
-use ember_train::shard_args::ShardArgs;
-use ember_train::{gpt_run, log0};
+use ember_train::log0;
+use ember_train::run::config::{TrainConfig, TrainOverrides};
+use ember_train::run::gpt_run;
+use ember_train::run::setup::{Purpose, RunArgs, RunSetup};
+use ember_train::run::shard_args::ShardArgs;
 
 #[derive(Debug, Args)]
 pub struct PlanArgs {
@@ -61,19 +62,22 @@ pub fn plan_cmd(args: PlanArgs) -> CliResult<()> {
         model.vocab_size = v;
     }
     let shard = args.shard.resolve(&topology, config.dtype)?;
-    let profile = ember_train::planning::load_profile(&args.profile)?;
-    let report = ember_train::planning::report(&model, &config, &topology, shard, &profile)?;
+    let profile = ember_train::tools::planning::load_profile(&args.profile)?;
+    let report = ember_train::tools::planning::report(&model, &config, &topology, shard, &profile)?;
     if args.json {
         println!(
             "{}",
             serde_json::to_string(&report).map_err(anyhow::Error::new)?
         );
     } else {
-        print!("{}", ember_train::planning::render(&report, &profile));
+        print!(
+            "{}",
+            ember_train::tools::planning::render(&report, &profile)
+        );
         if args.timeline {
             print!(
                 "\n{}",
-                ember_train::planning::render_timeline(&report.estimate)
+                ember_train::tools::planning::render_timeline(&report.estimate)
             );
         }
     }

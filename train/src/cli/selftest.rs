@@ -11,9 +11,9 @@ use serde::Serialize;
 
 use ember_comm::quant::selfcheck::{SelfCheck, check};
 use ember_sharding::plumbing::kernels::DeviceKernels;
-use ember_train::config::DeviceKind;
-use ember_train::device::device;
 use ember_train::error::CliResult;
+use ember_train::run::config::DeviceKind;
+use ember_train::run::device::device;
 
 #[derive(Debug, Args)]
 pub struct SelftestArgs {
@@ -57,7 +57,7 @@ pub fn run(args: SelftestArgs) -> CliResult<()> {
         }
         #[cfg(feature = "cuda")]
         DeviceKind::Cuda(index) => {
-            let index = index.unwrap_or_else(ember_train::device::local_rank);
+            let index = index.unwrap_or_else(ember_train::run::device::local_rank);
             let kernels = ember_comm::quant::cube::CubeKernels::cuda(index)
                 .map_err(|e| ember_train::error::usage(format!("--device {}: {e}", args.device)))?;
             checks.push(check(&kernels));

@@ -6,14 +6,15 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use ember_train::config::TrainOverrides;
 use ember_train::error::CliResult;
-use ember_train::gpt_run::GptRun;
-use ember_train::host_memory::rss_peaks;
-use ember_train::run_loop::{self, Output};
-use ember_train::setup::{Purpose, RunArgs, RunSetup, set_aside_later};
-use ember_train::shard_args::ShardArgs;
-use ember_train::{log0, metrics, plot};
+use ember_train::files::{metrics, plot};
+use ember_train::log0;
+use ember_train::run::config::TrainOverrides;
+use ember_train::run::gpt_run::GptRun;
+use ember_train::run::host_memory::rss_peaks;
+use ember_train::run::run_loop::{self, Output};
+use ember_train::run::setup::{Purpose, RunArgs, RunSetup, set_aside_later};
+use ember_train::run::shard_args::ShardArgs;
 
 #[derive(Debug, Args)]
 pub struct TrainArgs {
@@ -69,7 +70,7 @@ pub fn run(args: TrainArgs) -> CliResult<()> {
         set_aside_later(&comm, r, &c.out_dir)?;
     }
     let (first, tokens) = run.start;
-    ember_train::launch::RankRecords::ready(first);
+    ember_train::run::launch::RankRecords::ready(first);
     run_loop::run(&mut run, &c, first, tokens, Output::Run)?;
     let peaks = rss_peaks(&comm)?;
     log0!(

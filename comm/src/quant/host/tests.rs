@@ -11,7 +11,7 @@ fn isas() -> Vec<Isa> {
     let mut out = vec![Isa::Portable];
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if ember_cpu::vector() >= ember_cpu::Vector::Avx2 {
             out.push(Isa::Avx2);
         }
         if Isa::best() == Isa::Avx512 {

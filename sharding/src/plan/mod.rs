@@ -20,6 +20,11 @@
 //! state is not, and two scalar all-reduces (the gradient norm over the optimizer group, the
 //! step loss over the world).
 
+pub mod network;
+pub mod profile;
+pub mod schedule;
+pub mod simulate;
+
 use std::collections::BTreeMap;
 
 use ember_comm::counters::{Op, Role, Traffic, formula};
@@ -123,7 +128,7 @@ pub fn levels_of(scope: ember_comm::Scope, depth: usize) -> Levels {
 }
 
 /// Bytes one rank holds during a step, as the plan predicts them from the step's schedule
-/// (the same [`crate::schedule::Event`]s the engine executes). Runs measure the process's
+/// (the same [`crate::plan::schedule::Event`]s the engine executes). Runs measure the process's
 /// resident memory instead (see [`plumbing::memory`](crate::plumbing::memory)); tests compare the two.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Memory {
@@ -615,7 +620,7 @@ impl Collective {
 mod tests {
     use super::*;
     use crate::config::DEFAULT_QUANT_BLOCK;
-    use crate::schedule::Event;
+    use crate::plan::schedule::Event;
 
     fn units() -> Vec<UnitSpec> {
         vec![

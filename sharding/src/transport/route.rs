@@ -20,10 +20,10 @@ use ember_comm::{Comm, Group, Scope};
 
 use crate::config::{Compute, GradQuant, Span, WeightQuant};
 use crate::error::ShardError;
-use crate::kernels;
+use crate::plan::schedule::Source;
 use crate::plan::{Levels, Plan, levels_of};
-use crate::schedule::Source;
-use crate::staging;
+use crate::transport::kernels;
+use crate::transport::staging;
 
 /// The communicator scope of a group of levels.
 pub(crate) fn scope(comm: &Comm, levels: Levels) -> Scope {
@@ -589,7 +589,7 @@ pub(crate) fn reduce_flow<'e>(
                     c => host_to_f32(c, device),
                 };
                 let mut all = accumulated.lock().unwrap_or_else(|e| e.into_inner());
-                crate::worker::add_to(&mut all[u], part);
+                crate::transport::host::add_to(&mut all[u], part);
                 Ok(())
             }),
         });
@@ -701,6 +701,20 @@ fn exchange(
 ) -> Result<Tensor<1>, ShardError> {
     let parts = ember_comm::quantized::all_to_all_parts(group, q, block)?;
     Ok(kernels::dequantize_sum(&parts, device))
+}
+
+/// Every rank learns whether every rank's `result` is `Ok`; a failure on any rank fails all
+/// of them, each naming the first failing rank and its message.
+pub(crate) fn agree<T>(comm: &Comm, result: Result<T, ShardError>) -> Result<T, ShardError> {
+    let mine = result.as_ref().err().map(|e| e.to_string());
+    match comm.agree(mine.as_deref()) {
+        Ok(()) => result,
+        Err(failure) if failure.rank == comm.rank() => result,
+        Err(failure) => Err(ShardError::OtherRank {
+            rank: failure.rank,
+            message: failure.message,
+        }),
+    }
 }
 
 /// The sum of `x` over the ranks of `levels` (no communication for a group of one).

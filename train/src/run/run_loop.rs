@@ -8,10 +8,10 @@ use std::time::Instant;
 
 use anyhow::Result;
 
-use crate::config::TrainConfig;
-use crate::device::peak_flops;
+use crate::files::metrics::{MetricsWriter, StepMetrics, progress_bar};
 use crate::log0;
-use crate::metrics::{MetricsWriter, StepMetrics, progress_bar};
+use crate::run::config::TrainConfig;
+use crate::run::device::peak_flops;
 
 /// What one optimizer step reports to the loop.
 #[derive(Debug, Clone)]
@@ -107,7 +107,7 @@ pub fn run(
     let mut logged = Vec::new();
     for step in first_step..c.max_iters {
         let s = trainee.step(step)?;
-        crate::launch::RankRecords::stepped(step + 1);
+        crate::run::launch::RankRecords::stepped(step + 1);
         window.0 += s.step_s;
         window.1 += c.tokens_per_step() as u64;
         tokens_seen += c.tokens_per_step() as u64;

@@ -11,7 +11,7 @@ use ember_model::Gpt;
 use ember_model::init::splitmix64;
 use ember_sharding::params::{load, param_shapes};
 
-use crate::checkpoint::{self, Loaded};
+use crate::files::checkpoint::{self, Loaded};
 
 /// A model and its tokenizer, restored from a checkpoint.
 #[derive(Debug)]

@@ -26,8 +26,8 @@ use ember_comm::collective::RING_ALL_REDUCE_BYTES;
 use ember_comm::{Op, Topology};
 use serde::Serialize;
 
+use crate::plan::profile::Profile;
 use crate::plan::{Collective, Levels};
-use crate::profile::Profile;
 
 /// What a collective costs: its time alone on the links, and its bytes per link level.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use ember_data::{PreparedData, TINY_SHAKESPEARE, TokenizerSpec, prepare_cached};
 
-use crate::config::TrainConfig;
 use crate::error::{CliError, CliResult, usage};
+use crate::run::config::TrainConfig;
 
 /// Where prepared corpora are cached: `$EMBER_CACHE_DIR`, else `$XDG_CACHE_HOME/ember`,
 /// else `~/.cache/ember`, else `./.ember-cache`.

@@ -8,8 +8,8 @@ use clap::Args;
 use ember_comm::{Comm, CommConfig, PanicPolicy, Topology, TopologySource};
 use ember_sharding::{GradQuant, Recompute, ShardConfig, ShardError, Span, WeightQuant};
 
-use crate::config::Dtype;
 use crate::error::{CliResult, usage};
+use crate::run::config::Dtype;
 
 /// Flags of sharded training. `train` refuses them without `--shard`; `bench shard` takes
 /// them with `--shards`, and `--comm-timeout` also applies to `bench comm`.

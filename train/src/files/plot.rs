@@ -7,9 +7,9 @@ use anyhow::{Result, anyhow};
 use plotters::prelude::*;
 use plotters::style::{FontStyle, register_font};
 
-use crate::metrics::StepMetrics;
+use crate::files::metrics::StepMetrics;
 
-static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+static FONT: &[u8] = include_bytes!("../../assets/DejaVuSans.ttf");
 
 /// Draws the curves of `metrics` into `path` (PNG, 1000 x 600).
 pub fn plot_losses(metrics: &[StepMetrics], path: &Path, title: &str) -> Result<()> {

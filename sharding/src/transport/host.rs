@@ -44,18 +44,12 @@ pub(crate) fn wide<R>(f: impl FnOnce() -> R) -> R {
         fn v3<R>(f: impl FnOnce() -> R) -> R {
             f()
         }
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512dq")
-            && std::arch::is_x86_feature_detected!("avx512vl")
-        {
+        match ember_cpu::vector() {
             // SAFETY: the CPU has the features `v4` is compiled for.
-            return unsafe { v4(f) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+            ember_cpu::Vector::Avx512 => return unsafe { v4(f) },
             // SAFETY: the CPU has the features `v3` is compiled for.
-            return unsafe { v3(f) };
+            ember_cpu::Vector::Avx2 => return unsafe { v3(f) },
+            ember_cpu::Vector::Baseline => {}
         }
     }
     f()
@@ -146,7 +140,7 @@ pub(crate) fn sum_of_squares(t: &Tensor<1>) -> f64 {
             .collect();
         return pieces.iter().sum();
     }
-    crate::engine::scalar(t.clone().square().sum())
+    scalar(t.clone().square().sum())
 }
 
 /// `parts` joined end to end as one f32 tensor, bf16 parts widened on the way: Burn's `cast`
@@ -209,6 +203,23 @@ pub(crate) fn concat_f32(parts: Vec<Tensor<1>>) -> Tensor<1> {
     // SAFETY: the parts' lengths sum to `len`, and each wrote its own range.
     unsafe { out.set_len(len) };
     tensor(out)
+}
+
+/// The first element of `t` as f64 (NaN when it cannot be read).
+pub(crate) fn scalar(t: Tensor<1>) -> f64 {
+    t.into_data()
+        .convert::<f64>()
+        .try_to_vec::<f64>()
+        .map(|v| v[0])
+        .unwrap_or(f64::NAN)
+}
+
+/// `acc += x`, taking `x` whole when `acc` is empty.
+pub(crate) fn add_to(acc: &mut Option<Tensor<1>>, x: Tensor<1>) {
+    *acc = Some(match acc.take() {
+        Some(a) => a + x,
+        None => x,
+    });
 }
 
 #[cfg(test)]

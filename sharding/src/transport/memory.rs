@@ -52,7 +52,7 @@ pub fn available() -> Option<u64> {
 /// the `cubecl` feature); `None` on host backends, whose memory is the resident set above.
 pub fn device_bytes_in_use(device: &burn::tensor::Device) -> Option<u64> {
     #[cfg(feature = "cubecl")]
-    if let Some(b) = crate::cube::device_bytes_in_use(device) {
+    if let Some(b) = crate::transport::cube::device_bytes_in_use(device) {
         return Some(b);
     }
     let _ = device;

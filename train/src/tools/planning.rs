@@ -12,9 +12,9 @@ use ember_sharding::plumbing::profile::Profile;
 use ember_sharding::{Compute, Memory, Plan, ShardConfig};
 use serde::Serialize;
 
-use crate::config::{DeviceKind, TrainConfig};
 use crate::error::{CliResult, usage};
-use crate::stages::{gpt_activations, gpt_flops, gpt_units};
+use crate::run::config::{DeviceKind, TrainConfig};
+use crate::run::stages::{gpt_activations, gpt_flops, gpt_units};
 
 /// One row of the traffic table.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -158,7 +158,7 @@ pub fn module_dtype(compute: Compute, device: DeviceKind) -> Compute {
 /// The run's batch, accumulation, preset name and device come from `config`.
 pub fn report(
     model: &GptConfig,
-    config: &crate::config::TrainConfig,
+    config: &crate::run::config::TrainConfig,
     topology: &Topology,
     shard: ShardConfig,
     profile: &Profile,
@@ -419,7 +419,7 @@ pub fn check_memory(
 /// The sharding presets whose plan for `config` over `topology` fits in `budget` bytes per
 /// rank, as `--shard NAME (X GB per rank)`.
 pub fn fitting_presets(
-    config: &crate::config::TrainConfig,
+    config: &crate::run::config::TrainConfig,
     topology: &Topology,
 ) -> impl FnOnce(u64) -> Vec<String> {
     let config = config.clone();

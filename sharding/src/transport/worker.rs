@@ -22,10 +22,13 @@ use burn::tensor::{Device, Tensor};
 use ember_comm::Comm;
 
 use crate::error::ShardError;
+use crate::plan::schedule::Source;
+use crate::plan::simulate::Span;
 use crate::plan::{Levels, Plan};
-use crate::route::{self, Accumulated, Carry, FinishFn, Flow, Residuals, Secondaries, StageFn};
-use crate::schedule::Source;
-use crate::simulate::Span;
+use crate::transport::host::add_to;
+use crate::transport::route::{
+    self, Accumulated, Carry, FinishFn, Flow, Residuals, Secondaries, StageFn,
+};
 
 /// A request to the communication threads.
 pub(crate) enum Job {
@@ -384,14 +387,6 @@ fn run_stages<'e>(
             }
         }
     }
-}
-
-/// `acc += x`, taking `x` whole when `acc` is empty.
-pub(crate) fn add_to(acc: &mut Option<Tensor<1>>, x: Tensor<1>) {
-    *acc = Some(match acc.take() {
-        Some(a) => a + x,
-        None => x,
-    });
 }
 
 fn thread_gone() -> ShardError {

@@ -67,7 +67,7 @@ pub(crate) fn record(way: Way, bytes: usize, start: Instant) {
 pub(crate) fn to_f32(t: Tensor<1>) -> Vec<f32> {
     let bytes = t.dims()[0] * 4;
     timed(Way::ToHost, bytes, || {
-        crate::host::cast(t, DType::F32)
+        crate::transport::host::cast(t, DType::F32)
             .into_data()
             .try_into_vec::<f32>()
             .expect("an f32 tensor reads back as f32")

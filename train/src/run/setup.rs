@@ -13,12 +13,14 @@ use ember_comm::Comm;
 use ember_data::{DataError, PreparedData, STREAM_TRAIN, STREAM_VAL};
 use ember_sharding::{Compute, Plan, Recompute, ShardConfig, Span};
 
-use crate::checkpoint::{self, RunRecord};
-use crate::config::{AsyncSave, DeviceKind, Dtype, TrainConfig, TrainOverrides};
 use crate::error::{CliError, CliResult, InitFromMismatch, usage};
-use crate::export::HfDir;
-use crate::planning::run_plan;
-use crate::{data, device, log0, planning};
+use crate::files::checkpoint::{self, RunRecord};
+use crate::files::export::HfDir;
+use crate::log0;
+use crate::run::config::{AsyncSave, DeviceKind, Dtype, TrainConfig, TrainOverrides};
+use crate::run::{data, device};
+use crate::tools::planning;
+use crate::tools::planning::run_plan;
 
 /// A checkpoint a run continues.
 #[derive(Debug, Clone)]

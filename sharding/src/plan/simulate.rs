@@ -24,10 +24,10 @@ use std::collections::{HashMap, VecDeque};
 
 use serde::Serialize;
 
-use crate::network::Network;
+use crate::plan::network::Network;
+use crate::plan::profile::Profile;
+use crate::plan::schedule::Event;
 use crate::plan::{Levels, Plan};
-use crate::profile::Profile;
-use crate::schedule::Event;
 
 /// A step as the replay saw it.
 #[derive(Debug, Clone, PartialEq, Serialize)]

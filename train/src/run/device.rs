@@ -3,8 +3,8 @@
 
 use burn::tensor::Device;
 
-use crate::config::DeviceKind;
 use crate::error::{CliResult, usage};
+use crate::run::config::DeviceKind;
 
 /// The (non-autodiff) device for `kind`, or a usage error saying how to build it in, or that
 /// this machine has no such GPU.
@@ -100,17 +100,12 @@ fn nominal_core_flops() -> f64 {
 fn measured_core_flops() -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     {
-        let (lanes, run): (f64, fn(u64) -> f32) = if std::arch::is_x86_feature_detected!("avx512f")
-        {
+        let (lanes, run): (f64, fn(u64) -> f32) = match ember_cpu::vector() {
             // SAFETY: the CPU has AVX-512F.
-            (16.0, |n| unsafe { fma_chains_avx512(n) })
-        } else if std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-        {
+            ember_cpu::Vector::Avx512 => (16.0, |n| unsafe { fma_chains_avx512(n) }),
             // SAFETY: the CPU has AVX2 and FMA.
-            (8.0, |n| unsafe { fma_chains_avx2(n) })
-        } else {
-            return None;
+            ember_cpu::Vector::Avx2 => (8.0, |n| unsafe { fma_chains_avx2(n) }),
+            ember_cpu::Vector::Baseline => return None,
         };
         const ITERS: u64 = 1 << 20;
         let best = (0..3)

@@ -20,8 +20,8 @@ use ember_sharding::plumbing::checkpoint::{FileDtype, ShardWriter};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors};
 use serde_json::json;
 
-use crate::checkpoint;
-use crate::config::Dtype;
+use crate::files::checkpoint;
+use crate::run::config::Dtype;
 
 /// Prefix of every GPT-2 parameter name in Hugging Face files.
 pub const HF_PREFIX: &str = "transformer.";

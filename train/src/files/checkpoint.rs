@@ -9,7 +9,7 @@ use anyhow::{Result, anyhow};
 use ember_sharding::plumbing::checkpoint::Checkpoint;
 use serde::{Deserialize, Serialize};
 
-use crate::config::TrainConfig;
+use crate::run::config::TrainConfig;
 
 pub use ember_sharding::plumbing::checkpoint::{
     Index, KINDS, MANIFEST, Manifest, TensorMeta, completed, locate, prune, read_manifest,

@@ -16,17 +16,17 @@ use ember_sharding::{
     ShardedModel, StepHyper, StepReport,
 };
 
-use crate::checkpoint::RunRecord;
-use crate::config::TrainConfig;
 use crate::error::InitFromMismatch;
-use crate::export::HfDir;
-use crate::host_memory::{gather_u64, rss_peaks, set_allocator_for_training};
+use crate::files::checkpoint::RunRecord;
+use crate::files::export::HfDir;
+use crate::files::metrics::StepMetrics;
 use crate::log0;
-use crate::metrics::StepMetrics;
-use crate::run_loop::{Saved, Stepped, Trainee};
-use crate::schedule::LrSchedule;
-use crate::setup::{Resumed, RunSetup, batch_plan};
-use crate::stages::{GptStages, SeededGpt};
+use crate::run::config::TrainConfig;
+use crate::run::host_memory::{gather_u64, rss_peaks, set_allocator_for_training};
+use crate::run::run_loop::{Saved, Stepped, Trainee};
+use crate::run::schedule::LrSchedule;
+use crate::run::setup::{Resumed, RunSetup, batch_plan};
+use crate::run::stages::{GptStages, SeededGpt};
 
 /// How every random draw of a run is derived, recorded in its checkpoints.
 pub const RNG_SCHEME: &str = "weights: splitmix64/Box-Muller keyed by (seed, parameter path); \
@@ -288,7 +288,7 @@ impl Trainee for GptRun<'_, '_> {
                     )
                 })
                 .collect();
-            m.stragglers = crate::metrics::Stragglers::new(&ranks);
+            m.stragglers = crate::files::metrics::Stragglers::new(&ranks);
         }
         m.rss_peak_bytes = Some(rss_peaks(comm)?);
         if let Some(b) = self.last.as_ref().and_then(|r| r.device_bytes) {

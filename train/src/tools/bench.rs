@@ -10,15 +10,15 @@ use ember_comm::Comm;
 use ember_sharding::Memory;
 use serde::Serialize;
 
-use crate::config::{TrainConfig, TrainOverrides};
-use crate::device::peak_flops;
 use crate::error::CliResult;
-use crate::gpt_run::{GptRun, traffic_by_name};
-use crate::host_memory::rss_peaks;
-use crate::planning::estimate;
-use crate::run_loop::{self, Output, Stepped};
-use crate::setup::{Purpose, RunArgs, RunSetup};
-use crate::shard_args::ShardArgs;
+use crate::run::config::{TrainConfig, TrainOverrides};
+use crate::run::device::peak_flops;
+use crate::run::gpt_run::{GptRun, traffic_by_name};
+use crate::run::host_memory::rss_peaks;
+use crate::run::run_loop::{self, Output, Stepped};
+use crate::run::setup::{Purpose, RunArgs, RunSetup};
+use crate::run::shard_args::ShardArgs;
+use crate::tools::planning::estimate;
 use ember_sharding::plumbing::profile::Profile;
 
 /// One benchmark result.
@@ -425,20 +425,20 @@ pub fn against_torch(
 /// The `--dtype` both sides of `--against-torch` run.
 fn dtype_flag(base: &TrainOverrides) -> &'static str {
     match base.dtype {
-        Some(crate::config::Dtype::Bf16) => "bf16",
+        Some(crate::run::config::Dtype::Bf16) => "bf16",
         _ => "f32",
     }
 }
 
 /// PyTorch's `--device` for the device ember runs on; CPU backends compare with the CPU.
 fn torch_device(base: &TrainOverrides) -> CliResult<String> {
-    use crate::config::DeviceKind;
+    use crate::run::config::DeviceKind;
     match base.device.unwrap_or(DeviceKind::Flex) {
         DeviceKind::Flex | DeviceKind::Ndarray => Ok("cpu".into()),
         // PyTorch's ROCm builds name HIP devices `cuda` too.
         DeviceKind::Cuda(i) | DeviceKind::Rocm(i) => Ok(format!(
             "cuda:{}",
-            i.unwrap_or_else(crate::device::local_rank)
+            i.unwrap_or_else(crate::run::device::local_rank)
         )),
         DeviceKind::Wgpu => Err(crate::error::usage(
             "--against-torch compares on the CPU (flex) or a CUDA or ROCm GPU; PyTorch has no \

@@ -106,7 +106,7 @@ mod tests {
         let values: Vec<f32> = (0..n)
             .map(|i| ((i * 37 % 1001) as f32 - 500.0) / 97.0)
             .collect();
-        let x = crate::staging::from_f32(values.clone(), &device);
+        let x = crate::transport::staging::from_f32(values.clone(), &device);
         let block = BlockSize::new(64).unwrap();
         for format in [QuantFormat::Int8, QuantFormat::Int4] {
             let q = quantize(&x, format, block).expect("a wgpu tensor takes the CubeCL path");
@@ -117,7 +117,7 @@ mod tests {
             let parts = [q.clone(), q.clone()];
             let sum = dequantize_sum(&parts, &device).expect("on the device");
             assert_eq!(
-                crate::staging::to_f32(sum),
+                crate::transport::staging::to_f32(sum),
                 HostKernels.dequantize_sum(&parts),
                 "{format:?}"
             );
@@ -137,9 +137,12 @@ mod tests {
             .iter()
             .map(|v| v + v)
             .collect();
-        assert_eq!(crate::staging::to_f32(sum.clone() + sum), doubled);
+        assert_eq!(
+            crate::transport::staging::to_f32(sum.clone() + sum),
+            doubled
+        );
         // A flex tensor is not CubeCL's: the host kernels serve it.
-        let flex = crate::staging::from_f32(values, &Device::flex());
+        let flex = crate::transport::staging::from_f32(values, &Device::flex());
         assert!(quantize(&flex, QuantFormat::Int8, block).is_none());
     }
 }

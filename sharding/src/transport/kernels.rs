@@ -8,7 +8,7 @@ use burn::tensor::{Device, Tensor};
 use ember_comm::quant::host::HostKernels;
 use ember_comm::quant::{BlockSize, QuantFormat, QuantKernels, Quantized};
 
-use crate::staging;
+use crate::transport::staging;
 
 /// `x` (f32) quantized blockwise; the result is host bytes, ready to send.
 pub(crate) fn quantize(x: Tensor<1>, format: QuantFormat, block: BlockSize) -> Quantized {
@@ -16,7 +16,7 @@ pub(crate) fn quantize(x: Tensor<1>, format: QuantFormat, block: BlockSize) -> Q
     #[cfg(feature = "cubecl")]
     {
         let start = std::time::Instant::now();
-        if let Some(q) = crate::cube::quantize(&x, format, block) {
+        if let Some(q) = crate::transport::cube::quantize(&x, format, block) {
             let wire = Quantized::wire_bytes(format, block, q.len);
             staging::record(staging::Way::ToHost, wire, start);
             return q;
@@ -31,7 +31,7 @@ pub(crate) fn dequantize_sum(parts: &[Quantized], device: &Device) -> Tensor<1> 
     #[cfg(feature = "cubecl")]
     {
         let start = std::time::Instant::now();
-        if let Some(t) = crate::cube::dequantize_sum(parts, device) {
+        if let Some(t) = crate::transport::cube::dequantize_sum(parts, device) {
             staging::record(staging::Way::ToDevice, wire_bytes(parts), start);
             return t;
         }
@@ -45,7 +45,7 @@ pub(crate) fn dequantize_concat(parts: &[Quantized], device: &Device) -> Tensor<
     #[cfg(feature = "cubecl")]
     {
         let start = std::time::Instant::now();
-        if let Some(t) = crate::cube::dequantize_concat(parts, device) {
+        if let Some(t) = crate::transport::cube::dequantize_concat(parts, device) {
             staging::record(staging::Way::ToDevice, wire_bytes(parts), start);
             return t;
         }
@@ -85,7 +85,7 @@ impl DeviceKernels {
     /// or `host` where the device's memory is host memory.
     pub fn device_name(&self) -> String {
         #[cfg(feature = "cubecl")]
-        if let Some(name) = crate::cube::device_name(&self.device) {
+        if let Some(name) = crate::transport::cube::device_name(&self.device) {
             return name;
         }
         "host".to_string()

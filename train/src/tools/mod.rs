@@ -1,0 +1,7 @@
+//! The commands around a run: `ember bench` (`bench`, with `torch_gpt.py`, the PyTorch
+//! reference it runs beside), `ember eval`, `ember generate` and `ember plan` (`planning`).
+
+pub mod bench;
+pub mod eval;
+pub mod generate;
+pub mod planning;
