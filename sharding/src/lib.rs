@@ -13,6 +13,8 @@
 //!
 //! ```ignore
 //! let comm = Comm::init(CommConfig::default())?;                    // topology from the launcher
+//! let device = Device::flex();                                      // or a GPU's
+//! let adamw = AdamW::default();                                     // torch.optim.AdamW's defaults
 //! let mut model = Shard::blocks("blocks").preset(Preset::Hier3).seed(7)
 //!     .build(&comm, |device| LlamaConfig::new().init(device), device)?;
 //! for step in model.step()..steps {
@@ -34,7 +36,9 @@
 //!   global batch, for a batch that implements [`Rows`]) and returns this rank's shard of the
 //!   reduced [`Gradients`], with the loss and the global norm, to read, scale or clip.
 //! - [`ShardedModel::apply`] updates the parameters with any [`Optimizer`]: [`AdamW`],
-//!   [`Adam`] and [`Sgd`] ship, each matching Burn's optimizer of the same name.
+//!   [`Adam`] and [`Sgd`] ship, each matching Burn's optimizer of the same name, and each
+//!   `Default` to PyTorch's defaults (`torch.optim.AdamW`: betas 0.9 and 0.999, eps 1e-8,
+//!   weight decay 0.01 on every parameter).
 //!   [`ShardedModel::train_step`] is both calls with AdamW and clipping ([`StepHyper`]).
 //! - [`ShardedModel::save`] writes every rank's own ranges to a safetensors checkpoint, with
 //!   the caller's own record in its manifest; [`Shard::resume`] (or [`ShardedModel::resume`])

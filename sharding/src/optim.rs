@@ -111,6 +111,46 @@ pub struct Sgd {
     pub decay_on: DecayOn,
 }
 
+impl Default for AdamW {
+    /// `torch.optim.AdamW`'s defaults: betas 0.9 and 0.999, eps 1e-8, weight decay 0.01 on
+    /// every parameter.
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            decay_on: DecayOn::All,
+        }
+    }
+}
+
+impl Default for Adam {
+    /// `torch.optim.Adam`'s defaults: betas 0.9 and 0.999, eps 1e-8, no weight decay.
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            decay_on: DecayOn::All,
+        }
+    }
+}
+
+impl Default for Sgd {
+    /// `torch.optim.SGD`'s defaults: no momentum, dampening or weight decay, no Nesterov.
+    fn default() -> Self {
+        Self {
+            momentum: 0.0,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+            decay_on: DecayOn::All,
+        }
+    }
+}
+
 /// One flat buffer's optimizer state, all `[n]` f32 tensors on one device.
 #[derive(Debug, Clone)]
 pub struct FlatState {
