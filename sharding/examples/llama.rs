@@ -29,7 +29,8 @@ use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
 
 use ember_sharding::{
-    AdamW, BlockModel, Checkpoint, DecayOn, Preset, Rows, SaveOptions, Shard, ShardError,
+    AdamW, BlockModel, BlockOutput, Checkpoint, DecayOn, Preset, Rows, SaveOptions, Shard,
+    ShardError,
 };
 
 /// The model's size.
@@ -176,8 +177,8 @@ impl BlockModel<3> for Llama {
         self.embed.forward(batch.inputs(device))
     }
 
-    fn block(&self, i: usize, x: Tensor<3>) -> Tensor<3> {
-        self.blocks[i].forward(x, &self.rope)
+    fn block(&self, i: usize, x: Tensor<3>, _: &Tokens) -> BlockOutput<3> {
+        self.blocks[i].forward(x, &self.rope).into()
     }
 
     fn loss(&self, x: Tensor<3>, batch: &Tokens, device: &Device) -> Tensor<1> {

@@ -27,7 +27,8 @@ use burn::tensor::{Device, Tensor, TensorData};
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
 
 use ember_sharding::{
-    AdamW, BlockModel, Checkpoint, DecayOn, Preset, Rows, SaveOptions, Shard, ShardError, StepHyper,
+    AdamW, BlockModel, BlockOutput, Checkpoint, DecayOn, Preset, Rows, SaveOptions, Shard,
+    ShardError, StepHyper,
 };
 
 /// An ordinary Burn model.
@@ -89,8 +90,8 @@ impl BlockModel<2> for Mlp {
         self.stem(batch.inputs(device))
     }
 
-    fn block(&self, i: usize, h: Tensor<2>) -> Tensor<2> {
-        self.layer(i, h)
+    fn block(&self, i: usize, h: Tensor<2>, _: &Points) -> BlockOutput<2> {
+        self.layer(i, h).into()
     }
 
     fn loss(&self, h: Tensor<2>, batch: &Points, device: &Device) -> Tensor<1> {
@@ -187,7 +188,7 @@ pub fn hyper() -> StepHyper {
     StepHyper {
         lr: 1e-2,
         grad_clip: 1.0,
-        adam: AdamW {
+        optimizer: AdamW {
             beta1: 0.9,
             beta2: 0.99,
             eps: 1e-8,
@@ -260,7 +261,7 @@ pub fn train(comm: &Comm, run: &Run) -> Result<Trained, ShardError> {
         let batch = Points::draw(step, 0, run.batch);
         let mut grads = sharded.backward(&[sharded.share(&batch)?])?; // sharding
         grads.clip_norm(hyper.grad_clip);
-        let report = sharded.apply(grads, &hyper.adam, hyper.lr)?; // sharding
+        let report = sharded.apply(grads, &hyper.optimizer, hyper.lr)?; // sharding
         losses.push((step, report.loss));
         if comm.rank() == 0 && (step % 50 == 0 || step + 1 == run.steps) {
             println!(

@@ -3,16 +3,8 @@
 //! is cut into three hooks it is already made of, and Burn's own initialisers give the
 //! starting weights.
 //!
-//! ```ignore
-//! impl BlockModel<3> for Llama {
-//!     type Batch = Tokens;
-//!     fn embed(&self, b: &Tokens, device: &Device) -> Tensor<3> { self.embed.forward(b.inputs(device)) }
-//!     fn block(&self, i: usize, x: Tensor<3>) -> Tensor<3> { self.blocks[i].forward(x) }
-//!     fn loss(&self, x: Tensor<3>, b: &Tokens, device: &Device) -> Tensor<1> { self.head_loss(x, b.targets(device)) }
-//! }
-//! let mut model = Shard::blocks("blocks").preset(Preset::Hier3).seed(7)
-//!     .build(&comm, |device| LlamaConfig::new().init(device), device)?;
-//! ```
+//! The crate guide's first example runs it end to end (a doctest); `examples/llama.rs`,
+//! `examples/mlp.rs` and `examples/moe.rs` are complete programs.
 
 use std::fmt;
 use std::ops::Range;
@@ -43,11 +35,41 @@ pub trait BlockModel<const D: usize>: Module + Clone {
     /// Everything before the first block: the batch to the first block's input, on `device`.
     fn embed(&self, batch: &Self::Batch, device: &Device) -> Tensor<D>;
 
-    /// Block `i` of the `Vec` field.
-    fn block(&self, i: usize, x: Tensor<D>) -> Tensor<D>;
+    /// Block `i` of the `Vec` field, on the previous block's output `x`, with the
+    /// micro-batch at hand for what else the block takes (an attention or padding mask,
+    /// positions, any tensor built from the batch on `x.device()`). A plain block returns its
+    /// output (`.into()`); one with an auxiliary loss returns [`BlockOutput::with_aux`].
+    fn block(&self, i: usize, x: Tensor<D>, batch: &Self::Batch) -> BlockOutput<D>;
 
     /// Everything after the last block: its output to the batch's mean loss (`[1]`).
     fn loss(&self, x: Tensor<D>, batch: &Self::Batch, device: &Device) -> Tensor<1>;
+}
+
+/// What a block hands on: its output, and an auxiliary loss if it has one.
+#[derive(Debug, Clone)]
+pub struct BlockOutput<const D: usize> {
+    /// The input of the next block (or of [`BlockModel::loss`]).
+    pub hidden: Tensor<D>,
+    /// An auxiliary loss (`[1]`, weighted as it should count: a mixture of experts'
+    /// load-balancing loss times its coefficient), added to the model's loss: the step's
+    /// loss and gradients are those of the sum.
+    pub aux: Option<Tensor<1>>,
+}
+
+impl<const D: usize> BlockOutput<D> {
+    /// An output with an auxiliary loss.
+    pub fn with_aux(hidden: Tensor<D>, aux: Tensor<1>) -> Self {
+        Self {
+            hidden,
+            aux: Some(aux),
+        }
+    }
+}
+
+impl<const D: usize> From<Tensor<D>> for BlockOutput<D> {
+    fn from(hidden: Tensor<D>) -> Self {
+        Self { hidden, aux: None }
+    }
 }
 
 /// The units of a [`BlockModel`]: unit 0 is the root (every parameter outside the blocks'
@@ -154,11 +176,18 @@ impl<M: BlockModel<D>, const D: usize> Staged<D> for Blocks<M> {
         match input {
             None => Flow::Hidden(module.embed(batch, device)),
             Some(x) => {
-                let x = module.block(unit - 1, x);
-                if unit == self.count {
-                    Flow::Loss(module.loss(x, batch, device))
-                } else {
-                    Flow::Hidden(x)
+                let BlockOutput { hidden, aux } = module.block(unit - 1, x, batch);
+                match (unit == self.count, aux) {
+                    // The last block's auxiliary loss joins the model's loss here.
+                    (true, aux) => {
+                        let loss = module.loss(hidden, batch, device);
+                        Flow::Loss(match aux {
+                            Some(aux) => aux + loss,
+                            None => loss,
+                        })
+                    }
+                    (false, None) => Flow::Hidden(hidden),
+                    (false, Some(aux)) => Flow::Aux(hidden, aux),
                 }
             }
         }
@@ -391,13 +420,57 @@ impl<'a> Shard<'a> {
 }
 
 /// A batch that splits by rows, so a step's global batch can be shared among the ranks.
+///
+/// A `Vec` of samples is a batch already (one element a row), and so is a tuple of batches
+/// (inputs, targets, a mask: every part split at the same rows); a batch of one's own
+/// implements `rows` and `select`.
 pub trait Rows: Sized {
     /// Rows (sequences, samples) in the batch.
     fn rows(&self) -> usize;
 
     /// Rows `range` of the batch.
     fn select(&self, range: Range<usize>) -> Self;
+
+    /// The rows of each part of a batch made of several (a tuple's), which must agree; one
+    /// entry for a batch of one part.
+    fn part_rows(&self) -> Vec<usize> {
+        vec![self.rows()]
+    }
 }
+
+/// A batch of samples (or sequences), one element a row.
+impl<T: Clone> Rows for Vec<T> {
+    fn rows(&self) -> usize {
+        self.len()
+    }
+
+    fn select(&self, range: Range<usize>) -> Self {
+        self[range].to_vec()
+    }
+}
+
+macro_rules! tuple_rows {
+    ($($part:ident $i:tt),+) => {
+        impl<$($part: Rows),+> Rows for ($($part,)+) {
+            fn rows(&self) -> usize {
+                self.0.rows()
+            }
+
+            fn select(&self, range: Range<usize>) -> Self {
+                ($(self.$i.select(range.clone()),)+)
+            }
+
+            fn part_rows(&self) -> Vec<usize> {
+                let mut rows = Vec::new();
+                $(rows.extend(self.$i.part_rows());)+
+                rows
+            }
+        }
+    };
+}
+tuple_rows!(A 0, B 1);
+tuple_rows!(A 0, B 1, C 2);
+tuple_rows!(A 0, B 1, C 2, E 3);
 
 /// Rank `rank`'s rows of a global batch of `rows` rows over `world` ranks, refusing a batch that
 /// does not split evenly (every rank's loss weighs the same in the step's mean).
@@ -416,6 +489,21 @@ pub(crate) fn share_of(rows: usize, rank: usize, world: usize) -> Result<Range<u
     Ok(rank * each..(rank + 1) * each)
 }
 
+/// Rank `rank`'s rows of `global` over `world` ranks, refusing parts that disagree on their
+/// rows and a batch that does not split evenly.
+pub(crate) fn share_rows<B: Rows>(global: &B, rank: usize, world: usize) -> Result<B, ShardError> {
+    let parts = global.part_rows();
+    if parts.iter().any(|&r| r != parts[0]) {
+        return Err(ShardError::setting(
+            "batch",
+            format!("{parts:?}"),
+            "the batch's parts have different rows: every part (inputs, targets, masks) must \
+             hold one row per sequence or sample of the batch",
+        ));
+    }
+    Ok(global.select(share_of(global.rows(), rank, world)?))
+}
+
 impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D>
 where
     S::Batch: Rows,
@@ -424,7 +512,32 @@ where
     /// passes the same global batch.
     pub fn share(&self, global: &S::Batch) -> Result<S::Batch, ShardError> {
         let comm = self.comm();
-        let range = share_of(global.rows(), comm.rank(), comm.topology().world_size())?;
-        Ok(global.select(range))
+        share_rows(global, comm.rank(), comm.topology().world_size())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vecs_and_tuples_of_them_split_by_rows() {
+        let x: Vec<[f32; 2]> = (0..6).map(|i| [i as f32, -(i as f32)]).collect();
+        let ids: Vec<i64> = (0..6).collect();
+        // Rank 1 of 3 holds rows 2 and 3 of every part.
+        let (x1, ids1) = share_rows(&(x.clone(), ids.clone()), 1, 3).unwrap();
+        assert_eq!(x1, [[2.0, -2.0], [3.0, -3.0]]);
+        assert_eq!(ids1, [2, 3]);
+        // Parts that disagree on their rows, and rows that do not split: setting errors.
+        let short = x[..4].to_vec();
+        let err = share_rows(&(x.clone(), short, ids), 0, 2).unwrap_err();
+        assert!(
+            matches!(&err, ShardError::Setting { field: "batch", value, .. } if value == "[6, 4, 6]"),
+            "{err:?}"
+        );
+        assert!(matches!(
+            share_rows(&x, 0, 4),
+            Err(ShardError::Setting { field: "batch", .. })
+        ));
     }
 }

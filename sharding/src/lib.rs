@@ -11,19 +11,64 @@
 //! comes before the blocks, one block, and what comes after them down to the loss. Its
 //! `forward` can call the same three pieces, so no math is written twice. Then:
 //!
-//! ```ignore
+//! ```
+//! # use burn::module::Module;
+//! # use burn::nn::{Linear, LinearConfig};
+//! # use burn::tensor::activation::relu;
+//! # use burn::tensor::{Device, Tensor, TensorData};
+//! # use ember_comm::{Comm, CommConfig};
+//! # use ember_sharding::{AdamW, BlockModel, BlockOutput, Preset, SaveOptions, Shard, ShardError};
+//! # // A model in plain Burn whose blocks sit in `blocks`, and its three pieces.
+//! # #[derive(Module, Debug)]
+//! # struct Mlp { stem: Linear, blocks: Vec<Linear>, head: Linear }
+//! # struct MlpConfig;
+//! # impl MlpConfig {
+//! #     fn init(&self, d: &Device) -> Mlp {
+//! #         let linear = |i, o| LinearConfig::new(i, o).init(d);
+//! #         Mlp { stem: linear(2, 16), blocks: (0..3).map(|_| linear(16, 16)).collect(), head: linear(16, 1) }
+//! #     }
+//! # }
+//! # // A batch: samples of two inputs and a target (a `Vec` splits by rows as it is).
+//! # type Batch = Vec<[f32; 3]>;
+//! # fn columns(b: &Batch, cols: std::ops::Range<usize>, device: &Device) -> Tensor<2> {
+//! #     let v: Vec<f32> = b.iter().flat_map(|s| s[cols.clone()].to_vec()).collect();
+//! #     Tensor::from_data(TensorData::new(v, [b.len(), cols.len()]), device)
+//! # }
+//! # impl BlockModel<2> for Mlp {
+//! #     type Batch = Batch;
+//! #     fn embed(&self, b: &Batch, device: &Device) -> Tensor<2> {
+//! #         self.stem.forward(columns(b, 0..2, device))
+//! #     }
+//! #     fn block(&self, i: usize, h: Tensor<2>, _: &Batch) -> BlockOutput<2> {
+//! #         (h.clone() + relu(self.blocks[i].forward(h))).into()
+//! #     }
+//! #     fn loss(&self, h: Tensor<2>, b: &Batch, device: &Device) -> Tensor<1> {
+//! #         let e = self.head.forward(h) - columns(b, 2..3, device);
+//! #         (e.clone() * e).mean()
+//! #     }
+//! # }
+//! # fn global_batch(step: u64) -> Batch {
+//! #     (0..8).map(|i| { let x = (i + step) as f32 / 8.0; [x, -x, x * x] }).collect()
+//! # }
+//! # fn main() -> Result<(), ShardError> {
+//! # let (steps, lr) = (3, |_: u64| 1e-3);
+//! # let dir = std::env::temp_dir().join(format!("ember-guide-{}", std::process::id()));
+//! # let my_metadata = std::collections::BTreeMap::from([("seed", 7)]);
 //! let comm = Comm::init(CommConfig::default())?;                    // topology from the launcher
 //! let device = Device::flex();                                      // or a GPU's
 //! let adamw = AdamW::default();                                     // torch.optim.AdamW's defaults
 //! let mut model = Shard::blocks("blocks").preset(Preset::Hier3).seed(7)
-//!     .build(&comm, |device| LlamaConfig::new().init(device), device)?;
+//!     .build(&comm, |device| MlpConfig.init(device), device)?;
 //! for step in model.step()..steps {
 //!     let mut grads = model.backward(&[model.share(&global_batch(step))?])?;
 //!     grads.clip_norm(1.0);
 //!     model.apply(grads, &adamw, lr(step))?;
 //! }
-//! model.save(dir, &SaveOptions::record(&my_metadata)?)?;           // resume: Shard::resume
-//! let trained: Llama = model.gather()?;                             // whole, on every rank
+//! model.save(&dir, &SaveOptions::record(&my_metadata)?)?;           // resume: Shard::resume
+//! let trained: Mlp = model.gather()?;                               // whole, on every rank
+//! # std::fs::remove_dir_all(&dir).ok();
+//! # Ok(())
+//! # }
 //! ```
 //!
 //! - [`Shard::blocks`] makes each element of the field a unit and the rest of the model (the
@@ -39,7 +84,8 @@
 //!   [`Adam`] and [`Sgd`] ship, each matching Burn's optimizer of the same name, and each
 //!   `Default` to PyTorch's defaults (`torch.optim.AdamW`: betas 0.9 and 0.999, eps 1e-8,
 //!   weight decay 0.01 on every parameter).
-//!   [`ShardedModel::train_step`] is both calls with AdamW and clipping ([`StepHyper`]).
+//!   [`ShardedModel::train_step`] is both calls with clipping ([`StepHyper`]: AdamW unless
+//!   it names another optimizer).
 //! - [`ShardedModel::save`] writes every rank's own ranges to a safetensors checkpoint, with
 //!   the caller's own record in its manifest; [`Shard::resume`] (or [`ShardedModel::resume`])
 //!   with [`Checkpoint::open`] continues it at any world size, topology or configuration, each
@@ -70,6 +116,25 @@
 //! - [`Staged::forward`] runs unit `k` on the previous unit's activation (one float tensor,
 //!   `None` for the first unit) and the batch, calling the model's own layers, and returns
 //!   [`Flow::Hidden`] for the next unit or, from the last, [`Flow::Loss`] (the mean loss).
+//!
+//! # A unit's forward must be pure
+//!
+//! Unless [`Recompute::None`] keeps every unit's graph, backward runs each unit's forward a
+//! second time, with autodiff, from the input its first forward was given, and takes the
+//! gradients from that second run. So a unit's forward must give the same output from the
+//! same parameters, input and batch every time it runs, with or without autodiff. Two things
+//! break that rule:
+//!
+//! - randomness drawn from the device's generator (Burn's `Dropout`, `Tensor::random`): the
+//!   second run draws other values. Draw it from a generator keyed by the batch instead (the
+//!   step, the sample's global index, the site), so every run of a unit draws the same;
+//! - layers that behave differently without autodiff (Burn's `Dropout` is off when autodiff
+//!   is).
+//!
+//! The first step of every [`ShardedModel`] holds each recomputed unit's output against its
+//! first run's and refuses a unit whose outputs differ by more than rounding, naming it (a
+//! [`ShardError::Model`]). Replicated parameters (`ddp`) and [`Recompute::None`] never
+//! recompute, so such a unit trains there, as it would in plain Burn.
 //!
 //! # Parameter paths
 //!
@@ -136,13 +201,15 @@ mod source;
 mod stage;
 mod transport;
 
-pub use blocks::{BlockModel, Blocks, InitSource, Preset, Rows, Shard};
-pub use checkpoint::{Checkpoint, PendingSave, SaveOptions};
+pub use blocks::{BlockModel, BlockOutput, Blocks, InitSource, Preset, Rows, Shard};
+pub use checkpoint::{Checkpoint, FileEntry, Manifest, PendingSave, SaveOptions, TensorMeta};
 pub use config::{Compute, GradQuant, PRESETS, Recompute, ShardConfig, Span, WeightQuant};
 pub use engine::{Gradients, Layout, ShardedModel, StepHyper, StepReport};
 pub use error::ShardError;
 pub use optim::{Adam, AdamW, DecayOn, FlatState, Optimizer, Sgd};
+pub use plan::simulate::Interval;
 pub use plan::{Memory, Plan};
 pub use source::{FnSource, ParamSource};
 pub use stage::{Flow, Staged, UnitDecl};
+pub use transport::memory::Resident;
 pub use transport::staging::Staging;

@@ -43,20 +43,39 @@ impl UnitDecl {
     }
 }
 
-/// What one unit's forward hands on.
+/// What one unit's forward hands on (moved once per unit, so its size does not matter).
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)]
 pub enum Flow<const D: usize> {
     /// Activations for the next unit.
     Hidden(Tensor<D>),
+    /// Activations for the next unit, and an auxiliary loss of this unit (`[1]`, weighted as
+    /// it should count: a mixture of experts' load-balancing loss times its coefficient). It
+    /// is added to the last unit's loss: the step's loss and gradients are those of the sum.
+    Aux(Tensor<D>, Tensor<1>),
     /// The last unit's mean loss, `[1]`.
     Loss(Tensor<1>),
+}
+
+impl<const D: usize> Flow<D> {
+    /// The activations and the auxiliary loss of a unit that is not the last (`None` for a
+    /// loss).
+    pub(crate) fn hidden(self) -> Option<(Tensor<D>, Option<Tensor<1>>)> {
+        match self {
+            Flow::Hidden(h) => Some((h, None)),
+            Flow::Aux(h, aux) => Some((h, Some(aux))),
+            Flow::Loss(_) => None,
+        }
+    }
 }
 
 /// A model cut into units that run one after another, each taking the previous one's
 /// activation (a single float tensor of rank `D`) and the batch.
 ///
-/// Contract: every unit but the last returns [`Flow::Hidden`], the last returns
-/// [`Flow::Loss`]; `forward` reads only the parameters of unit `unit` and of its `uses`
+/// Contract: every unit but the last returns [`Flow::Hidden`] (or [`Flow::Aux`], with an
+/// auxiliary loss), the last returns [`Flow::Loss`]; `forward` must be pure (the same output
+/// for the same parameters, input and batch, with or without autodiff: backward may run it
+/// again); it reads only the parameters of unit `unit` and of its `uses`
 /// (the others are empty tensors when it runs); it builds any tensor it needs from `batch` on
 /// `device` (plain or autodiff, the partitioner decides). Every rank must declare the same units.
 pub trait Staged<const D: usize> {

@@ -8,10 +8,11 @@
 #[allow(dead_code)]
 mod mlp;
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, Distribution, Tensor};
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
 use ember_sharding::{
-    Blocks, Flow, InitSource, Preset, Rows, Shard, ShardError, ShardedModel, Staged, UnitDecl,
+    Blocks, Flow, InitSource, Preset, Recompute, Rows, Shard, ShardError, ShardedModel, Staged,
+    UnitDecl,
 };
 
 /// The MLP's units with unit 1 cut off from its input (a `detach`, as a user might leave in).
@@ -39,6 +40,37 @@ impl Staged<2> for DetachedInput {
             input
         };
         self.0.forward(module, unit, input, batch, device)
+    }
+}
+
+/// The MLP's units with unit 1's output multiplied by a dropout mask drawn from the device's
+/// generator: the recomputed forward of backward draws another one.
+struct DeviceDropout(Blocks<mlp::Mlp>);
+
+impl Staged<2> for DeviceDropout {
+    type Module = mlp::Mlp;
+    type Batch = mlp::Points;
+
+    fn units(&self, module: &mlp::Mlp) -> Vec<UnitDecl> {
+        self.0.units(module)
+    }
+
+    fn forward(
+        &self,
+        module: &mlp::Mlp,
+        unit: usize,
+        input: Option<Tensor<2>>,
+        batch: &mlp::Points,
+        device: &Device,
+    ) -> Flow<2> {
+        match self.0.forward(module, unit, input, batch, device) {
+            Flow::Hidden(h) if unit == 1 => {
+                let keep =
+                    Tensor::<2>::random(h.shape(), Distribution::Bernoulli(0.9), &h.device());
+                Flow::Hidden(h * keep / 0.9)
+            }
+            other => other,
+        }
     }
 }
 
@@ -97,4 +129,48 @@ fn library_misuse_returns_errors_instead_of_panicking() {
         }
         other => panic!("a unit ignoring its input gave {other:?}"),
     }
+    // Dropout from the device's generator inside a unit that backward recomputes: refused,
+    // naming the unit and the rule; with every unit's graph kept (no recompute), it trains.
+    let deep = mlp::MlpConfig { width: 8, depth: 2 };
+    let deep_init = |d: &Device| deep.init(d);
+    let dropout = |recompute: Recompute| {
+        let skeleton = deep_init(&Device::flex());
+        let stages = DeviceDropout(Blocks::of(&skeleton, "hidden").unwrap());
+        let mut config = Preset::Zero3.config(comm.topology().depth());
+        config.recompute = recompute;
+        ShardedModel::new(
+            &comm,
+            stages,
+            skeleton,
+            config,
+            Device::flex(),
+            &mut InitSource::new(deep_init(&Device::flex()), 7),
+        )
+        .unwrap()
+    };
+    let points = || mlp::Points::draw(0, 0, 64);
+    match dropout(Recompute::Unit).train_step(&[points()], &hyper) {
+        Err(ShardError::Model(m)) => {
+            assert!(m.contains("unit 1 of 3 gave other outputs"), "{m}");
+            assert!(m.contains("pure function"), "{m}");
+        }
+        other => panic!("dropout from the device's generator gave {other:?}"),
+    }
+    let mut kept = dropout(Recompute::None);
+    for _ in 0..2 {
+        kept.train_step(&[points()], &hyper).unwrap();
+    }
+    // The same units without the mask are not refused (the forward and its recompute agree).
+    let skeleton = deep_init(&Device::flex());
+    let stages = Blocks::of(&skeleton, "hidden").unwrap();
+    let mut pure = ShardedModel::new(
+        &comm,
+        stages,
+        skeleton,
+        Preset::Zero3.config(comm.topology().depth()),
+        Device::flex(),
+        &mut InitSource::new(deep_init(&Device::flex()), 7),
+    )
+    .unwrap();
+    pure.train_step(&[points()], &hyper).unwrap();
 }

@@ -17,7 +17,7 @@ use burn::tensor::{Device, Tensor};
 use ember_comm::path::Path;
 use ember_comm::quant::host::HostKernels;
 use ember_comm::quant::{BlockSize, QuantFormat};
-use ember_sharding::{BlockModel, GradQuant, Preset, Sgd, Shard, ShardConfig};
+use ember_sharding::{BlockModel, BlockOutput, GradQuant, Preset, Sgd, Shard, ShardConfig};
 
 const CHILD: &str = "EMBER_QGZ_CHILD";
 const TEST: &str = "device_qgz_matches_the_reference_bit_for_bit";
@@ -59,13 +59,13 @@ impl BlockModel<1> for Probe {
         Tensor::cat(vec![loss, c.slice(n..)], 0)
     }
 
-    fn block(&self, i: usize, x: Tensor<1>) -> Tensor<1> {
+    fn block(&self, i: usize, x: Tensor<1>, _: &Coefficients) -> BlockOutput<1> {
         let w = self.blocks[i].w.val();
         let n = w.dims()[0];
         let c = x.clone().slice(1 + i * n..1 + (i + 1) * n);
         let loss = x.clone().slice(0..1) + (w * c).sum();
         let rest = x.dims()[0];
-        Tensor::cat(vec![loss, x.slice(1..rest)], 0)
+        Tensor::cat(vec![loss, x.slice(1..rest)], 0).into()
     }
 
     fn loss(&self, x: Tensor<1>, _: &Coefficients, _: &Device) -> Tensor<1> {

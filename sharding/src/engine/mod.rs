@@ -69,13 +69,13 @@ pub use step::Gradients;
 
 /// The hyper-parameters of one [`ShardedModel::train_step`].
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepHyper {
+pub struct StepHyper<O = AdamW> {
     /// Learning rate of this step.
     pub lr: f64,
     /// Global gradient-norm clipping threshold (0 = off).
     pub grad_clip: f64,
-    /// AdamW settings.
-    pub adam: AdamW,
+    /// The optimizer and its settings.
+    pub optimizer: O,
 }
 
 /// Reads elements of an optimizer state (`exp_avg`, ...) of a parameter from a checkpoint.
@@ -112,7 +112,7 @@ pub struct StepReport {
     pub staging: crate::Staging,
     /// What ran when on this rank, seconds into the step: the training thread's visits and
     /// every stage of a gather or reduction (the plan's replay names them alike).
-    pub timeline: Vec<crate::plan::simulate::Span>,
+    pub timeline: Vec<crate::plan::simulate::Interval>,
 }
 
 /// One rank's optimizer state for one unit: the element range of the unit's padded flat
@@ -146,6 +146,9 @@ pub struct ShardedModel<'c, S: Staged<D>, const D: usize> {
     adam_step: u64,
     residuals: Vec<Residuals>,
     restored_residuals: bool,
+    /// Whether a step has compared each recomputed unit's output with its forward's (the
+    /// first backward of this model does, see [`step`]'s `check_recompute`).
+    recompute_checked: bool,
 }
 
 /// What a [`ShardedModel`] is laid out by: a configuration, which it plans from the module's
@@ -285,6 +288,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             state_names: moments.map_or_else(Vec::new, |(kinds, _)| kinds.to_vec()),
             adam_step: 0,
             restored_residuals: false,
+            recompute_checked: false,
         };
         model.refresh_primary()?;
         Ok(model)

@@ -40,7 +40,7 @@ pub struct Gradients {
     start: Instant,
     comm_wait_s: f64,
     secondary_bytes: u64,
-    timeline: Vec<crate::plan::simulate::Span>,
+    timeline: Vec<crate::plan::simulate::Interval>,
 }
 
 impl Gradients {
@@ -107,23 +107,26 @@ struct StepState<M, const D: usize> {
     graphs: Vec<Option<Graph<M, D>>>,
     /// Each micro-batch's mean loss.
     micro_losses: Vec<f64>,
+    /// On the first step only: each unit's output from its forward visit of micro-batch 0,
+    /// held against the output its backward visit recomputes.
+    forward_outputs: Option<Vec<Option<Tensor<D>>>>,
     /// Parameters that received a gradient.
     reached: HashSet<String>,
 }
 
 impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
-    /// One AdamW step over `micro_batches` (this rank's share of the global batch, one per
-    /// gradient-accumulation micro-step; every rank passes the same number), with the
-    /// gradients clipped to `hyper.grad_clip`: [`backward`](Self::backward), then
+    /// One step of `hyper`'s optimizer over `micro_batches` (this rank's share of the global
+    /// batch, one per gradient-accumulation micro-step; every rank passes the same number),
+    /// with the gradients clipped to `hyper.grad_clip`: [`backward`](Self::backward), then
     /// [`apply`](Self::apply).
-    pub fn train_step(
+    pub fn train_step<O: Optimizer>(
         &mut self,
         micro_batches: &[S::Batch],
-        hyper: &StepHyper,
+        hyper: &StepHyper<O>,
     ) -> Result<StepReport, ShardError> {
         let mut grads = self.backward(micro_batches)?;
         grads.clip_norm(hyper.grad_clip);
-        self.apply(grads, &hyper.adam, hyper.lr)
+        self.apply(grads, &hyper.optimizer, hyper.lr)
     }
 
     /// The gradients of `micro_batches` (this rank's share of the global batch, one per
@@ -154,6 +157,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             graphs: (0..k).map(|_| None).collect(),
             micro_losses: vec![0.0; accum],
             reached: HashSet::new(),
+            forward_outputs: (!self.recompute_checked).then(|| vec![None; k]),
         };
         let (gather_comm, reduce_comm) =
             (self.comm.lane(GATHER_LANE)?, self.comm.lane(REDUCE_LANE)?);
@@ -192,6 +196,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
                 p.name
             )));
         }
+        self.recompute_checked = true;
         let (units, loss, norm, closing_s) = self.close_gradients(state)?;
         Ok(Gradients {
             units,
@@ -304,7 +309,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
                 .stages
                 .forward(&module, stage, input.take(), batch, &self.device)
             {
-                Flow::Hidden(h) if stage + 1 < k => input = Some(h),
+                Flow::Hidden(h) | Flow::Aux(h, _) if stage + 1 < k => input = Some(h),
                 Flow::Loss(l) if stage + 1 == k => return Ok(scalar(l)),
                 _ => return Err(flow_error(stage, k)),
             }
@@ -378,25 +383,37 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         if self.plan.keeps_graph(v.stage) {
             // With autodiff, kept until the backward visit (the parameters with it).
             let graph = self.autodiff_forward(v, full, batch, state);
-            let Flow::Hidden(h) = &graph.out else {
-                return Err(flow_error(v.stage, k));
+            let (h, aux) = match &graph.out {
+                Flow::Hidden(h) => (h, None),
+                Flow::Aux(h, aux) => (h, Some(aux)),
+                Flow::Loss(_) => return Err(flow_error(v.stage, k)),
             };
+            if let Some(aux) = aux {
+                state.micro_losses[v.micro] += scalar(aux.clone().without_autodiff());
+            }
             state.inputs[v.stage + 1] = Some(h.clone().without_autodiff());
             state.graphs[v.stage] = Some(graph);
             return Ok(());
         }
         let module = self.module_with(needs, full, false, false);
         let input = state.inputs[v.stage].clone();
-        match self
+        let (h, aux) = self
             .stages
             .forward(&module, v.stage, input, batch, &self.device)
-        {
-            Flow::Hidden(h) => {
-                state.inputs[v.stage + 1] = Some(h);
-                Ok(())
-            }
-            Flow::Loss(_) => Err(flow_error(v.stage, k)),
+            .hidden()
+            .ok_or_else(|| flow_error(v.stage, k))?;
+        // The auxiliary loss counts in the step's loss here; backward recomputes it for its
+        // gradient.
+        if let Some(aux) = aux {
+            state.micro_losses[v.micro] += scalar(aux);
         }
+        if let Some(outputs) = &mut state.forward_outputs
+            && v.micro == 0
+        {
+            outputs[v.stage] = Some(h.clone());
+        }
+        state.inputs[v.stage + 1] = Some(h);
+        Ok(())
     }
 
     /// The stage's forward with autodiff from its saved input, on the gathered `full` units.
@@ -431,11 +448,24 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         let needs = &self.plan.units[v.stage].needs;
         let Graph { module, input, out } = match state.graphs[v.stage].take() {
             Some(kept) => kept,
-            None => self.autodiff_forward(v, full, batch, state),
+            None => {
+                let graph = self.autodiff_forward(v, full, batch, state);
+                let forward = state
+                    .forward_outputs
+                    .as_mut()
+                    .filter(|_| v.micro == 0)
+                    .and_then(|o| o[v.stage].take());
+                if let (Some(forward), Flow::Hidden(again) | Flow::Aux(again, _)) =
+                    (forward, &graph.out)
+                {
+                    check_recompute(v.stage, k, forward, again.clone().without_autodiff())?;
+                }
+                graph
+            }
         };
         let grads_ad = match (out, v.stage + 1 == k) {
             (Flow::Loss(l), true) => {
-                state.micro_losses[v.micro] = scalar(l.clone().without_autodiff());
+                state.micro_losses[v.micro] += scalar(l.clone().without_autodiff());
                 l.backward()
             }
             (Flow::Hidden(h), false) => {
@@ -444,6 +474,13 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
                     .take()
                     .ok_or_else(|| unused_input(v.stage + 1, k))?;
                 (h * up.autodiff()).sum().backward()
+            }
+            (Flow::Aux(h, aux), false) => {
+                let up = state
+                    .upstream
+                    .take()
+                    .ok_or_else(|| unused_input(v.stage + 1, k))?;
+                ((h * up.autodiff()).sum() + aux).backward()
             }
             _ => return Err(flow_error(v.stage, k)),
         };
@@ -473,17 +510,27 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         let module = self.module_with(&all, self.primary.clone(), true, true);
         let mut x: Option<Tensor<D>> = None;
         let mut loss = None;
+        let mut aux_sum: Option<Tensor<1>> = None;
         for stage in 0..k {
             match self
                 .stages
                 .forward(&module, stage, x.take(), batch, &self.autodiff)
             {
                 Flow::Hidden(h) if stage + 1 < k => x = Some(h),
+                Flow::Aux(h, aux) if stage + 1 < k => {
+                    x = Some(h);
+                    add_aux(&mut aux_sum, aux);
+                }
                 Flow::Loss(l) if stage + 1 == k => loss = Some(l),
                 _ => return Err(flow_error(stage, k)),
             }
         }
         let loss = loss.expect("the last stage returned the loss");
+        // Auxiliary losses join in forward order, as the units' own sum would.
+        let loss = match aux_sum {
+            Some(aux) => aux + loss,
+            None => loss,
+        };
         state.micro_losses[micro] = scalar(loss.clone().without_autodiff());
         let grads_ad = loss.backward();
         let mut g = grads_of(&module, &grads_ad, &self.numels);
@@ -620,10 +667,49 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
     }
 }
 
+/// Refuses a unit whose recomputed forward (backward's) differs from its forward: its
+/// gradients would not be those of the loss. Both ran on the same input and parameters, so
+/// only the arithmetic's rounding may differ (a fused kernel, an autodiff path); a mean
+/// difference of 2% of the outputs' mean magnitude is far beyond that (bf16's rounding is
+/// 0.4% at most per element), and dropout at 1% already gives 2%.
+fn check_recompute<const D: usize>(
+    stage: usize,
+    k: usize,
+    forward: Tensor<D>,
+    again: Tensor<D>,
+) -> Result<(), ShardError> {
+    let forward = forward.cast(burn::tensor::DType::F32);
+    let again = again.cast(burn::tensor::DType::F32);
+    let scale = scalar(forward.clone().abs().mean());
+    let diff = scalar((forward - again).abs().mean());
+    // A forward that is not finite says nothing about purity (training diverged).
+    let impure = scale.is_finite() && (diff.is_nan() || diff > 0.02 * scale);
+    if impure || (scale == 0.0 && diff > 0.0) {
+        return Err(ShardError::Model(format!(
+            "unit {stage} of {k} gave other outputs when backward ran its forward again (mean \
+             difference {diff:.3e} against a mean magnitude of {scale:.3e}): backward \
+             recomputes each unit, so a unit must be a pure function of its parameters, its \
+             input and the batch. Randomness drawn from the device's generator (Burn's \
+             Dropout, Tensor::random) is the usual cause, and so is a layer that behaves \
+             differently without autodiff: key such randomness by the batch, or keep every \
+             unit's graph (a ShardConfig whose recompute is Recompute::None)"
+        )));
+    }
+    Ok(())
+}
+
+/// `sum += aux` (autodiff tensors), taking `aux` whole when `sum` is empty.
+fn add_aux(sum: &mut Option<Tensor<1>>, aux: Tensor<1>) {
+    *sum = Some(match sum.take() {
+        Some(s) => s + aux,
+        None => aux,
+    });
+}
+
 fn flow_error(stage: usize, k: usize) -> ShardError {
     ShardError::Model(format!(
         "unit {stage} of {k} returned the wrong kind of output: every unit but the last must \
-         return Flow::Hidden and the last Flow::Loss"
+         return Flow::Hidden (or Flow::Aux) and the last Flow::Loss"
     ))
 }
 

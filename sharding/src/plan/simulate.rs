@@ -43,12 +43,13 @@ pub struct Timeline {
     pub link_bytes: Vec<f64>,
     /// What ran when: every visit of the training thread and every stage of a gather or
     /// reduction, in the order they ended.
-    pub spans: Vec<Span>,
+    pub spans: Vec<Interval>,
 }
 
-/// One thing the replay ran, from `start` to `end` seconds into the step.
+/// One thing that ran, in a step ([`crate::StepReport::timeline`]) or in the plan's replay of
+/// it, from `start` to `end` seconds into the step.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Span {
+pub struct Interval {
     /// `visit f3` (forward of stage 3), `visit b3`, `whole 0`, `gather 3 node`, `reduce 3 gpu`.
     pub what: String,
     /// Start, seconds.
@@ -174,7 +175,7 @@ pub fn simulate(plan: &Plan, grad_accum: usize, profile: &Profile) -> Timeline {
     let (mut t, mut wait, mut compute) = (0.0f64, 0.0f64, 0.0f64);
     let mut next = 0;
     let mut main = Main::Ready;
-    let mut spans: Vec<Span> = Vec::new();
+    let mut spans: Vec<Interval> = Vec::new();
     // The visit being computed: its name and start.
     let mut visit: (String, f64) = (String::new(), 0.0);
 
@@ -435,7 +436,7 @@ pub fn simulate(plan: &Plan, grad_accum: usize, profile: &Profile) -> Timeline {
         }
         for i in finished.into_iter().rev() {
             let x = active.swap_remove(i);
-            spans.push(Span {
+            spans.push(Interval {
                 what: x.stage.name.clone(),
                 start: x.start,
                 end: t,
@@ -451,7 +452,7 @@ pub fn simulate(plan: &Plan, grad_accum: usize, profile: &Profile) -> Timeline {
             let left = work - dt * main_rate;
             compute += dt;
             main = if left <= 1e-12 {
-                spans.push(Span {
+                spans.push(Interval {
                     what: std::mem::take(&mut visit.0),
                     start: visit.1,
                     end: t,

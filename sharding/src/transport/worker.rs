@@ -23,7 +23,7 @@ use ember_comm::Comm;
 
 use crate::error::ShardError;
 use crate::plan::schedule::Source;
-use crate::plan::simulate::Span;
+use crate::plan::simulate::Interval;
 use crate::plan::{Levels, Plan};
 use crate::transport::host::add_to;
 use crate::transport::route::{
@@ -108,7 +108,7 @@ pub(crate) struct Shared {
     pub accumulated: Accumulated,
     /// When the step started, and what ran when (the training thread's visits, every stage).
     pub clock: Instant,
-    pub spans: Mutex<Vec<Span>>,
+    pub spans: Mutex<Vec<Interval>>,
 }
 
 impl Shared {
@@ -124,7 +124,7 @@ impl Shared {
 
     /// Records `what` as running from `start` until now.
     pub(crate) fn record(&self, what: String, start: Instant) {
-        let span = Span {
+        let span = Interval {
             what,
             start: start.duration_since(self.clock).as_secs_f64(),
             end: self.clock.elapsed().as_secs_f64(),

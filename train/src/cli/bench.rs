@@ -269,11 +269,8 @@ pub fn bench_shard(args: BenchShardArgs) -> CliResult<()> {
 }
 
 /// The measured and the predicted step side by side, by start time (milliseconds).
-fn print_timelines(
-    measured: &[ember_sharding::plumbing::simulate::Span],
-    predicted: &[ember_sharding::plumbing::simulate::Span],
-) {
-    let sorted = |v: &[ember_sharding::plumbing::simulate::Span]| {
+fn print_timelines(measured: &[ember_sharding::Interval], predicted: &[ember_sharding::Interval]) {
+    let sorted = |v: &[ember_sharding::Interval]| {
         let mut v = v.to_vec();
         v.sort_by(|a, b| a.start.total_cmp(&b.start));
         v
@@ -284,7 +281,7 @@ fn print_timelines(
         "measured", "start ms", "ms", "plan", "start ms", "ms"
     );
     for i in 0..m.len().max(p.len()) {
-        let cell = |v: &[ember_sharding::plumbing::simulate::Span]| {
+        let cell = |v: &[ember_sharding::Interval]| {
             v.get(i)
                 .map_or(format!("{:<24} {:>9} {:>9}", "", "", ""), |s| {
                     format!(

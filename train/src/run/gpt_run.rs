@@ -218,7 +218,8 @@ impl Trainee for GptRun<'_, '_> {
                 let step = p.step();
                 p.wait(comm).with_context(|| {
                     format!(
-                        "the checkpoint of step {step}, written in the background, was not                          completed; earlier checkpoints are untouched"
+                        "the checkpoint of step {step}, written in the background, was not \
+                         completed; earlier checkpoints are untouched"
                     )
                 })?;
                 Some((dir, start.elapsed().as_secs_f64()))
@@ -234,13 +235,10 @@ impl Trainee for GptRun<'_, '_> {
         );
         let start = Instant::now();
         if self.background_saves && !last {
-            let pending = ember_sharding::plumbing::checkpoint::save_async(
-                &self.sharded,
-                &self.config.out_dir,
-                steps,
-                &options,
-            )
-            .with_context(|| format!("starting the checkpoint of step {steps}"))?;
+            let pending = self
+                .sharded
+                .save_async(&self.config.out_dir, &options)
+                .with_context(|| format!("starting the checkpoint of step {steps}"))?;
             let saved = Saved {
                 dir: pending.dir().to_path_buf(),
                 blocked_s: start.elapsed().as_secs_f64(),
@@ -250,7 +248,7 @@ impl Trainee for GptRun<'_, '_> {
             self.pending = Some(pending);
             return Ok(saved);
         }
-        let dir = save(&self.sharded, &self.config.out_dir, steps, &options)?;
+        let dir = save(&self.sharded, &self.config.out_dir, &options)?;
         Ok(Saved {
             dir,
             blocked_s: start.elapsed().as_secs_f64(),
@@ -355,7 +353,7 @@ pub fn step_hyper(c: &TrainConfig, step: u64) -> StepHyper {
     StepHyper {
         lr: schedule.at(step),
         grad_clip: c.grad_clip,
-        adam: AdamW {
+        optimizer: AdamW {
             beta1: c.beta1,
             beta2: c.beta2,
             eps: 1e-8,
@@ -378,16 +376,17 @@ pub fn traffic_by_name(comm: &Comm, traffic: &ember_comm::Counters) -> BTreeMap<
         .collect()
 }
 
-/// Writes a checkpoint of step `step`: every writing rank its own shard file (no rank
-/// gathers the model), rank 0 the tokenizer and the manifest. Every rank must call it; a
-/// failure on any rank fails every rank and leaves earlier checkpoints untouched.
+/// Writes a checkpoint of the model's step ([`ShardedModel::save`]): every writing rank its
+/// own shard file (no rank gathers the model), rank 0 the tokenizer and the manifest. Every
+/// rank must call it; a failure on any rank fails every rank and leaves earlier checkpoints
+/// untouched.
 pub fn save(
     sharded: &ShardedModel<'_, GptStages, 3>,
     out_dir: &Path,
-    step: u64,
     options: &SaveOptions,
 ) -> Result<PathBuf> {
-    ember_sharding::plumbing::checkpoint::save(sharded, out_dir, step, options).with_context(|| {
+    let step = sharded.step();
+    sharded.save(out_dir, options).with_context(|| {
         format!(
             "the checkpoint of step {step} was not completed; earlier checkpoints are untouched"
         )
@@ -429,5 +428,5 @@ pub fn reshard(
         resumed.record.tokenizer_sha256.clone(),
     );
     let sharded = build(comm, c, shard, Device::flex(), Some(&checkpoint), None)?;
-    save(&sharded, &c.out_dir, step, &options)
+    save(&sharded, &c.out_dir, &options)
 }

@@ -10,6 +10,7 @@ use ember_model::init::init_range;
 use ember_model::init::splitmix64;
 use ember_model::{DropoutKey, Gpt, GptConfig, Tokens, cross_entropy};
 use ember_sharding::plumbing::plan::{ActivationBytes, UnitSpec};
+use ember_sharding::plumbing::stage::assign;
 use ember_sharding::{Flow, ParamSource, ShardError, Staged, UnitDecl};
 
 /// A batch's token ids for `model`. The run's batches are windows of at most `block_size`
@@ -79,27 +80,21 @@ impl Staged<3> for GptStages {
     }
 }
 
-/// The units of a GPT of `config` with parameter shapes, without building it (for `ember
-/// plan` at sizes that would not fit in memory). Equal to what the partitioner derives from a
-/// built model (tested).
+/// The units of a GPT of `config`, without building it (for `ember plan` at sizes that would
+/// not fit in memory): [`GptStages::decls`], the one description of the split, over the
+/// model's parameter layout, whose order is the built module's (tested).
 pub fn gpt_units(config: &GptConfig) -> Vec<UnitSpec> {
-    let unit = |name: String, uses: Vec<usize>| UnitSpec {
-        name,
-        params: Vec::new(),
-        uses,
+    let params: Vec<(String, Vec<usize>)> = config
+        .layout()
+        .into_iter()
+        .map(|p| (p.path, p.shape))
+        .collect();
+    let stages = GptStages {
+        n_layer: config.n_layer,
+        seed: 0,
     };
-    let mut units = vec![unit("embed".into(), vec![])];
-    units.extend((0..config.n_layer).map(|i| unit(format!("h.{i}"), vec![])));
-    units.push(unit("head".into(), vec![0]));
-    for p in config.layout() {
-        let index = match p.path.split('.').collect::<Vec<_>>().as_slice() {
-            ["wte" | "wpe", ..] => 0,
-            ["h", i, ..] => 1 + i.parse::<usize>().expect("block paths are h.<index>"),
-            _ => config.n_layer + 1,
-        };
-        units[index].params.push((p.path, p.shape));
-    }
-    units
+    assign(&params, &stages.decls())
+        .unwrap_or_else(|e| unreachable!("GPT's declared units own each of its parameters: {e}"))
 }
 
 /// The dropout key of `batch` in a run seeded `seed`: the step's seed and each row's global
@@ -211,10 +206,9 @@ pub fn gpt_flops(config: &GptConfig, batch: usize, block: usize) -> Vec<f64> {
 mod tests {
     use super::*;
     use ember_sharding::params::param_shapes;
-    use ember_sharding::plumbing::stage::assign;
 
     #[test]
-    fn analytic_units_equal_those_derived_from_a_built_model() {
+    fn units_from_the_layout_equal_those_derived_from_a_built_model() {
         let config = GptConfig::new(3, 4, 32, 16, 100);
         let model = config.init(&Device::flex()).unwrap();
         let stages = GptStages {
@@ -258,6 +252,7 @@ mod tests {
             match stages.forward(&model, u, x.take(), &batch, &device) {
                 Flow::Hidden(h) => x = Some(h),
                 Flow::Loss(l) => loss = Some(l),
+                Flow::Aux(..) => panic!("GPT's units give no auxiliary loss"),
             }
         }
         let key = dropout_key(11, &batch);

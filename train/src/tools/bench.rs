@@ -181,9 +181,9 @@ pub struct ShardBench {
     /// The same, predicted by `ember plan` (payload only: no TCP/IP headers).
     pub link_bytes_predicted: Option<BTreeMap<String, f64>>,
     /// What ran when in rank 0's last timed step.
-    pub timeline: Vec<ember_sharding::plumbing::simulate::Span>,
+    pub timeline: Vec<ember_sharding::Interval>,
     /// The same in `ember plan`'s replay of the step.
-    pub timeline_predicted: Vec<ember_sharding::plumbing::simulate::Span>,
+    pub timeline_predicted: Vec<ember_sharding::Interval>,
     /// Median step time over the `ddp` preset's, when `ddp` was measured first.
     pub vs_ddp: Option<f64>,
     /// Job-wide training tokens per second at the median step.

@@ -46,7 +46,7 @@ pub struct Estimate {
     /// Bytes per step over all links of each level, both directions, by level name.
     pub link_bytes: Vec<(String, f64)>,
     /// What ran when in the replayed step (visits, and the stages of gathers and reductions).
-    pub timeline: Vec<ember_sharding::plumbing::simulate::Span>,
+    pub timeline: Vec<ember_sharding::Interval>,
 }
 
 /// Everything `ember plan` prints.
