@@ -55,17 +55,6 @@ fn correct(text: &[usize]) -> usize {
         .count()
 }
 
-fn largest_relative_difference(a: &[(u64, f64)], b: &[(u64, f64)]) -> f64 {
-    assert_eq!(
-        a.iter().map(|x| x.0).collect::<Vec<_>>(),
-        b.iter().map(|x| x.0).collect::<Vec<_>>()
-    );
-    a.iter()
-        .zip(b)
-        .map(|((_, x), (_, y))| (x - y).abs() / x.abs())
-        .fold(0.0, f64::max)
-}
-
 #[test]
 fn the_llama_example_trains_resumes_and_generates() {
     if let Some(child) = common::child(CHILD) {
@@ -103,7 +92,7 @@ fn the_llama_example_trains_resumes_and_generates() {
         "2x2x1",
         &run("zero3", 30, None, Some(&tmp.path().join("ck"))),
     );
-    let worst = largest_relative_difference(&single.losses[..30], &zero3.losses);
+    let worst = common::largest_relative_difference(&single.losses[..30], &zero3.losses);
     eprintln!("zero3 at 4 ranks against one process: {worst:e}");
     assert!(worst <= 1e-4, "zero3 at 4 ranks vs one process: {worst:e}");
     // hier3 on 4 ranks (int8 weights, int4 gradients) learns too.
@@ -115,7 +104,7 @@ fn the_llama_example_trains_resumes_and_generates() {
     // gives back writes the stream.
     let saved = tmp.path().join("ck").join("step-000030");
     let resumed = launch(2, "2x1x1", &run("zero3", 60, Some(&saved), None));
-    let worst = largest_relative_difference(&single.losses[30..], &resumed.losses);
+    let worst = common::largest_relative_difference(&single.losses[30..], &resumed.losses);
     eprintln!("zero3 resumed at 2 ranks against one process: {worst:e}");
     assert!(
         worst <= 1e-2,

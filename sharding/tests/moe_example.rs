@@ -23,17 +23,6 @@ fn losses(np: usize, topology: &str, preset: Preset, steps: u64) -> Vec<(u64, f6
     serde_json::from_str(common::line(&stdout, "LOSSES ")).unwrap()
 }
 
-fn largest_relative_difference(a: &[(u64, f64)], b: &[(u64, f64)]) -> f64 {
-    assert_eq!(
-        a.iter().map(|x| x.0).collect::<Vec<_>>(),
-        b.iter().map(|x| x.0).collect::<Vec<_>>()
-    );
-    a.iter()
-        .zip(b)
-        .map(|((_, x), (_, y))| (x - y).abs() / x.abs())
-        .fold(0.0, f64::max)
-}
-
 #[test]
 fn the_moe_example_matches_one_process_under_every_preset() {
     if let Some(child) = common::child(CHILD) {
@@ -53,7 +42,7 @@ fn the_moe_example_matches_one_process_under_every_preset() {
         let quantized = matches!(preset, Preset::Zeropp | Preset::Hier3);
         let topology = if quantized { "1x2x2" } else { "2x2x1" };
         let sharded = losses(4, topology, preset, STEPS);
-        let worst = largest_relative_difference(&single, &sharded);
+        let worst = common::largest_relative_difference(&single, &sharded);
         eprintln!("{preset} at 4 ranks ({topology}) against one process: {worst:e}");
         // Measured on a Zen 4: 1.7e-7 to 2.0e-7 unquantized; zeropp 4.4e-2 and hier3 7.7e-2
         // (int8 weights, int8 or int4 gradients, and top-1 routes that follow them).

@@ -519,7 +519,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
                 Flow::Hidden(h) if stage + 1 < k => x = Some(h),
                 Flow::Aux(h, aux) if stage + 1 < k => {
                     x = Some(h);
-                    add_aux(&mut aux_sum, aux);
+                    add_to(&mut aux_sum, aux);
                 }
                 Flow::Loss(l) if stage + 1 == k => loss = Some(l),
                 _ => return Err(flow_error(stage, k)),
@@ -696,14 +696,6 @@ fn check_recompute<const D: usize>(
         )));
     }
     Ok(())
-}
-
-/// `sum += aux` (autodiff tensors), taking `aux` whole when `sum` is empty.
-fn add_aux(sum: &mut Option<Tensor<1>>, aux: Tensor<1>) {
-    *sum = Some(match sum.take() {
-        Some(s) => s + aux,
-        None => aux,
-    });
 }
 
 fn flow_error(stage: usize, k: usize) -> ShardError {

@@ -111,3 +111,15 @@ pub fn child(child: &str) -> Option<Child> {
         save: path(parts[4]),
     })
 }
+
+/// The largest relative difference between two runs' losses at the same steps.
+pub fn largest_relative_difference(a: &[(u64, f64)], b: &[(u64, f64)]) -> f64 {
+    assert_eq!(
+        a.iter().map(|x| x.0).collect::<Vec<_>>(),
+        b.iter().map(|x| x.0).collect::<Vec<_>>()
+    );
+    a.iter()
+        .zip(b)
+        .map(|((_, x), (_, y))| (x - y).abs() / x.abs())
+        .fold(0.0, f64::max)
+}
