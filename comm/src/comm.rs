@@ -33,6 +33,10 @@ use crate::topology::{Scope, Topology};
 /// caller gives it.
 pub const GCDS_PER_GPU_ENV: &str = "EMBER_GCDS_PER_GPU";
 
+/// Environment variable read for the topology (`NODESxGPUSxGCDS`, as `Topology::parse` reads
+/// it) by [`Comm::from_env`].
+pub const TOPOLOGY_ENV: &str = "EMBER_TOPOLOGY";
+
 /// Default collective timeout: long enough for a first step's JIT and autotune on a slow device.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -187,6 +191,24 @@ impl std::fmt::Debug for Group<'_> {
 }
 
 impl Comm {
+    /// MPI as `mpirun` started this process, or a world of one without it, with every other
+    /// setting at its default: the topology from [`TOPOLOGY_ENV`] when it is set
+    /// (`mpirun -x EMBER_TOPOLOGY=2x4x2`), else detected (nodes from the ranks that share
+    /// memory, GCDs per GPU from [`GCDS_PER_GPU_ENV`] or 1).
+    pub fn from_env() -> Result<Self, CommError> {
+        let topology = match std::env::var(TOPOLOGY_ENV) {
+            Ok(spec) => TopologySource::Explicit(Topology::parse(&spec).map_err(|e| {
+                CommError::Topology(format!("{TOPOLOGY_ENV}={spec}: {e}"))
+            })?),
+            Err(_) => TopologySource::Detect { gcds_per_gpu: None },
+        };
+        Self::init(CommConfig {
+            topology,
+            ..CommConfig::default()
+        })
+    }
+
+
     /// Starts MPI (with `MPI_THREAD_MULTIPLE`: the watchdog aborts from its thread and
     /// communication threads issue collectives), resolves the topology and creates every
     /// group's communicator, once per lane.

@@ -5,16 +5,18 @@
 //!
 //! ```text
 //! cargo build --release -p ember-sharding --example llama
-//! mpirun -np 4 --oversubscribe target/release/examples/llama --shard zero3 --topology 2x2x1 \
-//!   --steps 60 --save /tmp/llama
-//! mpirun -np 2 --oversubscribe target/release/examples/llama --shard hier3 --topology 1x2x1 \
-//!   --steps 120 --resume /tmp/llama/step-000060
+//! mpirun -np 4 --oversubscribe -x EMBER_TOPOLOGY=2x2x1 target/release/examples/llama \
+//!   --shard zero3 --steps 60 --save /tmp/llama
+//! mpirun -np 2 --oversubscribe -x EMBER_TOPOLOGY=1x2x1 target/release/examples/llama \
+//!   --shard hier3 --steps 120 --resume /tmp/llama/step-000060
 //! target/release/examples/llama --steps 120
 //! ```
 //!
-//! Nothing in `Llama` or `Block` knows of sharding. The sharding-specific code is the
-//! `BlockModel` impl (the three pieces `Llama::forward` is made of), the `Rows` impl and the
-//! lines marked `// sharding` in `train`.
+//! Nothing in `Llama` or `Block` knows of sharding. The sharding-specific code is the 15 lines
+//! marked `// sharding`: the communicator from `mpirun`'s environment, the build (the three
+//! pieces `Llama::forward` is made of, as closures; the checkpoint to resume, checked against
+//! the example's record), the step, the save and the module gathered back. The batch is a
+//! pair of Burn tensors, which split by rows among the ranks as they are.
 
 use std::path::PathBuf;
 
@@ -26,15 +28,12 @@ use burn::nn::{
 };
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
-use ember_comm::{Comm, CommConfig, Topology, TopologySource};
+use ember_comm::Comm;
 
-use ember_sharding::{
-    AdamW, BlockModel, BlockOutput, Checkpoint, DecayOn, Preset, Rows, SaveOptions, Shard,
-    ShardError,
-};
+use ember_sharding::{AdamW, DecayOn, Preset, SaveOptions, Shard, ShardError};
 
-/// The model's size.
-#[derive(Debug, Clone, Copy)]
+/// The model's size (also the record its checkpoints keep: a resumed one must have the same).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct LlamaConfig {
     /// Tokens in the vocabulary.
     pub vocab: usize,
@@ -169,84 +168,30 @@ fn cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
         .forward(logits.reshape([b * t, v]), targets.reshape([b * t]))
 }
 
-/// The pieces of `Llama::forward`, for the partitioner.
-impl BlockModel<3> for Llama {
-    type Batch = Tokens;
-
-    fn embed(&self, batch: &Tokens, device: &Device) -> Tensor<3> {
-        self.embed.forward(batch.inputs(device))
-    }
-
-    fn block(&self, i: usize, x: Tensor<3>, _: &Tokens) -> BlockOutput<3> {
-        self.blocks[i].forward(x, &self.rope).into()
-    }
-
-    fn loss(&self, x: Tensor<3>, batch: &Tokens, device: &Device) -> Tensor<1> {
-        cross_entropy(self.logits(x), batch.targets(device))
-    }
-}
-
 /// The token stream's rule: the token after `t`.
 pub fn next_token(t: usize, vocab: usize) -> usize {
     (5 * t + 3) % vocab
 }
 
-/// Sequences of token ids, `rows` of `cols` each.
-#[derive(Debug, Clone)]
-pub struct Tokens {
-    ids: Vec<i64>,
-    rows: usize,
-    cols: usize,
-}
+/// A batch: token ids (`[batch, seq]`) and the ids each position predicts, the next ones.
+pub type Batch = (Tensor<2, Int>, Tensor<2, Int>);
 
-impl Tokens {
-    /// Step `step`'s batch: `rows` sequences of `cols` tokens, each from its own start token.
-    pub fn draw(step: u64, rows: usize, cols: usize, vocab: usize) -> Self {
-        let mut ids = Vec::with_capacity(rows * cols);
-        for r in 0..rows as u64 {
-            let mut z = (step << 20 ^ r).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            z ^= z >> 29;
-            let mut t = (z % vocab as u64) as usize;
-            for _ in 0..cols {
-                ids.push(t as i64);
-                t = next_token(t, vocab);
-            }
-        }
-        Self { ids, rows, cols }
-    }
-
-    fn slice(&self, from: usize, to: usize, device: &Device) -> Tensor<2, Int> {
-        let ids: Vec<i64> = self
-            .ids
-            .chunks(self.cols)
-            .flat_map(|row| row[from..to].iter().copied())
-            .collect();
-        Tensor::from_data(TensorData::new(ids, [self.rows, to - from]), device)
-    }
-
-    /// Every token but the last of each sequence.
-    pub fn inputs(&self, device: &Device) -> Tensor<2, Int> {
-        self.slice(0, self.cols - 1, device)
-    }
-
-    /// Every token but the first: what each input position predicts.
-    pub fn targets(&self, device: &Device) -> Tensor<2, Int> {
-        self.slice(1, self.cols, device)
-    }
-}
-
-impl Rows for Tokens {
-    fn rows(&self) -> usize {
-        self.rows
-    }
-
-    fn select(&self, rows: std::ops::Range<usize>) -> Self {
-        Self {
-            ids: self.ids[rows.start * self.cols..rows.end * self.cols].to_vec(),
-            rows: rows.len(),
-            cols: self.cols,
+/// Step `step`'s batch on `device`: `rows` sequences of `cols + 1` tokens, each from its own
+/// start token, as inputs and targets of `cols` tokens.
+pub fn draw(step: u64, rows: usize, cols: usize, vocab: usize, device: &Device) -> Batch {
+    let (mut inputs, mut targets) = (Vec::new(), Vec::new());
+    for r in 0..rows as u64 {
+        let mut z = (step << 20 ^ r).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z ^= z >> 29;
+        let mut t = (z % vocab as u64) as usize;
+        for _ in 0..cols {
+            inputs.push(t as i64);
+            t = next_token(t, vocab);
+            targets.push(t as i64);
         }
     }
+    let ids = |v: Vec<i64>| Tensor::from_data(TensorData::new(v, [rows, cols]), device);
+    (ids(inputs), ids(targets))
 }
 
 /// The example's model.
@@ -260,7 +205,7 @@ pub const SIZE: LlamaConfig = LlamaConfig {
 };
 
 /// Sequences per step, over all ranks, and tokens per sequence.
-pub const BATCH: (usize, usize) = (16, 33);
+pub const BATCH: (usize, usize) = (16, 32);
 
 /// What one training run does.
 #[derive(Debug, Clone, Default)]
@@ -275,12 +220,6 @@ pub struct Run {
     pub save: Option<PathBuf>,
 }
 
-/// The record this example keeps in its checkpoints.
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-struct Record {
-    seed: u64,
-}
-
 /// What a run returns.
 #[derive(Debug)]
 pub struct Trained {
@@ -293,36 +232,26 @@ pub struct Trained {
 /// Trains the decoder as `run` says.
 pub fn train(comm: &Comm, run: &Run) -> Result<Trained, ShardError> {
     let device = Device::flex();
-    let seed = 11;
     let adamw = AdamW {
-        beta1: 0.9,
         beta2: 0.95,
-        eps: 1e-8,
         weight_decay: 0.1,
         decay_on: DecayOn::Matrices,
+        ..AdamW::default()
     };
-    let checkpoint = match &run.resume {
-        Some(dir) => Some(Checkpoint::open(comm, dir)?), // sharding
-        None => None,
-    };
-    let mut shard = Shard::blocks("blocks") // sharding
-        .preset(run.preset.parse::<Preset>()?)
-        .seed(seed);
-    if let Some(checkpoint) = &checkpoint {
-        let record: Record = checkpoint.manifest().app_record()?;
-        if record.seed != seed {
-            return Err(ShardError::setting(
-                "seed",
-                seed,
-                "the checkpoint has another",
-            ));
-        }
-        shard = shard.resume(checkpoint); // sharding
-    }
-    let mut model = shard.build(comm, |d| SIZE.init(d), device)?; // sharding
+    // The three pieces `Llama::forward` is made of.
+    let embed = |m: &Llama, (ids, _): &Batch, _: &Device| m.embed.forward(ids.clone()); // sharding
+    let block = |m: &Llama, i: usize, x, _: &Batch| m.blocks[i].forward(x, &m.rope); // sharding
+    let loss = |m: &Llama, x, (_, y): &Batch, _: &Device| cross_entropy(m.logits(x), y.clone()); // sharding
+    let mut model = Shard::blocks("blocks") // sharding
+        .preset(run.preset.parse::<Preset>()?) // sharding
+        .seed(11) // sharding
+        .record(&SIZE) // sharding
+        .resume_from(run.resume.as_deref()) // sharding
+        .forward(embed, block, loss) // sharding
+        .build(comm, |d| SIZE.init(d), device.clone())?; // sharding
     let mut losses = Vec::new();
     for step in model.step()..run.steps {
-        let batch = Tokens::draw(step, BATCH.0, BATCH.1, SIZE.vocab);
+        let batch = draw(step, BATCH.0, BATCH.1, SIZE.vocab, &device);
         let mut grads = model.backward(&[model.share(&batch)?])?; // sharding
         grads.clip_norm(1.0);
         let report = model.apply(grads, &adamw, 3e-3)?; // sharding
@@ -332,7 +261,7 @@ pub fn train(comm: &Comm, run: &Run) -> Result<Trained, ShardError> {
         }
     }
     if let Some(dir) = &run.save {
-        model.save(dir, &SaveOptions::record(&Record { seed })?)?; // sharding
+        model.save(dir, &SaveOptions::default())?; // sharding
     }
     let model = model.gather_to(0)?; // sharding
     Ok(Trained { losses, model })
@@ -346,28 +275,15 @@ fn main() {
             .position(|a| a == name)
             .and_then(|i| args.get(i + 1).cloned())
     };
-    let topology = match flag("--topology") {
-        Some(t) => match Topology::parse(&t) {
-            Ok(t) => TopologySource::Explicit(t),
-            Err(e) => {
-                eprintln!("--topology {t}: {e}");
-                std::process::exit(2);
-            }
-        },
-        None => TopologySource::Detect { gcds_per_gpu: None },
-    };
     let run = Run {
         preset: flag("--shard").unwrap_or_else(|| "zero3".into()),
         steps: flag("--steps").and_then(|s| s.parse().ok()).unwrap_or(120),
         resume: flag("--resume").map(PathBuf::from),
         save: flag("--save").map(PathBuf::from),
     };
-    let result = Comm::init(CommConfig {
-        topology,
-        ..CommConfig::default()
-    })
-    .map_err(ShardError::from)
-    .and_then(|comm| Ok((comm.rank(), train(&comm, &run)?)));
+    let result = Comm::from_env() // sharding
+        .map_err(ShardError::from)
+        .and_then(|comm| Ok((comm.rank(), train(&comm, &run)?)));
     match result {
         Ok((_, Trained { model: None, .. })) => {}
         Ok((

@@ -4,17 +4,20 @@
 //!
 //! ```text
 //! cargo build --release -p ember-sharding --example mlp
-//! mpirun -np 4 --oversubscribe target/release/examples/mlp --shard zero3 --topology 2x2x1 \
-//!   --steps 150 --save /tmp/mlp
-//! mpirun -np 2 --oversubscribe target/release/examples/mlp --shard hier3 --topology 1x2x1 \
-//!   --steps 300 --resume /tmp/mlp/step-000150
+//! mpirun -np 4 --oversubscribe -x EMBER_TOPOLOGY=2x2x1 target/release/examples/mlp \
+//!   --shard zero3 --steps 150 --save /tmp/mlp
+//! mpirun -np 2 --oversubscribe -x EMBER_TOPOLOGY=1x2x1 target/release/examples/mlp \
+//!   --shard hier3 --steps 300 --resume /tmp/mlp/step-000150
 //! ```
 //!
 //! The second job continues the first's checkpoint at another world size and preset (each
 //! rank reads only the ranges it owns there).
 //!
-//! The model is plain Burn. What sharding asks of it is the `BlockModel` impl (the three pieces
-//! its own `forward` is made of) and the lines marked `// sharding` in `train`. Burn's
+//! The model is plain Burn. What sharding asks of it is the 15 lines marked `// sharding`: the
+//! communicator from `mpirun`'s environment, the build (the three pieces its own `forward` is
+//! made of, as closures; the checkpoint to resume, checked against the example's record), the
+//! step, the save and the module gathered back. The batch is a pair of Burn tensors, which
+//! split by rows among the ranks as they are. Burn's
 //! `LinearConfig::init` makes lazy parameters: each rank materialises only the parameters
 //! whose ranges it owns, one at a time.
 
@@ -24,12 +27,9 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor, TensorData};
-use ember_comm::{Comm, CommConfig, Topology, TopologySource};
+use ember_comm::Comm;
 
-use ember_sharding::{
-    AdamW, BlockModel, BlockOutput, Checkpoint, DecayOn, Preset, Rows, SaveOptions, Shard,
-    ShardError, StepHyper,
-};
+use ember_sharding::{AdamW, DecayOn, SaveOptions, Shard, ShardError, StepHyper};
 
 /// An ordinary Burn model.
 #[derive(Module, Debug)]
@@ -39,8 +39,8 @@ pub struct Mlp {
     output: Linear,
 }
 
-/// Its size.
-#[derive(Debug, Clone, Copy)]
+/// Its size (also the record its checkpoints keep: a resumed one must have the same).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct MlpConfig {
     /// Width of the hidden layers.
     pub width: usize,
@@ -63,12 +63,12 @@ impl MlpConfig {
 
 impl Mlp {
     /// The first layer.
-    fn stem(&self, x: Tensor<2>) -> Tensor<2> {
+    pub fn stem(&self, x: Tensor<2>) -> Tensor<2> {
         relu(self.input.forward(x))
     }
 
     /// Hidden layer `i`.
-    fn layer(&self, i: usize, h: Tensor<2>) -> Tensor<2> {
+    pub fn layer(&self, i: usize, h: Tensor<2>) -> Tensor<2> {
         relu(self.hidden[i].forward(h))
     }
 
@@ -80,22 +80,10 @@ impl Mlp {
         }
         self.output.forward(h)
     }
-}
 
-/// The pieces of `Mlp::forward`, for the partitioner.
-impl BlockModel<2> for Mlp {
-    type Batch = Points;
-
-    fn embed(&self, batch: &Points, device: &Device) -> Tensor<2> {
-        self.stem(batch.inputs(device))
-    }
-
-    fn block(&self, i: usize, h: Tensor<2>, _: &Points) -> BlockOutput<2> {
-        self.layer(i, h).into()
-    }
-
-    fn loss(&self, h: Tensor<2>, batch: &Points, device: &Device) -> Tensor<1> {
-        let err = self.output.forward(h) - batch.targets(device);
+    /// The mean squared error of the last hidden layer's output `h` against `targets`.
+    pub fn loss(&self, h: Tensor<2>, targets: &Tensor<2>) -> Tensor<1> {
+        let err = self.output.forward(h) - targets.clone();
         (err.clone() * err).mean()
     }
 }
@@ -108,52 +96,23 @@ fn unit(k: u64) -> f32 {
     ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
 }
 
-/// A batch: `n` inputs `(a, b)` and their targets.
-#[derive(Debug, Clone)]
-pub struct Points {
-    x: Vec<f32>,
-    y: Vec<f32>,
-    n: usize,
-}
+/// A batch: inputs `(a, b)` (`[n, 2]`) and their targets (`[n, 1]`).
+pub type Points = (Tensor<2>, Tensor<2>);
 
-impl Points {
-    /// The inputs as a `[n, 2]` tensor.
-    pub fn inputs(&self, device: &Device) -> Tensor<2> {
-        Tensor::from_data(TensorData::new(self.x.clone(), [self.n, 2]), device)
+/// Points `first .. first + n` of step `step`'s deterministic stream, on `device`.
+pub fn draw(step: u64, first: u64, n: usize, device: &Device) -> Points {
+    let mut x = Vec::with_capacity(2 * n);
+    let mut y = Vec::with_capacity(n);
+    for i in 0..n as u64 {
+        let k = (step << 32) ^ ((first + i) << 1);
+        let (a, b) = (unit(k), unit(k | 1));
+        x.extend([a, b]);
+        y.push((3.0 * a).sin() * (2.0 * b).cos());
     }
-
-    /// The targets as a `[n, 1]` tensor.
-    pub fn targets(&self, device: &Device) -> Tensor<2> {
-        Tensor::from_data(TensorData::new(self.y.clone(), [self.n, 1]), device)
-    }
-
-    /// Points `first ..` of step `step`'s deterministic stream.
-    pub fn draw(step: u64, first: u64, n: usize) -> Self {
-        let mut x = Vec::with_capacity(2 * n);
-        let mut y = Vec::with_capacity(n);
-        for i in 0..n as u64 {
-            let k = (step << 32) ^ ((first + i) << 1);
-            let (a, b) = (unit(k), unit(k | 1));
-            x.extend([a, b]);
-            y.push((3.0 * a).sin() * (2.0 * b).cos());
-        }
-        Self { x, y, n }
-    }
-}
-
-/// A batch splits by rows: the partitioner gives each rank its share of a step's batch.
-impl Rows for Points {
-    fn rows(&self) -> usize {
-        self.n
-    }
-
-    fn select(&self, rows: std::ops::Range<usize>) -> Self {
-        Self {
-            x: self.x[2 * rows.start..2 * rows.end].to_vec(),
-            y: self.y[rows.clone()].to_vec(),
-            n: rows.len(),
-        }
-    }
+    (
+        Tensor::from_data(TensorData::new(x, [n, 2]), device),
+        Tensor::from_data(TensorData::new(y, [n, 1]), device),
+    )
 }
 
 /// The example's model size.
@@ -175,12 +134,6 @@ pub struct Run {
     pub resume: Option<PathBuf>,
     /// A directory to save a checkpoint of the last step into.
     pub save: Option<PathBuf>,
-}
-
-/// The record this example keeps in its checkpoints' manifests.
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-struct Record {
-    seed: u64,
 }
 
 /// The example's step settings: AdamW without weight decay, gradients clipped to norm 1.
@@ -211,8 +164,8 @@ pub struct Trained {
 }
 
 /// The mean squared error of `model` on `points`, with the model's own forward.
-pub fn mse(model: &Mlp, points: &Points, device: &Device) -> f64 {
-    let err = model.forward(points.inputs(device)) - points.targets(device);
+pub fn mse(model: &Mlp, (x, y): &Points) -> f64 {
+    let err = model.forward(x.clone()) - y.clone();
     (err.clone() * err)
         .mean()
         .into_data()
@@ -222,43 +175,29 @@ pub fn mse(model: &Mlp, points: &Points, device: &Device) -> f64 {
 }
 
 /// 256 points no training step draws.
-pub fn held_out() -> Points {
-    Points::draw(u64::from(u32::MAX), 0, 256)
+pub fn held_out(device: &Device) -> Points {
+    draw(u64::from(u32::MAX), 0, 256, device)
 }
 
 /// Trains the MLP as `run` says.
 pub fn train(comm: &Comm, run: &Run) -> Result<Trained, ShardError> {
     let device = Device::flex();
-    let preset: Preset = run.preset.parse()?;
-    let seed = 7;
-    let checkpoint = match &run.resume {
-        Some(dir) => Some(Checkpoint::open(comm, dir)?), // sharding
-        None => None,
-    };
-    if let Some(checkpoint) = &checkpoint {
-        let record: Record = checkpoint.manifest().app_record()?;
-        if record.seed != seed {
-            return Err(ShardError::setting(
-                "seed",
-                seed,
-                format!(
-                    "{} was trained with seed {}",
-                    checkpoint.dir().display(),
-                    record.seed
-                ),
-            ));
-        }
-    }
-    let mut shard = Shard::blocks("hidden").preset(preset).seed(seed); // sharding
-    if let Some(checkpoint) = &checkpoint {
-        shard = shard.resume(checkpoint); // sharding
-    }
-    let mut sharded = shard.build(comm, |d| SIZE.init(d), device)?; // sharding
+    // The three pieces `Mlp::forward` is made of.
+    let embed = |m: &Mlp, (x, _): &Points, _: &Device| m.stem(x.clone()); // sharding
+    let block = |m: &Mlp, i: usize, h, _: &Points| m.layer(i, h); // sharding
+    let loss = |m: &Mlp, h, (_, y): &Points, _: &Device| m.loss(h, y); // sharding
+    let mut sharded = Shard::blocks("hidden") // sharding
+        .preset(run.preset.parse()?) // sharding
+        .seed(7) // sharding
+        .record(&SIZE) // sharding
+        .resume_from(run.resume.as_deref()) // sharding
+        .forward(embed, block, loss) // sharding
+        .build(comm, |d| SIZE.init(d), device.clone())?; // sharding
     let hyper = hyper();
     let mut losses = Vec::new();
     // The model's step count is the number of steps taken, so a resumed run continues its data.
     for step in sharded.step()..run.steps {
-        let batch = Points::draw(step, 0, run.batch);
+        let batch = draw(step, 0, run.batch, &device);
         let mut grads = sharded.backward(&[sharded.share(&batch)?])?; // sharding
         grads.clip_norm(hyper.grad_clip);
         let report = sharded.apply(grads, &hyper.optimizer, hyper.lr)?; // sharding
@@ -276,19 +215,16 @@ pub fn train(comm: &Comm, run: &Run) -> Result<Trained, ShardError> {
         }
     }
     if let Some(dir) = &run.save {
-        let saved = sharded.save(dir, &SaveOptions::record(&Record { seed })?)?; // sharding
+        let saved = sharded.save(dir, &SaveOptions::default())?; // sharding
         if comm.rank() == 0 {
             println!("saved {}", saved.display());
         }
     }
-    let sharded_mse = sharded.eval_loss(&held_out())?;
+    let sharded_mse = sharded.eval_loss(&held_out(&device))?;
     // The trained module back, whole, for inference with its own forward.
     let model = sharded.gather()?; // sharding
     if comm.rank() == 0 {
-        println!(
-            "held-out mse {:.5}",
-            mse(&model, &held_out(), sharded.device())
-        );
+        println!("held-out mse {:.5}", mse(&model, &held_out(&device)));
     }
     Ok(Trained {
         losses,
@@ -305,16 +241,6 @@ fn main() {
             .position(|a| a == name)
             .and_then(|i| args.get(i + 1).cloned())
     };
-    let topology = match flag("--topology") {
-        Some(t) => match Topology::parse(&t) {
-            Ok(t) => TopologySource::Explicit(t),
-            Err(e) => {
-                eprintln!("--topology {t}: {e}");
-                std::process::exit(2);
-            }
-        },
-        None => TopologySource::Detect { gcds_per_gpu: None },
-    };
     let run = Run {
         preset: flag("--shard").unwrap_or_else(|| "zero3".into()),
         steps: flag("--steps").and_then(|s| s.parse().ok()).unwrap_or(300),
@@ -322,12 +248,9 @@ fn main() {
         resume: flag("--resume").map(PathBuf::from),
         save: flag("--save").map(PathBuf::from),
     };
-    let result = Comm::init(CommConfig {
-        topology,
-        ..CommConfig::default()
-    })
-    .map_err(ShardError::from)
-    .and_then(|comm| train(&comm, &run));
+    let result = Comm::from_env() // sharding
+        .map_err(ShardError::from)
+        .and_then(|comm| train(&comm, &run));
     if let Err(e) = result {
         eprintln!("error: {e}");
         std::process::exit(1);

@@ -8,12 +8,16 @@
 
 use std::fmt;
 use std::ops::Range;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::sync::Arc;
 
 use burn::module::Module;
+use burn::tensor::kind::Basic;
 use burn::tensor::{Device, Tensor};
 use ember_comm::Comm;
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::{PRESETS, ShardConfig};
@@ -72,19 +76,78 @@ impl<const D: usize> From<Tensor<D>> for BlockOutput<D> {
     }
 }
 
-/// The units of a [`BlockModel`]: unit 0 is the root (every parameter outside the blocks'
-/// field) and runs `embed`; unit `i + 1` is block `i`; the last block's unit also reads the
-/// root and runs `loss`.
-#[derive(Debug, Clone)]
-pub struct Blocks<M> {
-    field: String,
-    count: usize,
-    _model: std::marker::PhantomData<fn() -> M>,
+/// The three pieces of a model's forward as closures, for a model that does not implement
+/// [`BlockModel`]: `embed(model, batch, device)`, `block(model, i, x, batch)` (returning the
+/// block's output, or a [`BlockOutput`] with an auxiliary loss) and
+/// `loss(model, x, batch, device)`, with the meaning of the trait's methods. [`Shard::forward`]
+/// takes them directly.
+pub struct Pieces<M, B, const D: usize> {
+    embed: Arc<EmbedFn<M, B, D>>,
+    block: Arc<BlockFn<M, B, D>>,
+    loss: Arc<LossFn<M, B, D>>,
 }
 
-impl<M: Module> Blocks<M> {
-    /// The units of `module` with its blocks in field `field`.
-    pub fn of(module: &M, field: &str) -> Result<Self, ShardError> {
+type EmbedFn<M, B, const D: usize> = dyn Fn(&M, &B, &Device) -> Tensor<D> + Send + Sync;
+type BlockFn<M, B, const D: usize> =
+    dyn Fn(&M, usize, Tensor<D>, &B) -> BlockOutput<D> + Send + Sync;
+type LossFn<M, B, const D: usize> = dyn Fn(&M, Tensor<D>, &B, &Device) -> Tensor<1> + Send + Sync;
+
+impl<M, B, const D: usize> Clone for Pieces<M, B, D> {
+    fn clone(&self) -> Self {
+        Self {
+            embed: self.embed.clone(),
+            block: self.block.clone(),
+            loss: self.loss.clone(),
+        }
+    }
+}
+
+impl<M, B, const D: usize> fmt::Debug for Pieces<M, B, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pieces").finish_non_exhaustive()
+    }
+}
+
+impl<M: 'static, B: 'static, const D: usize> Pieces<M, B, D> {
+    /// The pieces as closures.
+    pub fn new<O: Into<BlockOutput<D>>>(
+        embed: impl Fn(&M, &B, &Device) -> Tensor<D> + Send + Sync + 'static,
+        block: impl Fn(&M, usize, Tensor<D>, &B) -> O + Send + Sync + 'static,
+        loss: impl Fn(&M, Tensor<D>, &B, &Device) -> Tensor<1> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            embed: Arc::new(embed),
+            block: Arc::new(move |m: &M, i, x, b: &B| block(m, i, x, b).into()),
+            loss: Arc::new(loss),
+        }
+    }
+
+    /// The pieces of a [`BlockModel`]: its own three methods.
+    pub fn of_model() -> Self
+    where
+        M: BlockModel<D, Batch = B>,
+    {
+        Self::new(
+            |m: &M, b: &B, d: &Device| m.embed(b, d),
+            |m: &M, i, x, b: &B| m.block(i, x, b),
+            |m: &M, x, b: &B, d: &Device| m.loss(x, b, d),
+        )
+    }
+}
+
+/// The units of a model whose blocks sit in a `Vec` field, run by its [`Pieces`]: unit 0 is
+/// the root (every parameter outside the blocks' field) and runs `embed`; unit `i + 1` is
+/// block `i`; the last block's unit also reads the root and runs `loss`.
+#[derive(Debug, Clone)]
+pub struct Blocks<M, B, const D: usize> {
+    field: String,
+    count: usize,
+    pieces: Pieces<M, B, D>,
+}
+
+impl<M: Module, B, const D: usize> Blocks<M, B, D> {
+    /// The units of `module` with its blocks in field `field`, run by `pieces`.
+    pub fn of(module: &M, field: &str, pieces: Pieces<M, B, D>) -> Result<Self, ShardError> {
         let prefix = format!("{field}.");
         let mut count = 0;
         for (path, _) in param_shapes(module) {
@@ -125,7 +188,7 @@ impl<M: Module> Blocks<M> {
         Ok(Self {
             field: field.to_string(),
             count,
-            _model: std::marker::PhantomData,
+            pieces,
         })
     }
 
@@ -135,9 +198,9 @@ impl<M: Module> Blocks<M> {
     }
 }
 
-impl<M: BlockModel<D>, const D: usize> Staged<D> for Blocks<M> {
+impl<M: Module + Clone, B, const D: usize> Staged<D> for Blocks<M, B, D> {
     type Module = M;
-    type Batch = M::Batch;
+    type Batch = B;
 
     fn units(&self, module: &M) -> Vec<UnitDecl> {
         let prefix = format!("{}.", self.field);
@@ -170,17 +233,17 @@ impl<M: BlockModel<D>, const D: usize> Staged<D> for Blocks<M> {
         module: &M,
         unit: usize,
         input: Option<Tensor<D>>,
-        batch: &M::Batch,
+        batch: &B,
         device: &Device,
     ) -> Flow<D> {
         match input {
-            None => Flow::Hidden(module.embed(batch, device)),
+            None => Flow::Hidden((self.pieces.embed)(module, batch, device)),
             Some(x) => {
-                let BlockOutput { hidden, aux } = module.block(unit - 1, x, batch);
+                let BlockOutput { hidden, aux } = (self.pieces.block)(module, unit - 1, x, batch);
                 match (unit == self.count, aux) {
                     // The last block's auxiliary loss joins the model's loss here.
                     (true, aux) => {
-                        let loss = module.loss(hidden, batch, device);
+                        let loss = (self.pieces.loss)(module, hidden, batch, device);
                         Flow::Loss(match aux {
                             Some(aux) => aux + loss,
                             None => loss,
@@ -340,16 +403,31 @@ impl<M: Module> ParamSource for InitSource<M> {
     }
 }
 
-/// Builds a [`ShardedModel`] of a [`BlockModel`] with named options: which field holds the
-/// blocks, the preset or a whole [`ShardConfig`], the seed of the initialisers, and a
-/// checkpoint to resume instead.
+/// Builds a [`ShardedModel`] of a model whose blocks sit in a `Vec` field, with named
+/// options: which field holds the blocks, the preset or a whole [`ShardConfig`], the seed of
+/// the initialisers, a checkpoint to resume instead, and the application's record checked on
+/// resume and kept in every save. The forward's pieces are the model's [`BlockModel`] impl, or
+/// closures given to [`forward`](Self::forward) (`P` is then [`Pieces`]).
 #[derive(Debug, Clone)]
-pub struct Shard<'a> {
+pub struct Shard<'a, P = ()> {
     field: String,
     config: Option<ShardConfig>,
     preset: Preset,
     seed: u64,
-    resume: Option<&'a Checkpoint>,
+    resume: Resume<'a>,
+    record: Option<Result<Map<String, Value>, String>>,
+    pieces: P,
+}
+
+/// Where a build's state comes from.
+#[derive(Debug, Clone)]
+enum Resume<'a> {
+    /// Burn's initialisers.
+    Fresh,
+    /// A checkpoint the caller opened.
+    Opened(&'a Checkpoint),
+    /// A checkpoint directory the build opens.
+    Dir(PathBuf),
 }
 
 impl<'a> Shard<'a> {
@@ -361,10 +439,58 @@ impl<'a> Shard<'a> {
             config: None,
             preset: Preset::Zero3,
             seed: 0,
-            resume: None,
+            resume: Resume::Fresh,
+            record: None,
+            pieces: (),
         }
     }
 
+    /// The model's forward as its three pieces, closures with the meaning of
+    /// [`BlockModel`]'s methods (see [`Pieces::new`]), for a model without the trait; the
+    /// crate guide's example shows them.
+    pub fn forward<M: 'static, B: 'static, O: Into<BlockOutput<D>>, const D: usize>(
+        self,
+        embed: impl Fn(&M, &B, &Device) -> Tensor<D> + Send + Sync + 'static,
+        block: impl Fn(&M, usize, Tensor<D>, &B) -> O + Send + Sync + 'static,
+        loss: impl Fn(&M, Tensor<D>, &B, &Device) -> Tensor<1> + Send + Sync + 'static,
+    ) -> Shard<'a, Pieces<M, B, D>> {
+        self.pieces(Pieces::new(embed, block, loss))
+    }
+
+    /// The model's forward as [`Pieces`] built beforehand.
+    pub fn pieces<M, B, const D: usize>(
+        self,
+        pieces: Pieces<M, B, D>,
+    ) -> Shard<'a, Pieces<M, B, D>> {
+        Shard {
+            field: self.field,
+            config: self.config,
+            preset: self.preset,
+            seed: self.seed,
+            resume: self.resume,
+            record: self.record,
+            pieces,
+        }
+    }
+
+    /// Partitions the module `init` builds (the model's `Config::init`, whose parameters
+    /// are lazy) over `comm`, computing on `device`, run by its [`BlockModel`] impl. Every
+    /// rank must call it.
+    pub fn build<'c, M, const D: usize>(
+        self,
+        comm: &'c Comm,
+        init: impl Fn(&Device) -> M,
+        device: Device,
+    ) -> Result<ShardedModel<'c, Blocks<M, M::Batch, D>, D>, ShardError>
+    where
+        M: BlockModel<D> + 'static,
+        M::Batch: 'static,
+    {
+        self.pieces(Pieces::of_model()).build(comm, init, device)
+    }
+}
+
+impl<'a, P> Shard<'a, P> {
     /// The preset, sized to the communicator's topology.
     pub fn preset(mut self, preset: Preset) -> Self {
         self.preset = preset;
@@ -385,45 +511,113 @@ impl<'a> Shard<'a> {
 
     /// Continue `checkpoint` (of any world size and preset) instead of initialising.
     pub fn resume(mut self, checkpoint: &'a Checkpoint) -> Self {
-        self.resume = Some(checkpoint);
+        self.resume = Resume::Opened(checkpoint);
         self
     }
 
+    /// Continue the checkpoint in `dir` (a `step-NNNNNN` directory, or a run's directory for
+    /// its newest complete checkpoint; of any world size and preset) when there is one, else
+    /// initialise: `.resume_from(args.resume.as_deref())`.
+    pub fn resume_from(mut self, dir: Option<&Path>) -> Self {
+        if let Some(dir) = dir {
+            self.resume = Resume::Dir(dir.to_path_buf());
+        }
+        self
+    }
+
+    /// The application's record (a struct that serialises to a JSON object: its settings,
+    /// its data's position): a resumed checkpoint must hold the same value under each of its
+    /// fields, or the build fails naming the first that differs, and every
+    /// [`ShardedModel::save`] whose options carry no record of their own keeps it.
+    pub fn record<R: Serialize>(mut self, record: &R) -> Self {
+        self.record = Some(match serde_json::to_value(record) {
+            Ok(Value::Object(map)) => Ok(map),
+            Ok(other) => Err(format!(
+                "the record must serialise to a JSON object, not {other}"
+            )),
+            Err(e) => Err(format!("the record does not serialise: {e}")),
+        });
+        self
+    }
+}
+
+impl<'a, M, B, const D: usize> Shard<'a, Pieces<M, B, D>>
+where
+    M: Module + Clone,
+{
     /// Partitions the module `init` builds (the model's `Config::init`, whose parameters
     /// are lazy) over `comm`, computing on `device`. Every rank must call it.
-    pub fn build<'c, M, const D: usize>(
+    pub fn build<'c>(
         self,
         comm: &'c Comm,
         init: impl Fn(&Device) -> M,
         device: Device,
-    ) -> Result<ShardedModel<'c, Blocks<M>, D>, ShardError>
-    where
-        M: BlockModel<D>,
-    {
+    ) -> Result<ShardedModel<'c, Blocks<M, B, D>, D>, ShardError> {
         let config = match self.config {
             Some(c) => c,
             None => self.preset.config(comm.topology().depth()),
         };
+        let record = self
+            .record
+            .transpose()
+            .map_err(|why| ShardError::setting("record", "", why))?;
         // A skeleton: its lazy parameters are never materialised.
         let skeleton = init(&Device::flex());
-        let stages = Blocks::of(&skeleton, &self.field)?;
-        match self.resume {
+        let stages = Blocks::of(&skeleton, &self.field, self.pieces)?;
+        let opened;
+        let checkpoint = match self.resume {
+            Resume::Fresh => None,
+            Resume::Opened(checkpoint) => Some(checkpoint),
+            Resume::Dir(dir) => {
+                opened = Checkpoint::open(comm, &dir)?;
+                Some(&opened)
+            }
+        };
+        let model = match checkpoint {
             Some(checkpoint) => {
-                ShardedModel::resume(comm, stages, skeleton, config, device, checkpoint)
+                if let Some(record) = &record {
+                    check_record(record, checkpoint)?;
+                }
+                ShardedModel::resume(comm, stages, skeleton, config, device, checkpoint)?
             }
             None => {
                 let mut source = InitSource::new(init(&Device::flex()), self.seed);
-                ShardedModel::new(comm, stages, skeleton, config, device, &mut source)
+                ShardedModel::new(comm, stages, skeleton, config, device, &mut source)?
             }
+        };
+        Ok(match record {
+            Some(record) => model.with_record(record),
+            None => model,
+        })
+    }
+}
+
+/// Refuses a checkpoint whose application record differs from `record` under any of its
+/// fields.
+fn check_record(record: &Map<String, Value>, checkpoint: &Checkpoint) -> Result<(), ShardError> {
+    let saved = &checkpoint.manifest().app;
+    for (key, ours) in record {
+        let theirs = saved.get(key).unwrap_or(&Value::Null);
+        if theirs != ours {
+            return Err(ShardError::setting(
+                "record",
+                format!("{key} = {ours}"),
+                format!(
+                    "{} was saved with {key} = {theirs}: resume it with the settings it was \
+                     saved with, or start afresh",
+                    checkpoint.dir().display()
+                ),
+            ));
         }
     }
+    Ok(())
 }
 
 /// A batch that splits by rows, so a step's global batch can be shared among the ranks.
 ///
-/// A `Vec` of samples is a batch already (one element a row), and so is a tuple of batches
-/// (inputs, targets, a mask: every part split at the same rows); a batch of one's own
-/// implements `rows` and `select`.
+/// A Burn tensor is a batch already (one index of its first dimension a row), and so are a
+/// `Vec` of samples (one element a row) and a tuple of batches (inputs, targets, a mask: every
+/// part split at the same rows); a batch of one's own implements `rows` and `select`.
 pub trait Rows: Sized {
     /// Rows (sequences, samples) in the batch.
     fn rows(&self) -> usize;
@@ -446,6 +640,18 @@ impl<T: Clone> Rows for Vec<T> {
 
     fn select(&self, range: Range<usize>) -> Self {
         self[range].to_vec()
+    }
+}
+
+/// A batch of Burn tensors, one row per index of the first dimension (a `[batch, seq]` tensor
+/// of token ids, a `[batch, features]` tensor of inputs).
+impl<const N: usize, K: Basic> Rows for Tensor<N, K> {
+    fn rows(&self) -> usize {
+        self.dims()[0]
+    }
+
+    fn select(&self, range: Range<usize>) -> Self {
+        self.clone().narrow(0, range.start, range.len())
     }
 }
 

@@ -7,65 +7,66 @@
 //! # Sharding a model whose blocks sit in a `Vec`
 //!
 //! A model in plain Burn, with its repeated blocks in a field such as `blocks: Vec<Block>`,
-//! tells the partitioner the three pieces its own forward is made of ([`BlockModel`]): what
-//! comes before the blocks, one block, and what comes after them down to the loss. Its
-//! `forward` can call the same three pieces, so no math is written twice. Then:
+//! tells the partitioner the three pieces its own forward is made of: what comes before the
+//! blocks, one block, and what comes after them down to the loss, as three closures (or a
+//! [`BlockModel`] impl). Its `forward` can call the same three pieces, so no math is written
+//! twice. Then:
 //!
 //! ```
 //! # use burn::module::Module;
 //! # use burn::nn::{Linear, LinearConfig};
 //! # use burn::tensor::activation::relu;
 //! # use burn::tensor::{Device, Tensor, TensorData};
-//! # use ember_comm::{Comm, CommConfig};
-//! # use ember_sharding::{AdamW, BlockModel, BlockOutput, Preset, SaveOptions, Shard, ShardError};
-//! # // A model in plain Burn whose blocks sit in `blocks`, and its three pieces.
+//! # use ember_comm::Comm;
+//! # use ember_sharding::{AdamW, Preset, SaveOptions, Shard, ShardError};
+//! # // A model in plain Burn whose blocks sit in `blocks`.
 //! # #[derive(Module, Debug)]
 //! # struct Mlp { stem: Linear, blocks: Vec<Linear>, head: Linear }
-//! # struct MlpConfig;
+//! # #[derive(serde::Serialize)]
+//! # struct MlpConfig { width: usize }
 //! # impl MlpConfig {
 //! #     fn init(&self, d: &Device) -> Mlp {
 //! #         let linear = |i, o| LinearConfig::new(i, o).init(d);
-//! #         Mlp { stem: linear(2, 16), blocks: (0..3).map(|_| linear(16, 16)).collect(), head: linear(16, 1) }
+//! #         let w = self.width;
+//! #         Mlp { stem: linear(2, w), blocks: (0..3).map(|_| linear(w, w)).collect(), head: linear(w, 1) }
 //! #     }
 //! # }
-//! # // A batch: samples of two inputs and a target (a `Vec` splits by rows as it is).
-//! # type Batch = Vec<[f32; 3]>;
-//! # fn columns(b: &Batch, cols: std::ops::Range<usize>, device: &Device) -> Tensor<2> {
-//! #     let v: Vec<f32> = b.iter().flat_map(|s| s[cols.clone()].to_vec()).collect();
-//! #     Tensor::from_data(TensorData::new(v, [b.len(), cols.len()]), device)
+//! # // A batch: inputs and targets, Burn tensors that split by rows as they are.
+//! # type Batch = (Tensor<2>, Tensor<2>);
+//! # fn global_batch(step: u64, device: &Device) -> Batch {
+//! #     let x: Vec<f32> = (0..16).map(|i| (i + step) as f32 / 16.0).collect();
+//! #     let y: Vec<f32> = x.chunks(2).map(|p| p[0] * p[1]).collect();
+//! #     (Tensor::from_data(TensorData::new(x, [8, 2]), device),
+//! #      Tensor::from_data(TensorData::new(y, [8, 1]), device))
 //! # }
-//! # impl BlockModel<2> for Mlp {
-//! #     type Batch = Batch;
-//! #     fn embed(&self, b: &Batch, device: &Device) -> Tensor<2> {
-//! #         self.stem.forward(columns(b, 0..2, device))
-//! #     }
-//! #     fn block(&self, i: usize, h: Tensor<2>, _: &Batch) -> BlockOutput<2> {
-//! #         (h.clone() + relu(self.blocks[i].forward(h))).into()
-//! #     }
-//! #     fn loss(&self, h: Tensor<2>, b: &Batch, device: &Device) -> Tensor<1> {
-//! #         let e = self.head.forward(h) - columns(b, 2..3, device);
-//! #         (e.clone() * e).mean()
-//! #     }
-//! # }
-//! # fn global_batch(step: u64) -> Batch {
-//! #     (0..8).map(|i| { let x = (i + step) as f32 / 8.0; [x, -x, x * x] }).collect()
+//! # fn mse(prediction: Tensor<2>, target: &Tensor<2>) -> Tensor<1> {
+//! #     let e = prediction - target.clone();
+//! #     (e.clone() * e).mean()
 //! # }
 //! # fn main() -> Result<(), ShardError> {
 //! # let (steps, lr) = (3, |_: u64| 1e-3);
 //! # let dir = std::env::temp_dir().join(format!("ember-guide-{}", std::process::id()));
-//! # let my_metadata = std::collections::BTreeMap::from([("seed", 7)]);
-//! let comm = Comm::init(CommConfig::default())?;                    // topology from the launcher
-//! let device = Device::flex();                                      // or a GPU's
-//! let adamw = AdamW::default();                                     // torch.optim.AdamW's defaults
-//! let mut model = Shard::blocks("blocks").preset(Preset::Hier3).seed(7)
-//!     .build(&comm, |device| MlpConfig.init(device), device)?;
+//! # let (config, resume) = (MlpConfig { width: 16 }, None::<std::path::PathBuf>);
+//! let comm = Comm::from_env()?;                   // mpirun's ranks, or one process
+//! let device = Device::flex();                    // or a GPU's
+//! let adamw = AdamW::default();                   // torch.optim.AdamW's defaults
+//! let mut model = Shard::blocks("blocks")         // each element of `blocks` a unit
+//!     .preset(Preset::Hier3)
+//!     .record(&config)                            // kept in saves, checked on resume
+//!     .resume_from(resume.as_deref())             // a checkpoint, or None: Burn's init
+//!     .forward(
+//!         |m: &Mlp, (x, _): &Batch, _| m.stem.forward(x.clone()),
+//!         |m, i, h, _| h.clone() + relu(m.blocks[i].forward(h)),
+//!         |m, h, (_, y), _| mse(m.head.forward(h), y),
+//!     )
+//!     .build(&comm, |device| config.init(device), device.clone())?;
 //! for step in model.step()..steps {
-//!     let mut grads = model.backward(&[model.share(&global_batch(step))?])?;
+//!     let mut grads = model.backward(&[model.share(&global_batch(step, &device))?])?;
 //!     grads.clip_norm(1.0);
 //!     model.apply(grads, &adamw, lr(step))?;
 //! }
-//! model.save(&dir, &SaveOptions::record(&my_metadata)?)?;           // resume: Shard::resume
-//! let trained: Mlp = model.gather()?;                               // whole, on every rank
+//! model.save(&dir, &SaveOptions::default())?;     // with the record
+//! let trained: Mlp = model.gather()?;             // whole, on every rank
 //! # std::fs::remove_dir_all(&dir).ok();
 //! # Ok(())
 //! # }
@@ -76,9 +77,16 @@
 //!   model's own `Config::init` (Burn's `Initializer`s): each rank materialises only the
 //!   parameters whose ranges it owns, one at a time, with the generator seeded by the
 //!   parameter's path, so every world size starts from the same model ([`InitSource`]).
+//! - [`Shard::forward`] takes the pieces: `embed(model, batch, device)` to the first block's
+//!   input, `block(model, i, x, batch)` to block `i`'s output (or a [`BlockOutput`] with an
+//!   auxiliary loss), `loss(model, x, batch, device)` to the mean loss. The batch is at hand
+//!   in every piece, for side inputs (masks, positions); `device` is where a piece builds
+//!   tensors from host data (the partitioner's device, with autodiff or without). A model
+//!   may implement [`BlockModel`] instead, and [`Shard::build`] uses it.
 //! - [`ShardedModel::backward`] takes this rank's micro-batches of the step (one per
 //!   gradient-accumulation micro-step; [`ShardedModel::share`] cuts this rank's rows out of the
-//!   global batch, for a batch that implements [`Rows`]) and returns this rank's shard of the
+//!   global batch, for a batch that implements [`Rows`]: Burn tensors, `Vec`s and tuples of
+//!   them do) and returns this rank's shard of the
 //!   reduced [`Gradients`], with the loss and the global norm, to read, scale or clip.
 //! - [`ShardedModel::apply`] updates the parameters with any [`Optimizer`]: [`AdamW`],
 //!   [`Adam`] and [`Sgd`] ship, each matching Burn's optimizer of the same name, and each
@@ -87,9 +95,14 @@
 //!   [`ShardedModel::train_step`] is both calls with clipping ([`StepHyper`]: AdamW unless
 //!   it names another optimizer).
 //! - [`ShardedModel::save`] writes every rank's own ranges to a safetensors checkpoint, with
-//!   the caller's own record in its manifest; [`Shard::resume`] (or [`ShardedModel::resume`])
-//!   with [`Checkpoint::open`] continues it at any world size, topology or configuration, each
-//!   rank reading only what it owns there, and [`ShardedModel::step`] says where.
+//!   the caller's own record in its manifest ([`Shard::record`], or [`SaveOptions::record`]);
+//!   [`Shard::resume_from`] continues it at any world size, topology or configuration, each
+//!   rank reading only what it owns there, after checking the record, and
+//!   [`ShardedModel::step`] says where ([`Shard::resume`] and [`ShardedModel::resume`] take a
+//!   [`Checkpoint::open`]ed one).
+//! - [`Comm::from_env`](ember_comm::Comm::from_env) takes the ranks `mpirun` started (a world
+//!   of one without it) and the topology from `EMBER_TOPOLOGY` (`-x EMBER_TOPOLOGY=2x4x2`),
+//!   or detects it: nodes from the ranks that share memory.
 //! - [`ShardedModel::gather`] returns the whole module (the f32 master weights) on every rank,
 //!   for inference or export with the model's own `forward`; [`ShardedModel::gather_to`] on
 //!   one rank alone.
@@ -201,7 +214,7 @@ mod source;
 mod stage;
 mod transport;
 
-pub use blocks::{BlockModel, BlockOutput, Blocks, InitSource, Preset, Rows, Shard};
+pub use blocks::{BlockModel, BlockOutput, Blocks, InitSource, Pieces, Preset, Rows, Shard};
 pub use checkpoint::{Checkpoint, FileEntry, Manifest, PendingSave, SaveOptions, TensorMeta};
 pub use config::{Compute, GradQuant, PRESETS, Recompute, ShardConfig, Span, WeightQuant};
 pub use engine::{Gradients, Layout, ShardedModel, StepHyper, StepReport};

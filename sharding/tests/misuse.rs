@@ -11,12 +11,12 @@ mod mlp;
 use burn::tensor::{Device, Distribution, Tensor};
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
 use ember_sharding::{
-    Blocks, Flow, InitSource, Preset, Recompute, Rows, Shard, ShardError, ShardedModel, Staged,
-    UnitDecl,
+    Blocks, Flow, InitSource, Pieces, Preset, Recompute, Rows, SaveOptions, Shard, ShardError,
+    ShardedModel, Staged, UnitDecl,
 };
 
 /// The MLP's units with unit 1 cut off from its input (a `detach`, as a user might leave in).
-struct DetachedInput(Blocks<mlp::Mlp>);
+struct DetachedInput(Blocks<mlp::Mlp, mlp::Points, 2>);
 
 impl Staged<2> for DetachedInput {
     type Module = mlp::Mlp;
@@ -45,7 +45,7 @@ impl Staged<2> for DetachedInput {
 
 /// The MLP's units with unit 1's output multiplied by a dropout mask drawn from the device's
 /// generator: the recomputed forward of backward draws another one.
-struct DeviceDropout(Blocks<mlp::Mlp>);
+struct DeviceDropout(Blocks<mlp::Mlp, mlp::Points, 2>);
 
 impl Staged<2> for DeviceDropout {
     type Module = mlp::Mlp;
@@ -74,6 +74,15 @@ impl Staged<2> for DeviceDropout {
     }
 }
 
+/// The three pieces of the MLP's forward, as the example gives them.
+fn pieces() -> Pieces<mlp::Mlp, mlp::Points, 2> {
+    Pieces::new(
+        |m: &mlp::Mlp, (x, _): &mlp::Points, _| m.stem(x.clone()),
+        |m, i, h, _| m.layer(i, h),
+        |m, h, (_, y), _| m.loss(h, y),
+    )
+}
+
 fn setting_field<T: std::fmt::Debug>(result: Result<T, ShardError>) -> &'static str {
     match result {
         Err(ShardError::Setting { field, .. }) => field,
@@ -91,9 +100,15 @@ fn library_misuse_returns_errors_instead_of_panicking() {
     let hyper = mlp::hyper();
     let size = mlp::MlpConfig { width: 8, depth: 1 };
     let init = |d: &Device| size.init(d);
-    let build = || Shard::blocks("hidden").build(&comm, init, Device::flex());
+    let build = || {
+        Shard::blocks("hidden")
+            .pieces(pieces())
+            .build(&comm, init, Device::flex())
+    };
     // A field that holds no blocks, or a preset that does not exist: setting errors.
-    let wrong = Shard::blocks("layers").build(&comm, init, Device::flex());
+    let wrong = Shard::blocks("layers")
+        .pieces(pieces())
+        .build(&comm, init, Device::flex());
     assert_eq!(setting_field(wrong), "blocks");
     assert_eq!(setting_field("zero4".parse::<Preset>()), "preset");
     // No micro-batch, or a batch with no rows: setting errors naming the argument.
@@ -103,17 +118,44 @@ fn library_misuse_returns_errors_instead_of_panicking() {
         "micro_batches"
     );
     assert_eq!(
-        setting_field(model.share(&mlp::Points::draw(0, 0, 0))),
+        setting_field(model.share(&mlp::draw(0, 0, 0, &Device::flex()))),
         "batch"
     );
     assert_eq!(setting_field(model.gather_to(1)), "root");
     assert!(model.gather_to(0).unwrap().is_some());
-    let points = mlp::Points::draw(0, 0, 4);
+    let points = mlp::draw(0, 0, 4, &Device::flex());
     assert_eq!(model.share(&points).unwrap().rows(), 4);
     assert!(model.train_step(&[points], &hyper).is_ok());
+    // The application's record: kept in a save without options of its own, checked on resume;
+    // a resume under another record is a setting error naming the field that differs.
+    let tmp = tempfile::tempdir().unwrap();
+    let with_record = |width: usize, resume: Option<&std::path::Path>| {
+        Shard::blocks("hidden")
+            .pieces(pieces())
+            .record(&mlp::MlpConfig { width, depth: 1 })
+            .resume_from(resume)
+            .build(&comm, init, Device::flex())
+    };
+    let saved = with_record(8, None)
+        .unwrap()
+        .save(tmp.path(), &SaveOptions::default())
+        .unwrap();
+    assert!(with_record(8, Some(&saved)).is_ok());
+    match with_record(16, Some(&saved)).err() {
+        Some(ShardError::Setting {
+            field: "record",
+            value,
+            reason,
+            ..
+        }) => {
+            assert_eq!(value, "width = 16");
+            assert!(reason.contains("was saved with width = 8"), "{reason}");
+        }
+        other => panic!("a resume under another record gave {other:?}"),
+    }
     // A unit that does not use its input: a model error naming the unit.
     let skeleton = init(&Device::flex());
-    let stages = DetachedInput(Blocks::of(&skeleton, "hidden").unwrap());
+    let stages = DetachedInput(Blocks::of(&skeleton, "hidden", pieces()).unwrap());
     let mut model = ShardedModel::new(
         &comm,
         stages,
@@ -123,7 +165,7 @@ fn library_misuse_returns_errors_instead_of_panicking() {
         &mut InitSource::new(init(&Device::flex()), 7),
     )
     .unwrap();
-    match model.train_step(&[mlp::Points::draw(0, 0, 4)], &hyper) {
+    match model.train_step(&[mlp::draw(0, 0, 4, &Device::flex())], &hyper) {
         Err(ShardError::Model(m)) => {
             assert!(m.contains("unit 1 of 2 does not use its input"), "{m}")
         }
@@ -135,7 +177,7 @@ fn library_misuse_returns_errors_instead_of_panicking() {
     let deep_init = |d: &Device| deep.init(d);
     let dropout = |recompute: Recompute| {
         let skeleton = deep_init(&Device::flex());
-        let stages = DeviceDropout(Blocks::of(&skeleton, "hidden").unwrap());
+        let stages = DeviceDropout(Blocks::of(&skeleton, "hidden", pieces()).unwrap());
         let mut config = Preset::Zero3.config(comm.topology().depth());
         config.recompute = recompute;
         ShardedModel::new(
@@ -148,7 +190,7 @@ fn library_misuse_returns_errors_instead_of_panicking() {
         )
         .unwrap()
     };
-    let points = || mlp::Points::draw(0, 0, 64);
+    let points = || mlp::draw(0, 0, 64, &Device::flex());
     match dropout(Recompute::Unit).train_step(&[points()], &hyper) {
         Err(ShardError::Model(m)) => {
             assert!(m.contains("unit 1 of 3 gave other outputs"), "{m}");
@@ -162,7 +204,7 @@ fn library_misuse_returns_errors_instead_of_panicking() {
     }
     // The same units without the mask are not refused (the forward and its recompute agree).
     let skeleton = deep_init(&Device::flex());
-    let stages = Blocks::of(&skeleton, "hidden").unwrap();
+    let stages = Blocks::of(&skeleton, "hidden", pieces()).unwrap();
     let mut pure = ShardedModel::new(
         &comm,
         stages,

@@ -76,7 +76,7 @@ fn the_mlp_example_trains_and_resumes_under_mpirun() {
             save: child.save,
         };
         let trained = mlp::train(&comm, &r).unwrap();
-        let whole = mlp::mse(&trained.model, &mlp::held_out(), &Device::flex());
+        let whole = mlp::mse(&trained.model, &mlp::held_out(&Device::flex()));
         // Every rank's pair reaches rank 0, which prints them all: lines printed by several
         // ranks can interleave mid-line on mpirun's output.
         let mine: Vec<u8> = [whole, trained.sharded_mse]

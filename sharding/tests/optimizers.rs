@@ -14,7 +14,7 @@ use burn::tensor::Device;
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
 use ember_sharding::params::named_values;
 use ember_sharding::{
-    Adam, AdamW, Blocks, Checkpoint, DecayOn, Optimizer, Preset, SaveOptions, Sgd, Shard,
+    Adam, AdamW, Blocks, Checkpoint, DecayOn, Optimizer, Pieces, Preset, SaveOptions, Sgd, Shard,
     ShardError, ShardedModel,
 };
 
@@ -31,8 +31,8 @@ fn with_burn(start: mlp::Mlp, mut optim: ModuleOptimizer, lr: f64) -> (Vec<f64>,
     let mut model = start.fork(&ad).train().set_require_grad(true);
     let mut losses = Vec::new();
     for step in 0..STEPS {
-        let points = mlp::Points::draw(step, 0, BATCH);
-        let err = model.forward(points.inputs(&ad)) - points.targets(&ad);
+        let (x, y) = mlp::draw(step, 0, BATCH, &ad);
+        let err = model.forward(x) - y;
         let loss = (err.clone() * err).mean();
         losses.push(value(loss.clone().inner()));
         let grads = GradientsParams::from_grads(loss.backward(), &model);
@@ -41,13 +41,23 @@ fn with_burn(start: mlp::Mlp, mut optim: ModuleOptimizer, lr: f64) -> (Vec<f64>,
     (losses, model.valid())
 }
 
+/// The three pieces of the MLP's forward, as the example gives them.
+fn pieces() -> Pieces<mlp::Mlp, mlp::Points, 2> {
+    Pieces::new(
+        |m: &mlp::Mlp, (x, _): &mlp::Points, _| m.stem(x.clone()),
+        |m, i, h, _| m.layer(i, h),
+        |m, h, (_, y), _| m.loss(h, y),
+    )
+}
+
 /// The MLP at one process, zero3, from Burn's initialisers with seed 3.
-fn build(comm: &Comm) -> ShardedModel<'_, Blocks<mlp::Mlp>, 2> {
+fn build(comm: &Comm) -> ShardedModel<'_, Blocks<mlp::Mlp, mlp::Points, 2>, 2> {
     let size = mlp::MlpConfig {
         width: 16,
         depth: 2,
     };
     Shard::blocks("hidden")
+        .pieces(pieces())
         .seed(3)
         .build(comm, |d| size.init(d), Device::flex())
         .unwrap()
@@ -125,7 +135,7 @@ fn each_optimizer_trains_as_burns_own() {
         let mut losses = Vec::new();
         for step in 0..STEPS {
             let grads = sharded
-                .backward(&[mlp::Points::draw(step, 0, BATCH)])
+                .backward(&[mlp::draw(step, 0, BATCH, &Device::flex())])
                 .unwrap();
             losses.push(grads.loss());
             sharded.apply(grads, ours.as_ref(), lr).unwrap();
@@ -182,8 +192,10 @@ fn each_optimizer_trains_as_burns_own() {
         weight_decay: 0.0,
         decay_on: DecayOn::Matrices,
     };
-    let step = |m: &mut ShardedModel<'_, Blocks<mlp::Mlp>, 2>, i: u64| {
-        let g = m.backward(&[mlp::Points::draw(i, 0, BATCH)]).unwrap();
+    let step = |m: &mut ShardedModel<'_, Blocks<mlp::Mlp, mlp::Points, 2>, 2>, i: u64| {
+        let g = m
+            .backward(&[mlp::draw(i, 0, BATCH, &Device::flex())])
+            .unwrap();
         let loss = g.loss();
         m.apply(g, &sgd, 5e-2).unwrap();
         loss
@@ -204,6 +216,7 @@ fn each_optimizer_trains_as_burns_own() {
         };
         let checkpoint = open();
         Shard::blocks("hidden")
+            .pieces(pieces())
             .preset(Preset::Zero2)
             .resume(&checkpoint)
             .build(&comm, |d| size.init(d), Device::flex())
@@ -214,7 +227,9 @@ fn each_optimizer_trains_as_burns_own() {
     let after: Vec<f64> = (5..10).map(|i| step(&mut resumed, i)).collect();
     assert_eq!(after, through[5..], "SGD resumed from its checkpoint");
     let mut wrong = resume();
-    let g = wrong.backward(&[mlp::Points::draw(5, 0, BATCH)]).unwrap();
+    let g = wrong
+        .backward(&[mlp::draw(5, 0, BATCH, &Device::flex())])
+        .unwrap();
     match wrong.apply(
         g,
         &AdamW {

@@ -149,6 +149,9 @@ pub struct ShardedModel<'c, S: Staged<D>, const D: usize> {
     /// Whether a step has compared each recomputed unit's output with its forward's (the
     /// first backward of this model does, see [`step`]'s `check_recompute`).
     recompute_checked: bool,
+    /// The application's record a save keeps when its options carry none
+    /// ([`Shard::record`](crate::Shard::record)).
+    record: serde_json::Map<String, serde_json::Value>,
 }
 
 /// What a [`ShardedModel`] is laid out by: a configuration, which it plans from the module's
@@ -289,6 +292,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             adam_step: 0,
             restored_residuals: false,
             recompute_checked: false,
+            record: serde_json::Map::new(),
         };
         model.refresh_primary()?;
         Ok(model)
@@ -315,15 +319,40 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         self.adam_step
     }
 
+    /// The same model, keeping `record` in every save whose options carry none.
+    pub(crate) fn with_record(
+        mut self,
+        record: serde_json::Map<String, serde_json::Value>,
+    ) -> Self {
+        self.record = record;
+        self
+    }
+
+    /// `options`, with the build's record when they carry none.
+    fn with_own_record<'o>(
+        &self,
+        options: &'o crate::SaveOptions,
+    ) -> std::borrow::Cow<'o, crate::SaveOptions> {
+        if options.app.is_empty() && !self.record.is_empty() {
+            std::borrow::Cow::Owned(crate::SaveOptions {
+                app: self.record.clone(),
+                ..options.clone()
+            })
+        } else {
+            std::borrow::Cow::Borrowed(options)
+        }
+    }
+
     /// Saves a checkpoint of this model at [`step`](Self::step) into `dir/step-NNNNNN`
     /// ([`checkpoint::save`](crate::checkpoint::save)), with `options`' record of the
-    /// caller's own; returns its directory. Every rank must call it.
+    /// caller's own (or the one the build was given, [`Shard::record`](crate::Shard::record));
+    /// returns its directory. Every rank must call it.
     pub fn save(
         &self,
         dir: &std::path::Path,
         options: &crate::SaveOptions,
     ) -> Result<std::path::PathBuf, ShardError> {
-        crate::checkpoint::save(self, dir, self.adam_step, options)
+        crate::checkpoint::save(self, dir, self.adam_step, &self.with_own_record(options))
     }
 
     /// [`save`](Self::save), written in the background
@@ -335,7 +364,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         dir: &std::path::Path,
         options: &crate::SaveOptions,
     ) -> Result<crate::PendingSave, ShardError> {
-        crate::checkpoint::save_async(self, dir, self.adam_step, options)
+        crate::checkpoint::save_async(self, dir, self.adam_step, &self.with_own_record(options))
     }
 
     /// The names of the optimizer state this model holds besides its master weights, in the
