@@ -197,9 +197,10 @@ impl Comm {
     /// memory, GCDs per GPU from [`GCDS_PER_GPU_ENV`] or 1).
     pub fn from_env() -> Result<Self, CommError> {
         let topology = match std::env::var(TOPOLOGY_ENV) {
-            Ok(spec) => TopologySource::Explicit(Topology::parse(&spec).map_err(|e| {
-                CommError::Topology(format!("{TOPOLOGY_ENV}={spec}: {e}"))
-            })?),
+            Ok(spec) => TopologySource::Explicit(
+                Topology::parse(&spec)
+                    .map_err(|e| CommError::Topology(format!("{TOPOLOGY_ENV}={spec}: {e}")))?,
+            ),
             Err(_) => TopologySource::Detect { gcds_per_gpu: None },
         };
         Self::init(CommConfig {
@@ -207,7 +208,6 @@ impl Comm {
             ..CommConfig::default()
         })
     }
-
 
     /// Starts MPI (with `MPI_THREAD_MULTIPLE`: the watchdog aborts from its thread and
     /// communication threads issue collectives), resolves the topology and creates every

@@ -20,9 +20,7 @@ pub mod quantized;
 pub mod topology;
 
 pub use collective::Reduce;
-pub use comm::{
-    Comm, CommConfig, Disagreement, Group, PanicPolicy, TOPOLOGY_ENV, TopologySource,
-};
+pub use comm::{Comm, CommConfig, Disagreement, Group, PanicPolicy, TOPOLOGY_ENV, TopologySource};
 pub use counters::{Counters, OffGpu, Op, Role, Traffic};
 pub use element::{Bf16, Dtype, Element};
 pub use error::CommError;

@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! cargo build --release -p ember-sharding --example moe
-//! mpirun -np 4 --oversubscribe target/release/examples/moe --shard hier3 --topology 1x2x2
+//! mpirun -np 4 --oversubscribe -x EMBER_TOPOLOGY=1x2x2 target/release/examples/moe --shard hier3
 //! target/release/examples/moe --steps 60
 //! ```
 //!
@@ -22,7 +22,7 @@ use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{gelu, log_softmax, softmax};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
-use ember_comm::{Comm, CommConfig, Topology, TopologySource};
+use ember_comm::Comm;
 use ember_sharding::{AdamW, BlockModel, BlockOutput, Preset, Rows, Shard, ShardError};
 
 /// The model's size.
@@ -361,23 +361,12 @@ fn main() {
             .position(|a| a == name)
             .and_then(|i| args.get(i + 1).cloned())
     };
-    let topology = match flag("--topology").map(|t| (Topology::parse(&t), t)) {
-        Some((Ok(t), _)) => TopologySource::Explicit(t),
-        Some((Err(e), t)) => {
-            eprintln!("--topology {t}: {e}");
-            std::process::exit(2);
-        }
-        None => TopologySource::Detect { gcds_per_gpu: None },
-    };
     let steps = flag("--steps").and_then(|s| s.parse().ok()).unwrap_or(60);
     let result = flag("--shard")
         .unwrap_or_else(|| "zero3".into())
         .parse::<Preset>()
         .and_then(|preset| {
-            let comm = Comm::init(CommConfig {
-                topology,
-                ..CommConfig::default()
-            })?;
+            let comm = Comm::from_env()?;
             train(&comm, preset, steps)
         });
     if let Err(e) = result {

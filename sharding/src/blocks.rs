@@ -9,18 +9,17 @@
 use std::fmt;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::kind::Basic;
 use burn::tensor::{Device, Tensor};
 use ember_comm::Comm;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::checkpoint::Checkpoint;
-use crate::config::{PRESETS, ShardConfig};
+use crate::config::{Preset, ShardConfig};
 use crate::engine::ShardedModel;
 use crate::error::ShardError;
 use crate::params::{param_shapes, take_value};
@@ -254,73 +253,6 @@ impl<M: Module + Clone, B, const D: usize> Staged<D> for Blocks<M, B, D> {
                 }
             }
         }
-    }
-}
-
-/// The sharding presets, by the names the CLI and checkpoints use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Preset {
-    /// Everything replicated; gradients all-reduced (PyTorch DDP).
-    Ddp,
-    /// Optimizer state sharded over the world.
-    Zero1,
-    /// Optimizer state and gradients sharded.
-    Zero2,
-    /// Parameters too (FSDP2 `fully_shard`, DeepSpeed stage 3).
-    Zero3,
-    /// ZeRO-3 with int8 weight gathers, an int8 secondary copy per node and int8 two-hop
-    /// gradients (DeepSpeed ZeRO++).
-    Zeropp,
-    /// ZeRO++ with the secondary copy and every hop following the topology's levels.
-    Hier3,
-}
-
-impl Preset {
-    /// Every preset, in the order of [`PRESETS`].
-    pub const ALL: [Preset; 6] = [
-        Preset::Ddp,
-        Preset::Zero1,
-        Preset::Zero2,
-        Preset::Zero3,
-        Preset::Zeropp,
-        Preset::Hier3,
-    ];
-
-    /// Its name (`zero3`).
-    pub fn name(self) -> &'static str {
-        PRESETS[Self::ALL
-            .iter()
-            .position(|p| *p == self)
-            .expect("every preset is listed")]
-    }
-
-    /// Its configuration for a topology of `depth` levels.
-    pub fn config(self, depth: usize) -> ShardConfig {
-        ShardConfig::preset(self.name(), depth).expect("every preset has a configuration")
-    }
-}
-
-impl fmt::Display for Preset {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Preset {
-    type Err = ShardError;
-
-    fn from_str(s: &str) -> Result<Self, ShardError> {
-        Self::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| {
-                ShardError::setting(
-                    "preset",
-                    s,
-                    format!("not a preset; use one of {}", PRESETS.join(", ")),
-                )
-            })
     }
 }
 

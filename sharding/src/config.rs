@@ -24,6 +24,7 @@
 //! `rank mod size`, the index flat collectives over that group use.
 
 use std::fmt;
+use std::str::FromStr;
 
 use burn::tensor::DType;
 use ember_comm::Topology;
@@ -138,7 +139,7 @@ impl Compute {
 #[serde(try_from = "Flat", into = "Flat")]
 pub struct ShardConfig {
     /// Preset this was built from (informational; the fields below are what runs).
-    pub preset: String,
+    pub preset: Preset,
     /// Where the optimizer state, gradients and parameters live.
     pub states: States,
     /// Elements per quantization block (one f32 scale each).
@@ -217,7 +218,7 @@ pub enum Params {
 /// combine into a [`ShardConfig`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Flat {
-    preset: String,
+    preset: Preset,
     params: Span,
     secondary: Option<Span>,
     optimizer: Span,
@@ -348,8 +349,84 @@ impl fmt::Display for Recompute {
     }
 }
 
-/// Preset names, from plain data parallelism to the three-level hierarchy.
-pub const PRESETS: [&str; 6] = ["ddp", "zero1", "zero2", "zero3", "zeropp", "hier3"];
+/// The sharding presets, by the names the CLI and checkpoints use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Preset {
+    /// Everything replicated; gradients all-reduced (PyTorch DDP).
+    Ddp,
+    /// Optimizer state sharded over the world.
+    Zero1,
+    /// Optimizer state and gradients sharded.
+    Zero2,
+    /// Parameters too (FSDP2 `fully_shard`, DeepSpeed stage 3).
+    Zero3,
+    /// ZeRO-3 with int8 weight gathers, an int8 secondary copy per node and int8 two-hop
+    /// gradients (DeepSpeed ZeRO++).
+    Zeropp,
+    /// ZeRO++ with the secondary copy and every hop following the topology's levels.
+    Hier3,
+}
+
+impl Preset {
+    /// Every preset, from plain data parallelism to the three-level hierarchy.
+    pub const ALL: [Preset; 6] = [
+        Preset::Ddp,
+        Preset::Zero1,
+        Preset::Zero2,
+        Preset::Zero3,
+        Preset::Zeropp,
+        Preset::Hier3,
+    ];
+
+    /// Its name (`zero3`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Ddp => "ddp",
+            Preset::Zero1 => "zero1",
+            Preset::Zero2 => "zero2",
+            Preset::Zero3 => "zero3",
+            Preset::Zeropp => "zeropp",
+            Preset::Hier3 => "hier3",
+        }
+    }
+
+    /// Every preset's name, for messages: `ddp, zero1, ...`.
+    pub fn names() -> String {
+        Self::ALL.map(Preset::name).join(", ")
+    }
+
+    /// Its configuration for a topology of `depth` levels (the level spans depend on it).
+    /// Presets are defined for any depth: `zeropp`'s secondary is the outermost-but-one level
+    /// (the node on a three-level topology), `hier3`'s the innermost shared one (the GPU's GCD
+    /// pair).
+    pub fn config(self, depth: usize) -> ShardConfig {
+        ShardConfig::of_preset(self, depth)
+    }
+}
+
+impl fmt::Display for Preset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Preset {
+    type Err = ShardError;
+
+    fn from_str(s: &str) -> Result<Self, ShardError> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                ShardError::setting(
+                    "preset",
+                    s,
+                    format!("not a preset; use one of {}", Self::names()),
+                )
+            })
+    }
+}
 
 /// Default quantization block. Smaller blocks track the gradient's local scale better at the
 /// cost of one f32 scale per block (6% more bytes than the int4 data at 128, 3% at 256).
@@ -360,9 +437,9 @@ pub const DEFAULT_QUANT_BLOCK: usize = 128;
 
 impl ShardConfig {
     /// Everything replicated (DDP), in f32, one unit prefetched.
-    fn replicated(preset: &str) -> Self {
+    fn replicated(preset: Preset) -> Self {
         ShardConfig {
-            preset: preset.to_string(),
+            preset,
             states: States::Replicated,
             quant_block: DEFAULT_QUANT_BLOCK,
             compute: Compute::F32,
@@ -371,10 +448,8 @@ impl ShardConfig {
         }
     }
 
-    /// A preset on a topology of `depth` levels (the level spans depend on it). Presets are
-    /// defined for any depth: `zeropp`'s secondary is the outermost-but-one level (the node on
-    /// a three-level topology), `hier3`'s the innermost shared one (the GPU's GCD pair).
-    pub fn preset(name: &str, depth: usize) -> Result<Self, ShardError> {
+    /// A preset on a topology of `depth` levels ([`Preset::config`]).
+    fn of_preset(preset: Preset, depth: usize) -> Self {
         let world = Span(depth);
         let sharded = |inner_hops: Vec<Span>, shard_grads, quantize_grads, params| {
             States::Sharded(Sharded {
@@ -394,12 +469,12 @@ impl ShardConfig {
             secondary,
             quantize_weights,
         };
-        let states = match name {
-            "ddp" => States::Replicated,
-            "zero1" => sharded(vec![], false, None, Params::Replicated),
-            "zero2" => sharded(vec![], true, None, Params::Replicated),
-            "zero3" => sharded(vec![], true, None, split(None, WeightQuant::Off)),
-            "zeropp" => sharded(
+        let states = match preset {
+            Preset::Ddp => States::Replicated,
+            Preset::Zero1 => sharded(vec![], false, None, Params::Replicated),
+            Preset::Zero2 => sharded(vec![], true, None, Params::Replicated),
+            Preset::Zero3 => sharded(vec![], true, None, split(None, WeightQuant::Off)),
+            Preset::Zeropp => sharded(
                 if depth >= 2 {
                     vec![Span(depth - 1)]
                 } else {
@@ -413,7 +488,7 @@ impl ShardConfig {
             // gradients accumulated over the node (the path's last inner hop), the optimizer
             // state over the world; only a step's last micro-batch sends gradients across
             // nodes.
-            "hier3" => States::Sharded(Sharded {
+            Preset::Hier3 => States::Sharded(Sharded {
                 optimizer: world,
                 inner_hops: (1..depth).map(Span).collect(),
                 shard_grads: true,
@@ -421,18 +496,11 @@ impl ShardConfig {
                 quantize_grads: int4,
                 params: split(Some(Span(1.min(depth))), WeightQuant::Int8),
             }),
-            other => {
-                return Err(ShardError::setting(
-                    "preset",
-                    other,
-                    format!("not a preset; use one of {}", PRESETS.join(", ")),
-                ));
-            }
         };
-        Ok(ShardConfig {
+        ShardConfig {
             states,
-            ..ShardConfig::replicated(name)
-        })
+            ..ShardConfig::replicated(preset)
+        }
     }
 
     /// The split optimizer state's settings (`None` when everything is replicated).
@@ -772,8 +840,8 @@ mod tests {
     #[test]
     fn every_preset_is_valid_on_every_test_topology() {
         for spec in ["1", "2x1x1", "1x2x2", "2x2x2", "2x4x1", "4x1x2"] {
-            for p in PRESETS {
-                let c = ShardConfig::preset(p, 3).unwrap();
+            for p in Preset::ALL {
+                let c = p.config(3);
                 c.validate(&t(spec))
                     .unwrap_or_else(|e| panic!("{p} at {spec}: {e}"));
             }
@@ -782,31 +850,31 @@ mod tests {
 
     #[test]
     fn presets_put_each_state_on_its_level() {
-        let hier3 = ShardConfig::preset("hier3", 3).unwrap();
+        let hier3 = Preset::Hier3.config(3);
         assert_eq!(hier3.grad_hops(), vec![Span(1), Span(2), Span(3)]);
         assert_eq!(hier3.secondary(), Some(Span(1)));
         assert_eq!(hier3.accumulate(), Some(Span(2)));
-        let zpp = ShardConfig::preset("zeropp", 3).unwrap();
+        let zpp = Preset::Zeropp.config(3);
         assert_eq!(zpp.grad_hops(), vec![Span(2), Span(3)]);
         assert_eq!(zpp.secondary(), Some(Span(2)));
         assert_eq!(zpp.accumulate(), None);
-        let ddp = ShardConfig::preset("ddp", 3).unwrap();
+        let ddp = Preset::Ddp.config(3);
         assert_eq!((ddp.params(), ddp.optimizer()), (Span(0), Span(0)));
-        let z1 = ShardConfig::preset("zero1", 3).unwrap();
-        let z2 = ShardConfig::preset("zero2", 3).unwrap();
+        let z1 = Preset::Zero1.config(3);
+        let z2 = Preset::Zero2.config(3);
         assert!(!z1.shard_grads() && z2.shard_grads());
-        assert!(ShardConfig::preset("zero4", 3).is_err());
+        assert!("zero4".parse::<Preset>().is_err());
     }
 
     #[test]
     fn settings_that_mean_nothing_are_refused_with_the_reason() {
-        let mut ddp = ShardConfig::preset("ddp", 3).unwrap();
+        let mut ddp = Preset::Ddp.config(3);
         let e = ddp
             .set_quantize_grads(GradQuant::Int4)
             .unwrap_err()
             .to_string();
         assert!(e.contains("all-reduced"), "{e}");
-        let mut zero1 = ShardConfig::preset("zero1", 3).unwrap();
+        let mut zero1 = Preset::Zero1.config(3);
         let e = zero1
             .set_quantize_weights(WeightQuant::Int8)
             .unwrap_err()
@@ -814,7 +882,7 @@ mod tests {
         assert!(e.contains("never gathered"), "{e}");
         let e = zero1.set_secondary(Some(Span(1))).unwrap_err().to_string();
         assert!(e.contains("needs partitioned parameters"), "{e}");
-        let mut zero3 = ShardConfig::preset("zero3", 3).unwrap();
+        let mut zero3 = Preset::Zero3.config(3);
         let e = zero3.set_error_feedback(true).unwrap_err().to_string();
         assert!(e.contains("set quantize_grads to int4"), "{e}");
         // Turning something off is always fine.
@@ -825,27 +893,27 @@ mod tests {
     #[test]
     fn spans_the_topology_cannot_hold_are_refused() {
         let topo = t("2x2x2");
-        let mut c = ShardConfig::preset("zero3", 3).unwrap();
+        let mut c = Preset::Zero3.config(3);
         c.set_secondary(Some(Span(3))).unwrap();
         let e = c.validate(&topo).unwrap_err().to_string();
         assert!(e.contains("smaller group"), "{e}");
-        let mut c = ShardConfig::preset("hier3", 3).unwrap();
+        let mut c = Preset::Hier3.config(3);
         if let States::Sharded(s) = &mut c.states {
             s.inner_hops = vec![Span(2), Span(1)];
         }
         let e = c.validate(&topo).unwrap_err().to_string();
         assert!(e.contains("widen strictly"), "{e}");
         // Gradients accumulate only where hops remain beyond.
-        let mut c = ShardConfig::preset("zero3", 3).unwrap();
+        let mut c = Preset::Zero3.config(3);
         c.set_accumulate(Some(Span(2))).unwrap();
         let e = c.validate(&topo).unwrap_err().to_string();
         assert!(e.contains("one hop"), "{e}");
-        let mut c = ShardConfig::preset("hier3", 3).unwrap();
+        let mut c = Preset::Hier3.config(3);
         c.set_accumulate(Some(Span(3))).unwrap();
         let e = c.validate(&topo).unwrap_err().to_string();
         assert!(e.contains("gpu, node"), "{e}");
-        let e = ShardConfig::preset("zero1", 3)
-            .unwrap()
+        let e = Preset::Zero1
+            .config(3)
             .set_accumulate(Some(Span(2)))
             .unwrap_err()
             .to_string();
@@ -854,8 +922,8 @@ mod tests {
 
     #[test]
     fn the_disk_form_is_read_back_and_checked() {
-        for p in PRESETS {
-            let c = ShardConfig::preset(p, 3).unwrap();
+        for p in Preset::ALL {
+            let c = p.config(3);
             let json = serde_json::to_string(&c).unwrap();
             assert!(json.contains("\"grad_hops\""), "{json}");
             assert_eq!(
@@ -865,15 +933,13 @@ mod tests {
             );
         }
         // Parameters split over the node while the optimizer state spans the world.
-        let mut flat: serde_json::Value =
-            serde_json::to_value(ShardConfig::preset("zero3", 3).unwrap()).unwrap();
+        let mut flat: serde_json::Value = serde_json::to_value(Preset::Zero3.config(3)).unwrap();
         flat["params"] = serde_json::json!(2);
         let e = serde_json::from_value::<ShardConfig>(flat)
             .unwrap_err()
             .to_string();
         assert!(e.contains("exactly like"), "{e}");
-        let mut flat: serde_json::Value =
-            serde_json::to_value(ShardConfig::preset("zero3", 3).unwrap()).unwrap();
+        let mut flat: serde_json::Value = serde_json::to_value(Preset::Zero3.config(3)).unwrap();
         flat["grad_hops"] = serde_json::json!([2]);
         let e = serde_json::from_value::<ShardConfig>(flat)
             .unwrap_err()
@@ -885,7 +951,7 @@ mod tests {
     fn non_preset_combinations_are_accepted() {
         let topo = t("2x2x2");
         // HSDP-like: everything split inside the node, replicated across nodes.
-        let mut c = ShardConfig::preset("zero3", 3).unwrap();
+        let mut c = Preset::Zero3.config(3);
         c.states = States::Sharded(Sharded {
             optimizer: Span(2),
             inner_hops: vec![Span(1)],
@@ -903,7 +969,7 @@ mod tests {
         c.validate(&topo).unwrap();
         // ZeRO-3 with a whole copy per rank kept through backward (FSDP's
         // reshard_after_forward=False).
-        let mut c = ShardConfig::preset("zero3", 3).unwrap();
+        let mut c = Preset::Zero3.config(3);
         c.set_secondary(Some(Span(0))).unwrap();
         c.validate(&topo).unwrap();
     }

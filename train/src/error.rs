@@ -137,18 +137,18 @@ pub fn flagged(field: &str, value: &str, reason: &str, fix: Option<(&str, &str)>
 mod tests {
     use super::*;
     use ember_comm::Topology;
-    use ember_sharding::{GradQuant, ShardConfig};
+    use ember_sharding::{GradQuant, Preset};
 
     #[test]
     fn library_settings_are_told_in_flags_with_the_fix_the_library_names() {
         let topology = Topology::parse("2x2x1").unwrap();
-        let mut c = ShardConfig::preset("ddp", topology.depth()).unwrap();
+        let mut c = Preset::Ddp.config(topology.depth());
         let e = CliError::from(c.set_quantize_grads(GradQuant::Int4).unwrap_err());
         assert_eq!(e.exit_code(), 2);
         let text = e.to_string();
         assert!(text.starts_with("--quantize-grads int4: "), "{text}");
         assert!(text.ends_with("; use --quantize-grads off"), "{text}");
-        let mut c = ShardConfig::preset("zero3", topology.depth()).unwrap();
+        let mut c = Preset::Zero3.config(topology.depth());
         let text = CliError::from(c.set_error_feedback(true).unwrap_err()).to_string();
         assert!(text.starts_with("--error-feedback: "), "{text}");
         assert!(text.ends_with("; use --quantize-grads int4"), "{text}");

@@ -48,7 +48,7 @@ pub struct Index {
     /// Its manifest.
     pub manifest: Manifest,
     /// Optimizer updates applied.
-    pub adam_step: u64,
+    pub updates: u64,
     /// The optimizer states held besides `param`, in the optimizer's order.
     kinds: Vec<String>,
     files: Vec<(PathBuf, File)>,
@@ -88,7 +88,7 @@ impl Index {
             .collect();
         let mut files = Vec::new();
         let mut pieces: HashMap<String, Vec<Piece>> = HashMap::new();
-        let mut adam_step = None;
+        let mut updates = None;
         let mut stated: Option<Vec<String>> = None;
         let mut seen = BTreeSet::new();
         for entry in &manifest.files {
@@ -115,7 +115,7 @@ impl Index {
                 .get(ADAM_STEP_KEY)
                 .and_then(|s| s.parse().ok())
                 .ok_or_else(|| bad(format!("no {ADAM_STEP_KEY} metadata")))?;
-            if *adam_step.get_or_insert(step) != step {
+            if *updates.get_or_insert(step) != step {
                 return Err(bad(format!(
                     "its Adam step {step} differs from the other shards'"
                 )));
@@ -199,7 +199,7 @@ impl Index {
         }
         Ok(Self {
             dir: dir.to_path_buf(),
-            adam_step: adam_step.ok_or_else(|| {
+            updates: updates.ok_or_else(|| {
                 ShardError::Io(format!(
                     "{}: the checkpoint has no rank file",
                     dir.display()

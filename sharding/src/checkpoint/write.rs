@@ -46,7 +46,7 @@ pub trait ShardView {
     /// The partition the model runs.
     fn plan(&self) -> &Plan;
     /// Optimizer updates applied so far.
-    fn adam_step(&self) -> u64;
+    fn updates(&self) -> u64;
     /// Whether this rank writes its optimizer shard (the first of the ranks holding it).
     fn is_writer(&self) -> bool;
     /// The optimizer's state names besides the master weights, in their stored order.
@@ -605,7 +605,7 @@ impl RankFiles {
                     LAYOUT_KEY.to_string(),
                     serde_json::to_string(&layout).expect("ranges serialise"),
                 ),
-                (ADAM_STEP_KEY.to_string(), sharded.adam_step().to_string()),
+                (ADAM_STEP_KEY.to_string(), sharded.updates().to_string()),
                 (
                     STATE_KEY.to_string(),
                     serde_json::to_string(sharded.state_names()).expect("names serialise"),

@@ -143,7 +143,7 @@ pub struct ShardedModel<'c, S: Staged<D>, const D: usize> {
     /// The names of the optimizer state each shard holds (empty until the first update of a
     /// model that did not resume).
     state_names: Vec<String>,
-    adam_step: u64,
+    updates: u64,
     residuals: Vec<Residuals>,
     restored_residuals: bool,
     /// Whether a step has compared each recomputed unit's output with its forward's (the
@@ -289,7 +289,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             primary: Vec::new(),
             optimizer,
             state_names: moments.map_or_else(Vec::new, |(kinds, _)| kinds.to_vec()),
-            adam_step: 0,
+            updates: 0,
             restored_residuals: false,
             recompute_checked: false,
             record: serde_json::Map::new(),
@@ -316,7 +316,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
     /// Optimizer updates applied so far (from the checkpoint's count after a resume): the
     /// number of the step to run next, counting from 0.
     pub fn step(&self) -> u64 {
-        self.adam_step
+        self.updates
     }
 
     /// The same model, keeping `record` in every save whose options carry none.
@@ -352,7 +352,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         dir: &std::path::Path,
         options: &crate::SaveOptions,
     ) -> Result<std::path::PathBuf, ShardError> {
-        crate::checkpoint::save(self, dir, self.adam_step, &self.with_own_record(options))
+        crate::checkpoint::save(self, dir, self.updates, &self.with_own_record(options))
     }
 
     /// [`save`](Self::save), written in the background
@@ -364,7 +364,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
         dir: &std::path::Path,
         options: &crate::SaveOptions,
     ) -> Result<crate::PendingSave, ShardError> {
-        crate::checkpoint::save_async(self, dir, self.adam_step, &self.with_own_record(options))
+        crate::checkpoint::save_async(self, dir, self.updates, &self.with_own_record(options))
     }
 
     /// The names of the optimizer state this model holds besides its master weights, in the
@@ -442,7 +442,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
                 index.read(kind, name, range)
             })),
         )?;
-        model.adam_step = index.adam_step;
+        model.updates = index.updates;
         if model.plan.config.error_feedback() {
             let stored = agree(comm, index.residuals(comm.rank()))?;
             if let Some((layout, values)) = stored

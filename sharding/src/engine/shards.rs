@@ -178,8 +178,8 @@ impl<S: Staged<D>, const D: usize> ShardView for ShardedModel<'_, S, D> {
         &self.plan
     }
 
-    fn adam_step(&self) -> u64 {
-        self.adam_step
+    fn updates(&self) -> u64 {
+        self.updates
     }
 
     fn is_writer(&self) -> bool {

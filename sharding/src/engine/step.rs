@@ -233,7 +233,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
                 self.optimizer.len()
             )));
         }
-        if self.state_names.is_empty() && self.adam_step == 0 {
+        if self.state_names.is_empty() && self.updates == 0 {
             for shard in &mut self.optimizer {
                 shard.state.slots = names
                     .iter()
@@ -255,13 +255,13 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         }
         let cfg = &self.plan.config;
         let mut closing_s = 0.0;
-        self.adam_step += 1;
+        self.updates += 1;
         for (u, g) in grads.units.into_iter().enumerate() {
             // The primary may be the master itself: let go of it first, so the update owns
             // the buffer (on host memory it then updates in place).
             self.primary[u] = Tensor::empty([0], &self.device);
             optimizer.update_scaled(
-                self.adam_step,
+                self.updates,
                 lr,
                 &mut self.optimizer[u].state,
                 g,

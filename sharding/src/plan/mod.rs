@@ -619,7 +619,7 @@ impl Collective {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::DEFAULT_QUANT_BLOCK;
+    use crate::config::{DEFAULT_QUANT_BLOCK, Preset};
     use crate::plan::schedule::Event;
 
     fn units() -> Vec<UnitSpec> {
@@ -644,7 +644,7 @@ mod tests {
 
     fn plan(preset: &str, spec: &str) -> Plan {
         let t = Topology::parse(spec).unwrap();
-        Plan::new(units(), ShardConfig::preset(preset, 3).unwrap(), t).unwrap()
+        Plan::new(units(), preset.parse::<Preset>().unwrap().config(3), t).unwrap()
     }
 
     #[test]
@@ -694,7 +694,7 @@ mod tests {
             },
         ];
         let t = Topology::parse(spec).unwrap();
-        Plan::new(units, ShardConfig::preset(preset, 3).unwrap(), t).unwrap()
+        Plan::new(units, preset.parse::<Preset>().unwrap().config(3), t).unwrap()
     }
 
     #[test]
@@ -791,7 +791,7 @@ mod tests {
     #[test]
     fn f32_modules_over_bf16_parameters_hold_the_units_they_compute_with_in_f32() {
         let bf16 = |preset: &str| {
-            let mut c = ShardConfig::preset(preset, 3).unwrap();
+            let mut c = preset.parse::<Preset>().unwrap().config(3);
             c.compute = Compute::Bf16;
             Plan::new(units(), c, Topology::parse("2x2x2").unwrap()).unwrap()
         };

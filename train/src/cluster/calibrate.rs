@@ -41,7 +41,7 @@ pub fn profile_toml(c: &Cluster) -> Result<String> {
         rank_tflops: f64,
         peak_tflops: f64,
         mfu: f64,
-        cpu: &'a ember_sharding::plumbing::profile::CpuProfile,
+        cpu: &'a ember_sharding::plan::profile::CpuProfile,
     }
     let names = ["gcd", "gpu", "node"].map(String::from);
     let file = File {
@@ -121,7 +121,7 @@ pub fn calibrate(
     let tcp = |tier: &str| tcp_byte_s.get(tier).copied().unwrap_or(0.0);
     Ok(Measured {
         rank_tflops: cores_per_rank / flop_s / 1e12,
-        cpu: ember_sharding::plumbing::profile::CpuProfile {
+        cpu: ember_sharding::plan::profile::CpuProfile {
             cores_per_rank,
             // A shared-memory message is copied out and in.
             message_byte_s: vec![
@@ -204,7 +204,7 @@ fn kernel_costs() -> (f64, f64, f64) {
 /// Seconds per FLOP and per parameter a visit computes, fitted to two single-process, one-thread
 /// runs of the engine on the calibration model (1 and 4 sequences).
 fn engine_costs(c: &Calibration, optimizer_element_s: f64) -> Result<(f64, f64)> {
-    use ember_sharding::plumbing::schedule::Event;
+    use ember_sharding::plan::schedule::Event;
     let exe = std::env::current_exe().context("locating this binary")?;
     let one = Topology::parse("1").expect("valid");
     let mut points = Vec::new();
@@ -237,7 +237,7 @@ fn engine_costs(c: &Calibration, optimizer_element_s: f64) -> Result<(f64, f64)>
                 )
             })?;
         let step_s = row["step_ms_median"].as_f64().unwrap_or(f64::NAN) / 1e3;
-        let mut shard = ember_sharding::ShardConfig::preset("zero3", 3).expect("a preset");
+        let mut shard = ember_sharding::Preset::Zero3.config(3);
         shard.recompute = ember_sharding::Recompute::None;
         let plan = crate::tools::planning::gpt_plan(
             &c.model,

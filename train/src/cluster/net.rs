@@ -199,7 +199,7 @@ fn build(spec: &ClusterSpec, topology: &Topology, calibration: &Calibration) -> 
         mpi: None,
         measured: Measured {
             rank_tflops: 0.0,
-            cpu: ember_sharding::plumbing::profile::CpuProfile {
+            cpu: ember_sharding::plan::profile::CpuProfile {
                 cores_per_rank: 0.0,
                 message_byte_s: Vec::new(),
                 copy_byte_s: 0.0,

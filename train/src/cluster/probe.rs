@@ -187,8 +187,8 @@ pub const PROBE_BYTES: usize = 256 << 10;
 /// their mean flow efficiency. Rank 0 writes the result to `out`.
 pub fn probe_links(out: &Path) -> Result<()> {
     use ember_comm::{Comm, CommConfig, Op, Scope};
-    use ember_sharding::plumbing::network::Network;
-    use ember_sharding::plumbing::plan::{Collective, Levels};
+    use ember_sharding::plan::network::Network;
+    use ember_sharding::plan::{Collective, Levels};
     const PER_RANK: usize = PROBE_BYTES;
     let comm = Comm::init(CommConfig::default())?;
     let t = comm.topology().clone();
@@ -196,7 +196,7 @@ pub fn probe_links(out: &Path) -> Result<()> {
         .map_err(|_| anyhow!("{CLUSTER_ENV} is not set: run the probe through ember cluster"))?;
     let spec = Cluster::load(Path::new(&state))?.spec;
     let shaped = [f64::INFINITY, spec.gpu_link_mbit, spec.uplink_mbit].map(|m| m / 8e3);
-    let mut unit = ember_sharding::plumbing::profile::Profile::frontier();
+    let mut unit = ember_sharding::plan::profile::Profile::frontier();
     unit.link_gbps = Some(t.levels().iter().map(|l| (l.name.clone(), 1.0)).collect());
     let mut net = Network::new(&t, &unit);
     // The slowest rank's time of `f`, from a common start.

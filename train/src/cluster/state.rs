@@ -85,7 +85,7 @@ pub struct Measured {
     /// Sustained TFLOP/s of one rank when every rank computes.
     pub rank_tflops: f64,
     /// The CPU costs of communication and of the engine's bookkeeping.
-    pub cpu: ember_sharding::plumbing::profile::CpuProfile,
+    pub cpu: ember_sharding::plan::profile::CpuProfile,
     /// What the compute rate was measured on.
     pub calibration: String,
 }

@@ -117,8 +117,8 @@ pub struct Loaded {
     pub manifest: Manifest,
     /// ember's record in it.
     pub run: RunRecord,
-    /// Adam's step counter.
-    pub adam_step: u64,
+    /// The optimizer updates it holds.
+    pub updates: u64,
     /// Every parameter's state, in manifest order.
     pub tensors: Vec<TensorState>,
 }
@@ -147,7 +147,7 @@ pub fn load(dir: &Path) -> Result<Loaded> {
         .collect::<Result<Vec<_>>>()?;
     Ok(Loaded {
         dir: index.dir.clone(),
-        adam_step: index.adam_step,
+        updates: index.updates,
         manifest: index.manifest.clone(),
         run,
         tensors,

@@ -370,7 +370,7 @@ pub fn traffic_by_name(comm: &Comm, traffic: &ember_comm::Counters) -> BTreeMap<
         .entries()
         .filter(|(_, _, t)| t.sent > 0)
         .map(|(scope, op, t)| {
-            let levels = ember_sharding::plumbing::plan::levels_of(scope, topology.depth());
+            let levels = ember_sharding::plan::levels_of(scope, topology.depth());
             (format!("{}/{}", levels.name(topology), op.name()), t.sent)
         })
         .collect()

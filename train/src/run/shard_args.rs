@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 use ember_comm::{Comm, CommConfig, PanicPolicy, Topology, TopologySource};
-use ember_sharding::{GradQuant, Recompute, ShardConfig, ShardError, Span, WeightQuant};
+use ember_sharding::{GradQuant, Preset, Recompute, ShardConfig, ShardError, Span, WeightQuant};
 
 use crate::error::{CliResult, usage};
 use crate::run::config::Dtype;
@@ -143,7 +143,7 @@ impl ShardArgs {
     /// The preset with the per-state flags applied, validated against `topology`.
     pub fn resolve(&self, topology: &Topology, dtype: Dtype) -> CliResult<ShardConfig> {
         let preset = self.shard.as_deref().unwrap_or("ddp");
-        let mut c = ShardConfig::preset(preset, topology.depth())?;
+        let mut c = preset.parse::<Preset>()?.config(topology.depth());
         if let Some(s) = &self.secondary {
             c.set_secondary(level_or_none("--secondary", s, topology)?)?;
         }

@@ -9,8 +9,8 @@ use ember_data::Batch;
 use ember_model::init::init_range;
 use ember_model::init::splitmix64;
 use ember_model::{DropoutKey, Gpt, GptConfig, Tokens, cross_entropy};
-use ember_sharding::plumbing::plan::{ActivationBytes, UnitSpec};
-use ember_sharding::plumbing::stage::assign;
+use ember_sharding::assign;
+use ember_sharding::plan::{ActivationBytes, UnitSpec};
 use ember_sharding::{Flow, ParamSource, ShardError, Staged, UnitDecl};
 
 /// A batch's token ids for `model`. The run's batches are windows of at most `block_size`

@@ -19,7 +19,7 @@ use crate::run::run_loop::{self, Output, Stepped};
 use crate::run::setup::{Purpose, RunArgs, RunSetup};
 use crate::run::shard_args::ShardArgs;
 use crate::tools::planning::estimate;
-use ember_sharding::plumbing::profile::Profile;
+use ember_sharding::plan::profile::Profile;
 
 /// One benchmark result.
 #[derive(Debug, Clone, Serialize)]
@@ -283,9 +283,7 @@ pub fn bench_shard(
         let outermost_bytes = last
             .traffic
             .entries()
-            .filter(|(scope, _, _)| {
-                ember_sharding::plumbing::plan::levels_of(*scope, depth).hi == depth
-            })
+            .filter(|(scope, _, _)| ember_sharding::plan::levels_of(*scope, depth).hi == depth)
             .map(|(_, _, t)| t.sent)
             .sum();
         let vs_ddp = out

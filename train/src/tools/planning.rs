@@ -7,9 +7,9 @@ use std::path::Path;
 
 use ember_comm::Topology;
 use ember_model::GptConfig;
-use ember_sharding::plumbing::plan::TrafficTable;
-use ember_sharding::plumbing::profile::Profile;
-use ember_sharding::{Compute, Memory, Plan, ShardConfig};
+use ember_sharding::plan::TrafficTable;
+use ember_sharding::plan::profile::Profile;
+use ember_sharding::{Compute, Memory, Plan, Preset, ShardConfig};
 use serde::Serialize;
 
 use crate::error::{CliResult, usage};
@@ -234,17 +234,15 @@ pub fn report(
 
 /// The step of `plan` (with its FLOPs) replayed on `profile`'s machine.
 pub fn estimate(plan: &Plan, grad_accum: usize, profile: &Profile) -> Estimate {
-    let timeline = ember_sharding::plumbing::simulate::simulate(plan, grad_accum, profile);
+    let timeline = ember_sharding::plan::simulate::simulate(plan, grad_accum, profile);
     let schedule = plan.schedule(grad_accum);
     let flops = schedule.iter().map(|e| match *e {
-        ember_sharding::plumbing::schedule::Event::Visit(v) if !v.backward => plan.flops[v.stage],
-        ember_sharding::plumbing::schedule::Event::Visit(v) if plan.keeps_graph(v.stage) => {
+        ember_sharding::plan::schedule::Event::Visit(v) if !v.backward => plan.flops[v.stage],
+        ember_sharding::plan::schedule::Event::Visit(v) if plan.keeps_graph(v.stage) => {
             2.0 * plan.flops[v.stage]
         }
-        ember_sharding::plumbing::schedule::Event::Visit(v) => 3.0 * plan.flops[v.stage],
-        ember_sharding::plumbing::schedule::Event::Whole { .. } => {
-            3.0 * plan.flops.iter().sum::<f64>()
-        }
+        ember_sharding::plan::schedule::Event::Visit(v) => 3.0 * plan.flops[v.stage],
+        ember_sharding::plan::schedule::Event::Whole { .. } => 3.0 * plan.flops.iter().sum::<f64>(),
         _ => 0.0,
     });
     Estimate {
@@ -425,10 +423,10 @@ pub fn fitting_presets(
     let config = config.clone();
     let topology = topology.clone();
     move |budget| {
-        ember_sharding::PRESETS
+        Preset::ALL
             .iter()
-            .filter_map(|name| {
-                let mut shard = ShardConfig::preset(name, topology.depth()).ok()?;
+            .filter_map(|preset| {
+                let mut shard = preset.config(topology.depth());
                 shard.compute = config.dtype.into();
                 let plan = gpt_plan(
                     &config.model,
@@ -442,7 +440,7 @@ pub fn fitting_presets(
                 .ok()?;
                 let total = plan.memory(config.grad_accum).total();
                 (total <= budget)
-                    .then(|| format!("--shard {name} ({:.2} GB per rank)", total as f64 / 1e9))
+                    .then(|| format!("--shard {preset} ({:.2} GB per rank)", total as f64 / 1e9))
             })
             .collect()
     }
