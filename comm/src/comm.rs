@@ -435,6 +435,22 @@ impl Comm {
         }
     }
 
+    /// `result` on every rank once all have one ([`agree`](Self::agree) on its error's
+    /// message): a failure on any rank fails every rank, this rank's own error where it failed
+    /// itself, else `other_rank`'s error naming the lowest failing rank and its message.
+    pub fn agreed<T, E: std::fmt::Display>(
+        &self,
+        result: Result<T, E>,
+        other_rank: impl FnOnce(Disagreement) -> E,
+    ) -> Result<T, E> {
+        let mine = result.as_ref().err().map(|e| e.to_string());
+        match self.agree(mine.as_deref()) {
+            Ok(()) => result,
+            Err(failure) if failure.rank == self.rank() => result,
+            Err(failure) => Err(other_rank(failure)),
+        }
+    }
+
     /// Runtime of MPI's wall clock, identical in meaning on every rank.
     pub fn wtime(&self) -> f64 {
         mpi::time()

@@ -153,6 +153,24 @@ fn library_misuse_returns_errors_instead_of_panicking() {
         }
         other => panic!("a resume under another record gave {other:?}"),
     }
+    // One process sends nothing: hier3 and zeropp neither quantize its weights nor keep a
+    // secondary copy, and train exactly as zero3 (their gradients' hops move nothing either).
+    let losses = |preset: Preset| -> Vec<f64> {
+        let mut model = Shard::blocks("hidden")
+            .pieces(pieces())
+            .preset(preset)
+            .build(&comm, init, Device::flex())
+            .unwrap();
+        (0..5)
+            .map(|step| {
+                let batch = mlp::draw(step, 0, 16, &Device::flex());
+                model.train_step(&[batch], &hyper).unwrap().loss
+            })
+            .collect()
+    };
+    let zero3 = losses(Preset::Zero3);
+    assert_eq!(losses(Preset::Hier3), zero3, "hier3 at one process");
+    assert_eq!(losses(Preset::Zeropp), zero3, "zeropp at one process");
     // A unit that does not use its input: a model error naming the unit.
     let skeleton = init(&Device::flex());
     let stages = DetachedInput(Blocks::of(&skeleton, "hidden", pieces()).unwrap());

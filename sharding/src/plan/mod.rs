@@ -404,6 +404,22 @@ impl Plan {
         self.config.params().group_size(&self.topology)
     }
 
+    /// Whether parameter gathers move int8 blocks: configured, and the parameters split over
+    /// more than one rank. Where they are not (one process), a gather moves nothing, and
+    /// quantizing would only round the weights.
+    pub fn quantizes_weights(&self) -> bool {
+        self.config.quantize_weights() == WeightQuant::Int8 && self.params_group_size() > 1
+    }
+
+    /// The span of the secondary parameter copy, where one is kept: configured, and the
+    /// parameters split over more than one rank (one process gathers its whole units from
+    /// the primary partition, which it holds).
+    pub fn secondary(&self) -> Option<Span> {
+        self.config
+            .secondary()
+            .filter(|_| self.params_group_size() > 1)
+    }
+
     /// The group a span partitions over.
     pub fn group(&self, span: Span) -> Levels {
         Levels { lo: 0, hi: span.0 }
@@ -451,9 +467,10 @@ impl Plan {
     pub fn gather_primary_collectives(&self, u: usize) -> Vec<Collective> {
         let c = self.config.compute.bytes();
         let shard = self.shard_len(u, self.config.params());
-        let mut per_rank = match self.config.quantize_weights() {
-            WeightQuant::Off => shard * c,
-            WeightQuant::Int8 => Quantized::wire_bytes(QuantFormat::Int8, self.block(), shard),
+        let mut per_rank = if self.quantizes_weights() {
+            Quantized::wire_bytes(QuantFormat::Int8, self.block(), shard)
+        } else {
+            shard * c
         };
         let mut out = Vec::new();
         for hop in self.hops().into_iter().rev() {
@@ -463,7 +480,7 @@ impl Plan {
                 per_rank *= g;
             }
         }
-        if self.config.quantize_weights() == WeightQuant::Int8
+        if self.quantizes_weights()
             && let Some(last) = out.len().checked_sub(1)
         {
             // The shard is quantized before the first hop, the whole unit dequantized after
@@ -478,9 +495,10 @@ impl Plan {
     /// primary gather delivered) when weights are quantized, else the compute dtype.
     pub fn secondary_bytes(&self, u: usize, span: Span) -> usize {
         let len = self.shard_len(u, span);
-        match self.config.quantize_weights() {
-            WeightQuant::Off => len * self.config.compute.bytes(),
-            WeightQuant::Int8 => Quantized::wire_bytes(QuantFormat::Int8, self.block(), len),
+        if self.quantizes_weights() {
+            Quantized::wire_bytes(QuantFormat::Int8, self.block(), len)
+        } else {
+            len * self.config.compute.bytes()
         }
     }
 
@@ -490,10 +508,11 @@ impl Plan {
         if g > 1 {
             let bytes = self.secondary_bytes(u, span) * g;
             let c = Collective::new(self.group(span), Op::AllGather, bytes as u64);
-            vec![match self.config.quantize_weights() {
-                WeightQuant::Off => c,
-                // The whole unit is dequantized after it.
-                WeightQuant::Int8 => c.quantizing(self.units[u].padded as f64 / 2.0),
+            // The whole unit is dequantized after an int8 gather.
+            vec![if self.quantizes_weights() {
+                c.quantizing(self.units[u].padded as f64 / 2.0)
+            } else {
+                c
             }]
         } else {
             Vec::new()
@@ -786,6 +805,24 @@ mod tests {
         assert_eq!(h3.memory(1).grads, every.memory(1).grads);
         // One node: nothing beyond the node to save, so every hop runs every time.
         assert_eq!(plan("hier3", "1x2x2").accumulated_hops(), None);
+    }
+
+    #[test]
+    fn one_process_neither_quantizes_weights_nor_keeps_a_secondary_copy() {
+        for preset in ["zeropp", "hier3"] {
+            let alone = plan(preset, "1x1x1");
+            assert!(
+                !alone.quantizes_weights() && alone.secondary().is_none(),
+                "{preset}"
+            );
+            assert_eq!(alone.memory(1).secondary, 0, "{preset}");
+            assert!(alone.gather_primary_collectives(1).is_empty(), "{preset}");
+            let split = plan(preset, "1x2x2");
+            assert!(
+                split.quantizes_weights() && split.secondary().is_some(),
+                "{preset}"
+            );
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use serde::Serialize;
 
-use crate::config::{Compute, GradQuant, Recompute, Span, WeightQuant};
+use crate::config::{Compute, GradQuant, Recompute, Span};
 use crate::plan::{Collective, Levels, Memory, Plan, TrafficTable, Visit};
 use ember_comm::counters::Op;
 use ember_comm::quant::{QuantFormat, Quantized};
@@ -97,7 +97,7 @@ impl Plan {
                         continue;
                     }
                     for &unit in &self.units[next.stage].needs {
-                        let source = match cfg.secondary() {
+                        let source = match self.secondary() {
                             None => Source::Primary,
                             Some(_) if has_secondary[unit] => Source::Secondary,
                             Some(_) => {
@@ -134,7 +134,7 @@ impl Plan {
     /// The collectives of one event of the schedule, in the order they run (none for visits).
     pub fn collectives(&self, event: Event) -> Vec<Collective> {
         match event {
-            Event::Gather { unit, source } => match (source, self.config.secondary()) {
+            Event::Gather { unit, source } => match (source, self.secondary()) {
                 (Source::Secondary, Some(span)) => self.gather_secondary_collectives(unit, span),
                 _ => self.gather_primary_collectives(unit),
             },
@@ -216,7 +216,7 @@ impl Plan {
         } else {
             sum(&|u| self.shard_len(u, cfg.params()) as u64 * c)
         };
-        let secondary = cfg
+        let secondary = self
             .secondary()
             .map_or(0, |s| sum(&|u| self.secondary_bytes(u, s) as u64));
         let grads = if cfg.shard_grads() {
@@ -256,8 +256,8 @@ impl Plan {
             .filter(|h| h.size(&self.topology) > 1)
             .count();
         let gather_staging = |u: usize, source: Source| -> u64 {
-            match (cfg.quantize_weights(), source) {
-                (WeightQuant::Int8, _) => {
+            match (self.quantizes_weights(), source) {
+                (true, _) => {
                     let wire = Quantized::wire_bytes(
                         QuantFormat::Int8,
                         self.block(),
@@ -271,9 +271,9 @@ impl Plan {
                     // Dequantized in f32, then cast when computing in bf16.
                     copies * wire + if c == 4 { 0 } else { 4 * padded(u) }
                 }
-                (WeightQuant::Off, Source::Secondary) => 0,
-                (WeightQuant::Off, _) if live_hops > 1 => padded(u) * c,
-                (WeightQuant::Off, _) => 0,
+                (false, Source::Secondary) => 0,
+                (false, _) if live_hops > 1 => padded(u) * c,
+                (false, _) => 0,
             }
         };
         // A reduction's staging: an all-reduce's result and its mean (replicated optimizer

@@ -18,7 +18,7 @@ use ember_comm::quant::{BlockSize, QuantFormat, Quantized};
 use ember_comm::{Bf16, ShardLayout};
 use ember_comm::{Comm, Group, Scope};
 
-use crate::config::{Compute, GradQuant, Span, WeightQuant};
+use crate::config::{Compute, GradQuant, Span};
 use crate::error::ShardError;
 use crate::plan::schedule::Source;
 use crate::plan::{Levels, Plan, levels_of};
@@ -294,7 +294,6 @@ pub(crate) fn gather_flow<'e>(
     let path = path_of(plan)?;
     if source == Source::Secondary {
         let span = plan
-            .config
             .secondary()
             .expect("the schedule gathers from a secondary copy only when one is configured");
         let group = plan.group(span);
@@ -337,9 +336,9 @@ pub(crate) fn gather_flow<'e>(
     let hops = gather_hops(plan);
     let live = hops.len();
     let keep = (source == Source::PrimaryToSecondary)
-        .then_some(plan.config.secondary())
+        .then_some(plan.secondary())
         .flatten();
-    let quantized = plan.config.quantize_weights() == WeightQuant::Int8;
+    let quantized = plan.quantizes_weights();
     let shard_len = plan.shard_len(u, plan.config.params());
     // The first stage starts from the shard: its host values, or its int8 wire form.
     let start = move || -> Carry {
@@ -706,15 +705,10 @@ fn exchange(
 /// Every rank learns whether every rank's `result` is `Ok`; a failure on any rank fails all
 /// of them, each naming the first failing rank and its message.
 pub(crate) fn agree<T>(comm: &Comm, result: Result<T, ShardError>) -> Result<T, ShardError> {
-    let mine = result.as_ref().err().map(|e| e.to_string());
-    match comm.agree(mine.as_deref()) {
-        Ok(()) => result,
-        Err(failure) if failure.rank == comm.rank() => result,
-        Err(failure) => Err(ShardError::OtherRank {
-            rank: failure.rank,
-            message: failure.message,
-        }),
-    }
+    comm.agreed(result, |failure| ShardError::OtherRank {
+        rank: failure.rank,
+        message: failure.message,
+    })
 }
 
 /// The sum of `x` over the ranks of `levels` (no communication for a group of one).

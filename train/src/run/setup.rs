@@ -708,16 +708,9 @@ pub fn load_data(comm: &Comm, c: &TrainConfig) -> CliResult<PreparedData> {
 /// `result` on every rank of `comm` once all have one: a failure on any rank fails every
 /// rank, the others naming the failing rank and its error.
 pub fn agreed<T>(comm: &Comm, result: CliResult<T>) -> CliResult<T> {
-    let mine = result.as_ref().err().map(|e| e.to_string());
-    match comm.agree(mine.as_deref()) {
-        Ok(()) => result,
-        Err(f) if f.rank == comm.rank() => result,
-        Err(f) => Err(CliError::Runtime(anyhow!(
-            "rank {} failed: {}",
-            f.rank,
-            f.message
-        ))),
-    }
+    comm.agreed(result, |f| {
+        CliError::Runtime(anyhow!("rank {} failed: {}", f.rank, f.message))
+    })
 }
 
 /// The batch plan of this rank, refusing a global batch that does not divide.
