@@ -21,6 +21,7 @@
 //! step loss over the world).
 
 pub mod network;
+pub mod policy;
 pub mod profile;
 pub mod schedule;
 pub mod simulate;

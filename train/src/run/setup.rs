@@ -11,6 +11,7 @@ use anyhow::anyhow;
 use burn::tensor::Device;
 use ember_comm::Comm;
 use ember_data::{DataError, PreparedData, STREAM_TRAIN, STREAM_VAL};
+use ember_sharding::plan::policy::{self, Candidates, Decision};
 use ember_sharding::{Compute, Plan, Recompute, ShardConfig, Span};
 
 use crate::error::{CliError, CliResult, InitFromMismatch, usage};
@@ -372,12 +373,13 @@ impl RunSetup {
             .map_err(|e| self.origins.explain(e))
     }
 
-    /// [`RunSetup::plan`], its messages not yet explained.
-    fn plan_of(&self, comm: &Comm, mut shard: ShardConfig, choose: bool) -> CliResult<Plan> {
+    /// [`RunSetup::plan`], its messages not yet explained: the planner's policy
+    /// ([`policy::choose`]) over this run's candidates, its decisions said on rank 0.
+    fn plan_of(&self, comm: &Comm, shard: ShardConfig, choose: bool) -> CliResult<Plan> {
         let compute = shard.compute;
         let local = planning::module_dtype(compute, self.config.device);
         // Every rank takes part, so that all of them plan alike.
-        let module = if compute != Compute::F32
+        let fast = if compute != Compute::F32
             && comm
                 .agree((local != compute).then_some("no bf16 dot-product instructions"))
                 .is_err()
@@ -386,134 +388,75 @@ impl RunSetup {
         } else {
             compute
         };
-        let plan = |shard: ShardConfig| self.plan_in(comm, shard, module);
-        if !choose || shard.params() == Span(0) {
-            return self.choose_module_dtype(comm, plan(shard)?);
+        let mut candidates = RunCandidates { setup: self, comm };
+        let (plan, decisions) = policy::choose(&mut candidates, shard, fast, choose)?;
+        for decision in decisions {
+            self.say(comm.rank(), decision);
         }
-        shard.recompute = Recompute::None;
-        let keep = plan(shard.clone())?;
-        let (everywhere, total) = self.fits_everywhere(comm, &keep);
-        log0!(
-            comm.rank(),
-            "recompute {}: keeping every unit's activations and parameters for backward needs \
-             {:.2} GB per rank{}{}",
-            if everywhere { "none" } else { "unit" },
-            total as f64 / 1e9,
-            if module == compute {
-                ""
-            } else {
-                " (computing in f32)"
-            },
-            if everywhere {
-                ", which fits"
-            } else {
-                ", more than this machine has: each unit is recomputed in backward"
-            }
-        );
-        if everywhere {
-            return self.choose_module_dtype(comm, keep);
-        }
-        shard.recompute = Recompute::Unit;
-        self.choose_module_dtype(comm, plan(shard)?)
+        Ok(plan)
     }
 
-    /// The plan of `shard` for this run, its modules computing in `module`.
-    fn plan_in(&self, comm: &Comm, shard: ShardConfig, module: Compute) -> CliResult<Plan> {
-        let c = &self.config;
-        let plan = run_plan(c, comm.topology(), shard)?;
-        if plan.module_dtype == module {
-            return Ok(plan);
-        }
-        Ok(planning::with_gpt_estimates(
-            plan.computing_in(module)?,
-            &c.model,
-            c.batch_size,
-            c.grad_accum,
-            c.block_size,
-            c.device,
-        )?)
-    }
-
-    /// `plan`, or, when its modules compute in f32 over bf16 parameters: at one rank, the
-    /// same plan all in f32 where that fits (nothing is sent, so bf16 parameters would save
-    /// nothing); otherwise, where `plan` does not fit the memory available on every rank's
-    /// machine, the same plan computing in bf16. Says which on rank 0. Every rank reaches
-    /// the same branch: the plan is the same everywhere.
-    fn choose_module_dtype(&self, comm: &Comm, plan: Plan) -> CliResult<Plan> {
-        let compute = plan.config.compute;
-        if plan.module_dtype == compute {
-            if compute == Compute::Bf16 && self.config.device == DeviceKind::Flex {
-                say_once(
-                    comm.rank(),
-                    format_args!(
-                        "--dtype bf16: forward and backward compute in bf16 on the CPU's bf16 \
-                         dot-product instructions (AVX512_BF16), with f32 sums"
-                    ),
-                );
-            }
-            return Ok(plan);
-        }
+    /// Says `decision` on rank 0.
+    fn say(&self, rank: usize, decision: Decision) {
+        let gb = |bytes: u64| bytes as f64 / 1e9;
         let why = "--dtype bf16: a CPU of this job has no bf16 dot-product instructions \
                    (AVX512_BF16), or EMBER_BF16_DOT=0, so bf16 arithmetic would be slower than \
                    f32 there";
-        if comm.topology().world_size() == 1 {
-            // One rank sends nothing, so bf16 parameters would save no bytes; beside the f32
-            // masters they would only add a copy and two casts per step.
-            let mut shard = plan.config.clone();
-            shard.compute = Compute::F32;
-            let wide = self.plan_in(comm, shard, Compute::F32)?;
-            let (fits, total) = self.fits_everywhere(comm, &wide);
-            if fits {
-                say_once(
-                    comm.rank(),
-                    format_args!(
-                        "{why}, and one rank sends nothing, so bf16 parameters would only add a \
-                         copy and casts: the run trains in f32, as with --dtype f32 ({:.2} GB \
-                         per rank, which fits)",
-                        total as f64 / 1e9
-                    ),
-                );
-                return Ok(wide);
-            }
-        }
-        let (everywhere, total) = self.fits_everywhere(comm, &plan);
-        if everywhere {
-            say_once(
-                comm.rank(),
+        match decision {
+            Decision::Recompute {
+                keep,
+                bytes,
+                widened,
+            } => log0!(
+                rank,
+                "recompute {}: keeping every unit's activations and parameters for backward \
+                 needs {:.2} GB per rank{}{}",
+                if keep { "none" } else { "unit" },
+                gb(bytes),
+                if widened { " (computing in f32)" } else { "" },
+                if keep {
+                    ", which fits"
+                } else {
+                    ", more than this machine has: each unit is recomputed in backward"
+                }
+            ),
+            Decision::Bf16 if self.config.device == DeviceKind::Flex => say_once(
+                rank,
+                format_args!(
+                    "--dtype bf16: forward and backward compute in bf16 on the CPU's bf16 \
+                     dot-product instructions (AVX512_BF16), with f32 sums"
+                ),
+            ),
+            Decision::Bf16 => {}
+            Decision::AllF32 { bytes } => say_once(
+                rank,
+                format_args!(
+                    "{why}, and one rank sends nothing, so bf16 parameters would only add a \
+                     copy and casts: the run trains in f32, as with --dtype f32 ({:.2} GB per \
+                     rank, which fits)",
+                    gb(bytes)
+                ),
+            ),
+            Decision::F32OverBf16 { bytes } => say_once(
+                rank,
                 format_args!(
                     "{why}: forward and backward compute in f32 over bf16 parameters, which \
                      are still held, gathered and reduced in bf16 ({:.2} GB per rank, which \
                      fits)",
-                    total as f64 / 1e9
+                    gb(bytes)
                 ),
-            );
-            return Ok(plan);
-        }
-        let narrow = self.plan_in(comm, plan.config.clone(), compute)?;
-        say_once(
-            comm.rank(),
-            format_args!(
-                "{why}; computing in f32 over bf16 parameters would need {:.2} GB per rank, \
-                 more than this machine has, so the run computes in bf16 ({:.2} GB per rank) \
-                 and its steps are slower than with --dtype f32",
-                total as f64 / 1e9,
-                narrow.memory(self.config.grad_accum).total() as f64 / 1e9
             ),
-        );
-        Ok(narrow)
-    }
-
-    /// Whether `plan` fits the memory available on every rank's machine, and its total per
-    /// rank.
-    fn fits_everywhere(&self, comm: &Comm, plan: &Plan) -> (bool, u64) {
-        let memory = plan.memory(self.config.grad_accum);
-        let fits =
-            planning::check_memory(&memory, comm.ranks_on_this_node(), false, |_| Vec::new())
-                .is_ok();
-        (
-            comm.agree((!fits).then_some("no room")).is_ok(),
-            memory.total(),
-        )
+            Decision::Bf16ForMemory { wide, narrow } => say_once(
+                rank,
+                format_args!(
+                    "{why}; computing in f32 over bf16 parameters would need {:.2} GB per \
+                     rank, more than this machine has, so the run computes in bf16 ({:.2} GB \
+                     per rank) and its steps are slower than with --dtype f32",
+                    gb(wide),
+                    gb(narrow)
+                ),
+            ),
+        }
     }
 
     /// Refuses, on every rank, a run whose plan times the ranks on this machine exceeds the
@@ -570,6 +513,43 @@ impl RunSetup {
             };
             usage(format!("{e}{hint}"))
         })
+    }
+}
+
+/// A run's candidate plans for the planner's policy: this run's GPT estimates, and whether a
+/// plan fits the memory available on every rank's machine (agreed among the ranks).
+struct RunCandidates<'a> {
+    setup: &'a RunSetup,
+    comm: &'a Comm,
+}
+
+impl Candidates for RunCandidates<'_> {
+    type Error = CliError;
+
+    fn plan(&self, shard: ShardConfig, module: Compute) -> CliResult<Plan> {
+        let c = &self.setup.config;
+        let plan = run_plan(c, self.comm.topology(), shard)?;
+        if plan.module_dtype == module {
+            return Ok(plan);
+        }
+        Ok(planning::with_gpt_estimates(
+            plan.computing_in(module)?,
+            &c.model,
+            c.batch_size,
+            c.grad_accum,
+            c.block_size,
+            c.device,
+        )?)
+    }
+
+    fn fits(&mut self, plan: &Plan) -> (bool, u64) {
+        let memory = plan.memory(self.setup.config.grad_accum);
+        let ranks = self.comm.ranks_on_this_node();
+        let fits = planning::check_memory(&memory, ranks, false, |_| Vec::new()).is_ok();
+        (
+            self.comm.agree((!fits).then_some("no room")).is_ok(),
+            memory.total(),
+        )
     }
 }
 

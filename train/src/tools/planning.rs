@@ -8,6 +8,7 @@ use std::path::Path;
 use ember_comm::Topology;
 use ember_model::GptConfig;
 use ember_sharding::plan::TrafficTable;
+use ember_sharding::plan::policy::{self, Candidates};
 use ember_sharding::plan::profile::Profile;
 use ember_sharding::{Compute, Memory, Plan, Preset, ShardConfig};
 use serde::Serialize;
@@ -176,31 +177,18 @@ pub fn report(
     profile
         .validate(topology.depth())
         .map_err(|e| usage(format!("--profile: {e}")))?;
-    let of = |shard: ShardConfig| {
-        gpt_plan(
-            model,
-            topology,
-            shard,
-            batch_size,
-            grad_accum,
-            model.block_size,
-            config.device,
-        )
-        .map_err(|e| usage(format!("--shard: {e}")))
-    };
     let asked = shard.compute;
-    let mut plan = of(shard.clone())?;
-    if world == 1 && plan.module_dtype != asked {
-        // As `ember train` does: one rank sends nothing, so bf16 parameters computing in f32
-        // would only add a copy and casts; it trains all in f32 where that fits.
-        let wide = of(ShardConfig {
-            compute: Compute::F32,
-            ..shard
-        })?;
-        if check_memory(&wide.memory(grad_accum), 1, false, |_| Vec::new()).is_ok() {
-            plan = wide;
-        }
-    }
+    let mut candidates = PlanCandidates {
+        model,
+        topology,
+        batch_size,
+        grad_accum,
+        block_size: model.block_size,
+        device: config.device,
+    };
+    let fast = module_dtype(asked, config.device);
+    let (plan, _) = policy::choose(&mut candidates, shard, fast, false)
+        .map_err(|e| usage(format!("--shard: {e}")))?;
     let memory = plan.memory(grad_accum);
     let table: TrafficTable = plan.traffic(grad_accum);
     let traffic = table
@@ -230,6 +218,52 @@ pub fn report(
         traffic,
         estimate,
     })
+}
+
+/// The candidate plans of `ember plan` for the planner's policy, as `ember train` makes them
+/// (the same estimates). Whether one fits is known only for a run of one rank, on this
+/// machine; a plan of several ranks is for machines elsewhere, and is taken as fitting.
+struct PlanCandidates<'a> {
+    model: &'a GptConfig,
+    topology: &'a Topology,
+    batch_size: usize,
+    grad_accum: usize,
+    block_size: usize,
+    device: DeviceKind,
+}
+
+impl Candidates for PlanCandidates<'_> {
+    type Error = ember_sharding::ShardError;
+
+    fn plan(&self, shard: ShardConfig, module: Compute) -> Result<Plan, Self::Error> {
+        let plan = gpt_plan(
+            self.model,
+            self.topology,
+            shard,
+            self.batch_size,
+            self.grad_accum,
+            self.block_size,
+            self.device,
+        )?;
+        if plan.module_dtype == module {
+            return Ok(plan);
+        }
+        with_gpt_estimates(
+            plan.computing_in(module)?,
+            self.model,
+            self.batch_size,
+            self.grad_accum,
+            self.block_size,
+            self.device,
+        )
+    }
+
+    fn fits(&mut self, plan: &Plan) -> (bool, u64) {
+        let memory = plan.memory(self.grad_accum);
+        let fits = self.topology.world_size() > 1
+            || check_memory(&memory, 1, false, |_| Vec::new()).is_ok();
+        (fits, memory.total())
+    }
 }
 
 /// The step of `plan` (with its FLOPs) replayed on `profile`'s machine.
