@@ -90,8 +90,9 @@
 //!   reduced [`Gradients`], with the loss and the global norm, to read, scale or clip.
 //! - [`ShardedModel::apply`] updates the parameters with any [`Optimizer`]: [`AdamW`],
 //!   [`Adam`] and [`Sgd`] ship, each matching Burn's optimizer of the same name, and each
-//!   `Default` to PyTorch's defaults (`torch.optim.AdamW`: betas 0.9 and 0.999, eps 1e-8,
-//!   weight decay 0.01 on every parameter).
+//!   `Default` to PyTorch's defaults: `torch.optim.AdamW`'s betas 0.9 and 0.999, eps 1e-8,
+//!   weight decay 0.01 on every parameter; `torch.optim.Adam`'s the same without weight
+//!   decay; `torch.optim.SGD`'s no momentum, dampening, weight decay or Nesterov.
 //!   [`ShardedModel::train_step`] is both calls with clipping ([`StepHyper`]: AdamW unless
 //!   it names another optimizer).
 //! - [`ShardedModel::save`] writes every rank's own ranges to a safetensors checkpoint, with
@@ -172,6 +173,11 @@
 //! | `zero3` | world | world | world | none | DeepSpeed ZeRO-3; FSDP2 `fully_shard` per block and root |
 //! | `zeropp` | world, secondary copy per node | node, then world | world | int8 weights, int4 gradients | DeepSpeed ZeRO++ (qwZ, hpZ, qgZ) |
 //! | `hier3` | world, secondary copy per GPU | GPU and node every micro-batch, accumulated over the node, then world once per step | world | int8 weights, int4 gradients | the three-level scheme of arXiv 2501.04266 |
+//!
+//! A program run without `mpirun` is a world of one rank ([`Comm::from_env`](ember_comm::Comm::from_env)),
+//! and every preset trains there. Nothing is sent, so nothing is quantized and no secondary
+//! copy is kept: `zeropp` and `hier3` train exactly as `zero3` does
+//! ([`Plan::quantizes_weights`], [`Plan::secondary`]).
 //!
 //! Other equivalents: [`Shard::blocks`] is FSDP2's `fully_shard` on each block and on the
 //! root; one [`UnitDecl`] per block is the same by hand;
