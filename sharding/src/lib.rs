@@ -174,10 +174,10 @@
 //! | `zeropp` | world, secondary copy per node | node, then world | world | int8 weights, int4 gradients | DeepSpeed ZeRO++ (qwZ, hpZ, qgZ) |
 //! | `hier3` | world, secondary copy per GPU | GPU and node every micro-batch, accumulated over the node, then world once per step | world | int8 weights, int4 gradients | the three-level scheme of arXiv 2501.04266 |
 //!
-//! A program run without `mpirun` is a world of one rank ([`Comm::from_env`](ember_comm::Comm::from_env)),
-//! and every preset trains there. Nothing is sent, so nothing is quantized and no secondary
-//! copy is kept: `zeropp` and `hier3` train exactly as `zero3` does
-//! ([`Plan::quantizes_weights`], [`Plan::secondary`]).
+//! A program run without `mpirun` is a world of one rank
+//! ([`Comm::from_env`](ember_comm::Comm::from_env)), and every preset trains there. Nothing
+//! is sent, so nothing is quantized and no secondary copy is kept: `zeropp` and `hier3` train
+//! exactly as `zero3` does ([`Plan::quantizes_weights`], [`Plan::secondary`]).
 //!
 //! Other equivalents: [`Shard::blocks`] is FSDP2's `fully_shard` on each block and on the
 //! root; one [`UnitDecl`] per block is the same by hand;
