@@ -112,6 +112,22 @@ pub fn has_bf16_dot() -> bool {
     }
 }
 
+/// The least speed-up of bf16 dot products over f32 FMA, in multiply-adds per second, for
+/// which computing in bf16 pays ([`bf16_dot_pays`]): the bf16 path rounds its operands and
+/// widens its outputs, so instructions that are only as fast as f32's lose.
+pub const BF16_DOT_PAYS_FROM: f64 = 1.5;
+
+/// Whether forward and backward should compute in bf16 over bf16 parameters on this CPU:
+/// [`has_bf16_dot`], and the CPU's bf16 dot products reach at least
+/// [`BF16_DOT_PAYS_FROM`] times the multiply-adds of its f32 FMA
+/// ([`ember_cpu::bf16_dot_speedup`], measured; `EMBER_BF16_DOT=1` skips the measurement).
+/// Where they do not, bf16 parameters compute in f32, which is faster.
+pub fn bf16_dot_pays() -> bool {
+    has_bf16_dot()
+        && (std::env::var("EMBER_BF16_DOT").as_deref() == Ok("1")
+            || ember_cpu::bf16_dot_speedup().is_some_and(|s| s >= BF16_DOT_PAYS_FROM))
+}
+
 /// A matrix operand of [`product`]: its first element, as f32 values or as bf16 bits.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Src {

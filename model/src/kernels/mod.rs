@@ -36,7 +36,7 @@ use rayon::prelude::*;
 
 use attention::Dims;
 use bf16::Precision;
-pub use bf16::has_bf16_dot;
+pub use bf16::{BF16_DOT_PAYS_FROM, bf16_dot_pays, has_bf16_dot};
 
 /// The fused operations, as a Burn backend extension.
 #[backend_extension(Flex, Autodiff)]

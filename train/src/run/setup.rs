@@ -22,6 +22,7 @@ use crate::run::config::{AsyncSave, DeviceKind, Dtype, TrainConfig, TrainOverrid
 use crate::run::{data, device};
 use crate::tools::planning;
 use crate::tools::planning::run_plan;
+use ember_model::kernels;
 
 /// A checkpoint a run continues.
 #[derive(Debug, Clone)]
@@ -399,9 +400,13 @@ impl RunSetup {
     /// Says `decision` on rank 0.
     fn say(&self, rank: usize, decision: Decision) {
         let gb = |bytes: u64| bytes as f64 / 1e9;
-        let why = "--dtype bf16: a CPU of this job has no bf16 dot-product instructions \
-                   (AVX512_BF16), or EMBER_BF16_DOT=0, so bf16 arithmetic would be slower than \
-                   f32 there";
+        let why = format!(
+            "--dtype bf16: a CPU of this job has no bf16 dot-product instructions \
+             (AVX512_BF16), or ones that do under {:.1}x the multiply-adds of its f32 FMA{}, \
+             or EMBER_BF16_DOT=0, so bf16 arithmetic would be slower than f32 there",
+            kernels::BF16_DOT_PAYS_FROM,
+            measured_here().map_or(String::new(), |s| format!(" (measured here: {s:.2}x)"))
+        );
         match decision {
             Decision::Recompute {
                 keep,
@@ -424,7 +429,10 @@ impl RunSetup {
                 rank,
                 format_args!(
                     "--dtype bf16: forward and backward compute in bf16 on the CPU's bf16 \
-                     dot-product instructions (AVX512_BF16), with f32 sums"
+                     dot-product instructions (AVX512_BF16{}), with f32 sums",
+                    measured_here().map_or(String::new(), |s| format!(
+                        ", measured here at {s:.2}x the multiply-adds of its f32 FMA"
+                    ))
                 ),
             ),
             Decision::Bf16 => {}
@@ -709,6 +717,12 @@ pub fn batch_plan(
             world * c.grad_accum
         )
     })
+}
+
+/// The multiply-adds this CPU's bf16 dot products do per f32 FMA's, measured, for the run's
+/// first lines (said on rank 0, of rank 0's CPU); `None` without them.
+fn measured_here() -> Option<f64> {
+    ember_cpu::bf16_dot_speedup()
 }
 
 /// Says `what` on rank 0 the first time a process chooses how bf16 computes: `ember bench

@@ -141,13 +141,13 @@ pub fn with_gpt_estimates(
 }
 
 /// The dtype a GPT's modules compute in on `device` when its parameters are `compute`: f32
-/// over bf16 parameters on a CPU (`flex`) without bf16 dot-product instructions
-/// (AVX512_BF16), where bf16 arithmetic is slower than f32 ([`Plan::computing_in`]); else
-/// `compute`.
+/// over bf16 parameters on a CPU (`flex`) where bf16 arithmetic does not pay (no bf16
+/// dot-product instructions, or ones measured no faster than its f32 FMA:
+/// [`ember_model::kernels::bf16_dot_pays`]; [`Plan::computing_in`]); else `compute`.
 pub fn module_dtype(compute: Compute, device: DeviceKind) -> Compute {
     if compute == Compute::Bf16
         && device == DeviceKind::Flex
-        && !ember_model::kernels::has_bf16_dot()
+        && !ember_model::kernels::bf16_dot_pays()
     {
         Compute::F32
     } else {
