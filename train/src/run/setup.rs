@@ -400,14 +400,7 @@ impl RunSetup {
     /// Says `decision` on rank 0.
     fn say(&self, rank: usize, decision: Decision) {
         let gb = |bytes: u64| bytes as f64 / 1e9;
-        let why = format!(
-            "--dtype bf16: a CPU of this job has no bf16 dot-product instructions \
-             (AVX512_BF16), or ones that do under {:.1}x the multiply-adds of its f32 FMA{}, \
-             or EMBER_BF16_DOT=0, so bf16 arithmetic would be slower than f32 there",
-            kernels::BF16_DOT_PAYS_FROM,
-            measured_here().map_or(String::new(), |s| format!(" (measured here: {s:.2}x)"))
-        );
-        match decision {
+        let why = why_not_bf16();        match decision {
             Decision::Recompute {
                 keep,
                 bytes,
@@ -723,6 +716,24 @@ pub fn batch_plan(
 /// first lines (said on rank 0, of rank 0's CPU); `None` without them.
 fn measured_here() -> Option<f64> {
     ember_cpu::bf16_dot_speedup()
+}
+
+/// Why bf16 computes in f32 in this job, as rank 0 sees it.
+fn why_not_bf16() -> String {
+    let from = kernels::BF16_DOT_PAYS_FROM;
+    let here = if std::env::var("EMBER_BF16_DOT").as_deref() == Ok("0") {
+        "EMBER_BF16_DOT=0 is set".to_string()
+    } else {
+        match measured_here() {
+            None => "this CPU has no bf16 dot-product instructions (AVX512_BF16)".to_string(),
+            Some(s) if s < from => format!(
+                "this CPU's bf16 dot products do {s:.2}x the multiply-adds of its f32 FMA \
+                 (measured), under the {from:.1}x from which they pay"
+            ),
+            Some(_) => "a CPU of another rank has no bf16 dot products that pay".to_string(),
+        }
+    };
+    format!("--dtype bf16: {here}, so bf16 arithmetic would be slower than f32")
 }
 
 /// Says `what` on rank 0 the first time a process chooses how bf16 computes: `ember bench
