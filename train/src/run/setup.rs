@@ -400,7 +400,8 @@ impl RunSetup {
     /// Says `decision` on rank 0.
     fn say(&self, rank: usize, decision: Decision) {
         let gb = |bytes: u64| bytes as f64 / 1e9;
-        let why = why_not_bf16();        match decision {
+        let why = why_not_bf16();
+        match decision {
             Decision::Recompute {
                 keep,
                 bytes,
