@@ -10,75 +10,20 @@ mod mlp;
 
 use burn::tensor::{Device, Distribution, Tensor};
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
-use ember_sharding::{
-    Blocks, Flow, InitSource, Pieces, Preset, Recompute, Rows, SaveOptions, Shard, ShardError,
-    ShardedModel, Staged, UnitDecl,
-};
-
-/// The MLP's units with unit 1 cut off from its input (a `detach`, as a user might leave in).
-struct DetachedInput(Blocks<mlp::Mlp, mlp::Points, 2>);
-
-impl Staged<2> for DetachedInput {
-    type Module = mlp::Mlp;
-    type Batch = mlp::Points;
-
-    fn units(&self, module: &mlp::Mlp) -> Vec<UnitDecl> {
-        self.0.units(module)
-    }
-
-    fn forward(
-        &self,
-        module: &mlp::Mlp,
-        unit: usize,
-        input: Option<Tensor<2>>,
-        batch: &mlp::Points,
-        device: &Device,
-    ) -> Flow<2> {
-        let input = if unit == 1 {
-            input.map(Tensor::detach)
-        } else {
-            input
-        };
-        self.0.forward(module, unit, input, batch, device)
-    }
-}
-
-/// The MLP's units with unit 1's output multiplied by a dropout mask drawn from the device's
-/// generator: the recomputed forward of backward draws another one.
-struct DeviceDropout(Blocks<mlp::Mlp, mlp::Points, 2>);
-
-impl Staged<2> for DeviceDropout {
-    type Module = mlp::Mlp;
-    type Batch = mlp::Points;
-
-    fn units(&self, module: &mlp::Mlp) -> Vec<UnitDecl> {
-        self.0.units(module)
-    }
-
-    fn forward(
-        &self,
-        module: &mlp::Mlp,
-        unit: usize,
-        input: Option<Tensor<2>>,
-        batch: &mlp::Points,
-        device: &Device,
-    ) -> Flow<2> {
-        match self.0.forward(module, unit, input, batch, device) {
-            Flow::Hidden(h) if unit == 1 => {
-                let keep =
-                    Tensor::<2>::random(h.shape(), Distribution::Bernoulli(0.9), &h.device());
-                Flow::Hidden(h * keep / 0.9)
-            }
-            other => other,
-        }
-    }
-}
+use ember_sharding::{Pieces, Preset, Recompute, Rows, SaveOptions, Shard, ShardError};
 
 /// The three pieces of the MLP's forward, as the example gives them.
 fn pieces() -> Pieces<mlp::Mlp, mlp::Points, 2> {
+    pieces_with(|m, i, h| m.layer(i, h))
+}
+
+/// The MLP's pieces with hidden layer `i` run by `block(model, i, h)`.
+fn pieces_with(
+    block: impl Fn(&mlp::Mlp, usize, Tensor<2>) -> Tensor<2> + Send + Sync + 'static,
+) -> Pieces<mlp::Mlp, mlp::Points, 2> {
     Pieces::new(
         |m: &mlp::Mlp, (x, _): &mlp::Points, _| m.stem(x.clone()),
-        |m, i, h, _| m.layer(i, h),
+        move |m, i, h, _| block(m, i, h),
         |m, h, (_, y), _| m.loss(h, y),
     )
 }
@@ -171,18 +116,13 @@ fn library_misuse_returns_errors_instead_of_panicking() {
     let zero3 = losses(Preset::Zero3);
     assert_eq!(losses(Preset::Hier3), zero3, "hier3 at one process");
     assert_eq!(losses(Preset::Zeropp), zero3, "zeropp at one process");
-    // A unit that does not use its input: a model error naming the unit.
-    let skeleton = init(&Device::flex());
-    let stages = DetachedInput(Blocks::of(&skeleton, "hidden", pieces()).unwrap());
-    let mut model = ShardedModel::new(
-        &comm,
-        stages,
-        skeleton,
-        Preset::Zero3.config(comm.topology().depth()),
-        Device::flex(),
-        &mut InitSource::new(init(&Device::flex()), 7),
-    )
-    .unwrap();
+    // A unit that does not use its input (unit 1, whose layer's input is cut off by a
+    // `detach`, as a user might leave in): a model error naming the unit.
+    let mut model = Shard::blocks("hidden")
+        .seed(7)
+        .pieces(pieces_with(|m, i, h| m.layer(i, h.detach())))
+        .build(&comm, init, Device::flex())
+        .unwrap();
     match model.train_step(&[mlp::draw(0, 0, 4, &Device::flex())], &hyper) {
         Err(ShardError::Model(m)) => {
             assert!(m.contains("unit 1 of 2 does not use its input"), "{m}")
@@ -193,20 +133,25 @@ fn library_misuse_returns_errors_instead_of_panicking() {
     // naming the unit and the rule; with every unit's graph kept (no recompute), it trains.
     let deep = mlp::MlpConfig { width: 8, depth: 2 };
     let deep_init = |d: &Device| deep.init(d);
+    // Unit 1's output is multiplied by a mask drawn from the device's generator: the
+    // recomputed forward of backward draws another one.
     let dropout = |recompute: Recompute| {
-        let skeleton = deep_init(&Device::flex());
-        let stages = DeviceDropout(Blocks::of(&skeleton, "hidden", pieces()).unwrap());
         let mut config = Preset::Zero3.config(comm.topology().depth());
         config.recompute = recompute;
-        ShardedModel::new(
-            &comm,
-            stages,
-            skeleton,
-            config,
-            Device::flex(),
-            &mut InitSource::new(deep_init(&Device::flex()), 7),
-        )
-        .unwrap()
+        Shard::blocks("hidden")
+            .config(config)
+            .seed(7)
+            .pieces(pieces_with(|m, i, h| {
+                let h = m.layer(i, h);
+                if i > 0 {
+                    return h;
+                }
+                let keep =
+                    Tensor::<2>::random(h.shape(), Distribution::Bernoulli(0.9), &h.device());
+                h * keep / 0.9
+            }))
+            .build(&comm, deep_init, Device::flex())
+            .unwrap()
     };
     let points = || mlp::draw(0, 0, 64, &Device::flex());
     match dropout(Recompute::Unit).train_step(&[points()], &hyper) {
@@ -221,16 +166,10 @@ fn library_misuse_returns_errors_instead_of_panicking() {
         kept.train_step(&[points()], &hyper).unwrap();
     }
     // The same units without the mask are not refused (the forward and its recompute agree).
-    let skeleton = deep_init(&Device::flex());
-    let stages = Blocks::of(&skeleton, "hidden", pieces()).unwrap();
-    let mut pure = ShardedModel::new(
-        &comm,
-        stages,
-        skeleton,
-        Preset::Zero3.config(comm.topology().depth()),
-        Device::flex(),
-        &mut InitSource::new(deep_init(&Device::flex()), 7),
-    )
-    .unwrap();
+    let mut pure = Shard::blocks("hidden")
+        .seed(7)
+        .pieces(pieces())
+        .build(&comm, deep_init, Device::flex())
+        .unwrap();
     pure.train_step(&[points()], &hyper).unwrap();
 }

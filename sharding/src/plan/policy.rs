@@ -180,31 +180,28 @@ mod tests {
         }
     }
 
-    fn room(room: u64, ranks: &'static str) -> Room {
-        Room { room, ranks }
-    }
-
-    fn bf16_zero3() -> ShardConfig {
+    /// The policy's choice for bf16 zero3 over `ranks` with `room` bytes per rank, devices
+    /// fastest in `fast`, recompute chosen when `recompute`.
+    fn decide(
+        room: u64,
+        ranks: &'static str,
+        fast: Compute,
+        recompute: bool,
+    ) -> (Plan, Vec<Decision>) {
         let mut shard = Preset::Zero3.config(3);
         shard.compute = Compute::Bf16;
-        shard
+        choose(&mut Room { room, ranks }, shard, fast, recompute).unwrap()
     }
 
     #[test]
     fn graphs_are_kept_where_they_fit_and_recomputed_elsewhere() {
-        let (plan, d) = choose(
-            &mut room(u64::MAX, "2x2x2"),
-            bf16_zero3(),
-            Compute::Bf16,
-            true,
-        )
-        .unwrap();
+        let (plan, d) = decide(u64::MAX, "2x2x2", Compute::Bf16, true);
         assert_eq!(plan.config.recompute, Recompute::None);
         assert!(matches!(
             d[..],
             [Decision::Recompute { keep: true, .. }, Decision::Bf16]
         ));
-        let (plan, d) = choose(&mut room(0, "2x2x2"), bf16_zero3(), Compute::Bf16, true).unwrap();
+        let (plan, d) = decide(0, "2x2x2", Compute::Bf16, true);
         assert_eq!(plan.config.recompute, Recompute::Unit);
         assert!(matches!(d[0], Decision::Recompute { keep: false, .. }));
     }
@@ -212,29 +209,17 @@ mod tests {
     #[test]
     fn slow_bf16_computes_in_f32_where_that_fits() {
         // Several ranks: f32 modules over bf16 parameters where they fit, else bf16.
-        let (plan, d) = choose(
-            &mut room(u64::MAX, "2x2x2"),
-            bf16_zero3(),
-            Compute::F32,
-            false,
-        )
-        .unwrap();
+        let (plan, d) = decide(u64::MAX, "2x2x2", Compute::F32, false);
         assert_eq!(
             (plan.config.compute, plan.module_dtype),
             (Compute::Bf16, Compute::F32)
         );
         assert!(matches!(d[..], [Decision::F32OverBf16 { .. }]));
-        let (plan, d) = choose(&mut room(0, "2x2x2"), bf16_zero3(), Compute::F32, false).unwrap();
+        let (plan, d) = decide(0, "2x2x2", Compute::F32, false);
         assert_eq!(plan.module_dtype, Compute::Bf16);
         assert!(matches!(d[..], [Decision::Bf16ForMemory { wide, narrow }] if narrow < wide));
         // One rank: all in f32 where it fits.
-        let (plan, d) = choose(
-            &mut room(u64::MAX, "1x1x1"),
-            bf16_zero3(),
-            Compute::F32,
-            false,
-        )
-        .unwrap();
+        let (plan, d) = decide(u64::MAX, "1x1x1", Compute::F32, false);
         assert_eq!(
             (plan.config.compute, plan.module_dtype),
             (Compute::F32, Compute::F32)

@@ -21,7 +21,7 @@ use crate::log0;
 use crate::run::config::{AsyncSave, DeviceKind, Dtype, TrainConfig, TrainOverrides};
 use crate::run::{data, device};
 use crate::tools::planning;
-use crate::tools::planning::run_plan;
+use crate::tools::planning::GptRun;
 use ember_model::kernels;
 
 /// A checkpoint a run continues.
@@ -529,19 +529,8 @@ impl Candidates for RunCandidates<'_> {
     type Error = CliError;
 
     fn plan(&self, shard: ShardConfig, module: Compute) -> CliResult<Plan> {
-        let c = &self.setup.config;
-        let plan = run_plan(c, self.comm.topology(), shard)?;
-        if plan.module_dtype == module {
-            return Ok(plan);
-        }
-        Ok(planning::with_gpt_estimates(
-            plan.computing_in(module)?,
-            &c.model,
-            c.batch_size,
-            c.grad_accum,
-            c.block_size,
-            c.device,
-        )?)
+        let run = GptRun::of(&self.setup.config, self.comm.topology());
+        Ok(run.plan(shard, module)?)
     }
 
     fn fits(&mut self, plan: &Plan) -> (bool, u64) {

@@ -119,25 +119,70 @@ pub fn gpt_plan(
     device: DeviceKind,
 ) -> Result<Plan, ember_sharding::ShardError> {
     let module = module_dtype(shard.compute, device);
-    let plan = Plan::new(gpt_units(model), shard, topology.clone())?.computing_in(module)?;
-    with_gpt_estimates(plan, model, batch_size, grad_accum, block_size, device)
+    let run = GptRun {
+        model,
+        topology,
+        batch_size,
+        grad_accum,
+        block_size,
+        device,
+    };
+    run.plan(shard, module)
 }
 
-/// `plan` with the activations and FLOPs of a GPT micro-batch, in the dtype its modules
-/// compute in: those of the fused CPU kernels on `flex`, of Burn's composed ops elsewhere.
-pub fn with_gpt_estimates(
-    plan: Plan,
-    model: &GptConfig,
-    batch_size: usize,
-    grad_accum: usize,
-    block_size: usize,
-    device: DeviceKind,
-) -> Result<Plan, ember_sharding::ShardError> {
-    let per_rank = batch_size / (plan.topology.world_size() * grad_accum).max(1);
-    let elem = plan.module_dtype.bytes();
-    let fused = device == DeviceKind::Flex;
-    plan.with_activations(gpt_activations(model, per_rank, block_size, elem, fused))?
-        .with_flops(gpt_flops(model, per_rank, block_size))
+/// A GPT run as the planner sees it: the model, the ranks, the batch and the device.
+#[derive(Debug, Clone, Copy)]
+pub struct GptRun<'a> {
+    /// The model.
+    pub model: &'a GptConfig,
+    /// The ranks.
+    pub topology: &'a Topology,
+    /// Sequences per step, over all ranks.
+    pub batch_size: usize,
+    /// Micro-batches per step.
+    pub grad_accum: usize,
+    /// Tokens per sequence.
+    pub block_size: usize,
+    /// The device every rank computes on.
+    pub device: DeviceKind,
+}
+
+impl<'a> GptRun<'a> {
+    /// The run `c` describes, over `topology`.
+    pub fn of(c: &'a TrainConfig, topology: &'a Topology) -> Self {
+        Self {
+            model: &c.model,
+            topology,
+            batch_size: c.batch_size,
+            grad_accum: c.grad_accum,
+            block_size: c.block_size,
+            device: c.device,
+        }
+    }
+
+    /// The plan of `shard` with its modules computing in `module`, with the activations and
+    /// FLOPs of one rank's micro-batch (of `batch_size / (ranks x grad_accum)` sequences) in
+    /// that dtype: those of the fused CPU kernels on `flex`, of Burn's composed ops
+    /// elsewhere.
+    pub fn plan(
+        &self,
+        shard: ShardConfig,
+        module: Compute,
+    ) -> Result<Plan, ember_sharding::ShardError> {
+        let plan =
+            Plan::new(gpt_units(self.model), shard, self.topology.clone())?.computing_in(module)?;
+        let per_rank = self.batch_size / (self.topology.world_size() * self.grad_accum).max(1);
+        let elem = plan.module_dtype.bytes();
+        let fused = self.device == DeviceKind::Flex;
+        plan.with_activations(gpt_activations(
+            self.model,
+            per_rank,
+            self.block_size,
+            elem,
+            fused,
+        ))?
+        .with_flops(gpt_flops(self.model, per_rank, self.block_size))
+    }
 }
 
 /// The dtype a GPT's modules compute in on `device` when its parameters are `compute`: f32
@@ -178,14 +223,14 @@ pub fn report(
         .validate(topology.depth())
         .map_err(|e| usage(format!("--profile: {e}")))?;
     let asked = shard.compute;
-    let mut candidates = PlanCandidates {
+    let mut candidates = PlanCandidates(GptRun {
         model,
         topology,
         batch_size,
         grad_accum,
         block_size: model.block_size,
         device: config.device,
-    };
+    });
     let fast = module_dtype(asked, config.device);
     let (plan, _) = policy::choose(&mut candidates, shard, fast, false)
         .map_err(|e| usage(format!("--shard: {e}")))?;
@@ -223,44 +268,18 @@ pub fn report(
 /// The candidate plans of `ember plan` for the planner's policy, as `ember train` makes them
 /// (the same estimates). Whether one fits is known only for a run of one rank, on this
 /// machine; a plan of several ranks is for machines elsewhere, and is taken as fitting.
-struct PlanCandidates<'a> {
-    model: &'a GptConfig,
-    topology: &'a Topology,
-    batch_size: usize,
-    grad_accum: usize,
-    block_size: usize,
-    device: DeviceKind,
-}
+struct PlanCandidates<'a>(GptRun<'a>);
 
 impl Candidates for PlanCandidates<'_> {
     type Error = ember_sharding::ShardError;
 
     fn plan(&self, shard: ShardConfig, module: Compute) -> Result<Plan, Self::Error> {
-        let plan = gpt_plan(
-            self.model,
-            self.topology,
-            shard,
-            self.batch_size,
-            self.grad_accum,
-            self.block_size,
-            self.device,
-        )?;
-        if plan.module_dtype == module {
-            return Ok(plan);
-        }
-        with_gpt_estimates(
-            plan.computing_in(module)?,
-            self.model,
-            self.batch_size,
-            self.grad_accum,
-            self.block_size,
-            self.device,
-        )
+        self.0.plan(shard, module)
     }
 
     fn fits(&mut self, plan: &Plan) -> (bool, u64) {
-        let memory = plan.memory(self.grad_accum);
-        let fits = self.topology.world_size() > 1
+        let memory = plan.memory(self.0.grad_accum);
+        let fits = self.0.topology.world_size() > 1
             || check_memory(&memory, 1, false, |_| Vec::new()).is_ok();
         (fits, memory.total())
     }
@@ -478,18 +497,4 @@ pub fn fitting_presets(
             })
             .collect()
     }
-}
-
-/// The plan of `c`'s run with its activation estimate (what `ember plan` prints).
-pub fn run_plan(c: &TrainConfig, topology: &Topology, shard: ShardConfig) -> anyhow::Result<Plan> {
-    gpt_plan(
-        &c.model,
-        topology,
-        shard,
-        c.batch_size,
-        c.grad_accum,
-        c.block_size,
-        c.device,
-    )
-    .map_err(|e| anyhow::anyhow!("{e}"))
 }
