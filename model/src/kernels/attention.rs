@@ -5,8 +5,10 @@
 //! buffer, the softmax runs in place, and the output is written straight into the `[B, T, d]`
 //! layout the output projection reads. Only the saved log-sum-exp of each query's row goes
 //! from forward to backward, which recomputes the probabilities (as flash attention does).
-//! Query rows go in blocks of [`BLOCK`], and a block multiplies only the keys it can see, so
-//! causal masking skips the upper triangle instead of computing and discarding it.
+//! Query rows go in blocks of [`BLOCK`], and every product of a block (scores, output and
+//! their gradients) multiplies only the keys it can see, or, for a block of keys, only the
+//! queries that see it, so causal masking skips the upper triangle instead of computing and
+//! discarding it.
 
 use rayon::prelude::*;
 
@@ -146,19 +148,24 @@ pub(crate) fn forward(qkv: &[f32], dims: Dims, how: Precision) -> (Vec<f32>, Vec
             for (i, (row, lse)) in s.chunks_exact_mut(t).zip(lse.iter_mut()).enumerate() {
                 softmax_row(row, i, lse);
             }
-            // SAFETY: the output block of this head is T rows of stride d, hd columns; no
-            // other task writes it.
-            unsafe {
-                product_in(
-                    how,
-                    [t, dims.hd, t],
-                    (out_ptr.get().add(dims.out_base(task)), d as isize),
-                    (s.as_ptr(), [t as isize, 1]),
-                    (q.add(2 * d), [3 * d as isize, 1]),
-                    1.0,
-                    false,
-                    false,
-                );
+            // O = P V, per query block against the values it sees.
+            let o = out_ptr.get().wrapping_add(dims.out_base(task));
+            for r0 in (0..t).step_by(BLOCK) {
+                let r1 = (r0 + BLOCK).min(t);
+                // SAFETY: the output block of this head is T rows of stride d, hd columns,
+                // and no other task writes it; rows 0..r1 of v are within qkv.
+                unsafe {
+                    product_in(
+                        how,
+                        [r1 - r0, dims.hd, r1],
+                        (o.add(r0 * d), d as isize),
+                        (s[r0 * t..].as_ptr(), [t as isize, 1]),
+                        (q.add(2 * d), [3 * d as isize, 1]),
+                        1.0,
+                        false,
+                        false,
+                    );
+                }
             }
         });
     (out, lse)
@@ -220,39 +227,43 @@ pub(crate) fn backward(
                     dp_row[i + 1..].fill(0.0);
                 }
                 let dq = dqkv_ptr.get().add(base);
-                // dV = P^T dO.
-                product_in(
-                    how,
-                    [t, hd, t],
-                    (dq.add(2 * d), rs3),
-                    (p.as_ptr(), [1, t_s]),
-                    (dout_h, [rs, 1]),
-                    1.0,
-                    false,
-                    false,
-                );
-                // dQ = dS K / sqrt(hd).
-                product_in(
-                    how,
-                    [t, hd, t],
-                    (dq, rs3),
-                    (dp.as_ptr(), [t_s, 1]),
-                    (k, [rs3, 1]),
-                    dims.scale(),
-                    false,
-                    false,
-                );
-                // dK = dS^T Q / sqrt(hd).
-                product_in(
-                    how,
-                    [t, hd, t],
-                    (dq.add(d), rs3),
-                    (dp.as_ptr(), [1, t_s]),
-                    (q, [rs3, 1]),
-                    dims.scale(),
-                    false,
-                    false,
-                );
+                for b0 in (0..t).step_by(BLOCK) {
+                    let b1 = (b0 + BLOCK).min(t);
+                    // As queries, rows b0..b1 see keys 0..b1: dQ = dS K / sqrt(hd).
+                    product_in(
+                        how,
+                        [b1 - b0, hd, b1],
+                        (dq.add(b0 * 3 * d), rs3),
+                        (dp[b0 * t..].as_ptr(), [t_s, 1]),
+                        (k, [rs3, 1]),
+                        dims.scale(),
+                        false,
+                        false,
+                    );
+                    // As keys, rows b0..b1 are seen by queries b0..t: dV = P^T dO and
+                    // dK = dS^T Q / sqrt(hd) over those queries.
+                    let seen = b0 * t + b0;
+                    product_in(
+                        how,
+                        [b1 - b0, hd, t - b0],
+                        (dq.add(2 * d + b0 * 3 * d), rs3),
+                        (p[seen..].as_ptr(), [1, t_s]),
+                        (dout_h.add(b0 * d), [rs, 1]),
+                        1.0,
+                        false,
+                        false,
+                    );
+                    product_in(
+                        how,
+                        [b1 - b0, hd, t - b0],
+                        (dq.add(d + b0 * 3 * d), rs3),
+                        (dp[seen..].as_ptr(), [1, t_s]),
+                        (q.add(b0 * 3 * d), [rs3, 1]),
+                        dims.scale(),
+                        false,
+                        false,
+                    );
+                }
             }
         });
     dqkv
