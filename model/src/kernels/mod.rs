@@ -14,6 +14,8 @@
 //! dot-product instructions where it has them.
 
 mod attention;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod bf16;
 mod linear;
 mod product;

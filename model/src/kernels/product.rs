@@ -1,19 +1,26 @@
-//! The one matrix product the kernels use: `gemm` (the crate flex multiplies with), with
-//! every operand given by its row and column strides, so transposed and strided views (a
-//! head inside the packed q/k/v projection) are read in place.
+//! The one f32 matrix product the kernels use, with every operand given by its row and
+//! column strides, so transposed and strided views (a head inside the packed q/k/v
+//! projection) are read in place: [`avx512`](super::avx512)'s on CPUs with AVX-512, `gemm`'s
+//! (the crate flex multiplies with) elsewhere.
 
 use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+use super::avx512;
 
 /// Products smaller than this many multiply-adds run on one thread.
 const PARALLEL_MACS: usize = 1 << 21;
 /// Output columns per piece when a product is split by columns: a multiple of the widest
-/// `gemm` micro-kernel's 16 lanes.
+/// `gemm` micro-kernel's 16 lanes and of [`avx512::NR`].
 const SPLIT_COLUMNS: usize = 64;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(SPLIT_COLUMNS.is_multiple_of(avx512::NR));
 
 /// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`: an `m x k` times
 /// `k x n` product. `dst` has unit column stride and row stride `dst.1`; `lhs` and `rhs` are
 /// (pointer, [row stride, column stride]). With `parallel`, a large product uses rayon's
-/// threads; a caller already inside a parallel task passes `false`.
+/// threads; a caller already inside a parallel task passes `false`. Each output element's
+/// sum does not depend on the number of threads.
 ///
 /// # Safety
 /// Every addressed element is in bounds; no other thread reads or writes `dst`'s elements.
@@ -27,6 +34,63 @@ pub(crate) unsafe fn product(
     parallel: bool,
 ) {
     let large = parallel && m * n * k >= PARALLEL_MACS;
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        let threads = rayon::current_num_threads();
+        let (out, out_rs) = (Out(dst.0), dst.1);
+        let (a, b) = ((In(lhs.0), lhs.1), (In(rhs.0), rhs.1));
+        // Rows r0.. and columns c0.. of the output, `[rows, cols]` of them, on this thread.
+        let block = |[r0, c0]: [usize; 2], [rows, cols]: [usize; 2]| {
+            let ((lhs, ls), (rhs, rs)) = (a, b);
+            // SAFETY: as the caller guarantees, for this block of `dst` and the rows of `lhs`
+            // and columns of `rhs` it reads; the CPU has AVX-512.
+            unsafe {
+                avx512::product(
+                    [rows, cols, k],
+                    (out.get().offset(r0 as isize * out_rs + c0 as isize), out_rs),
+                    (lhs.get().offset(r0 as isize * ls[0]), ls),
+                    (rhs.get().offset(c0 as isize * rs[1]), rs),
+                    beta,
+                    accumulate,
+                )
+            }
+        };
+        if !large || threads == 1 {
+            block([0, 0], [m, n]);
+        } else if m >= threads * 8 * avx512::MR {
+            // By rows: each thread packs all of `rhs` for its rows, a cost of one row in m /
+            // threads.
+            let piece = m.div_ceil(threads).next_multiple_of(avx512::MR);
+            (0..m.div_ceil(piece)).into_par_iter().for_each(|p| {
+                let r0 = p * piece;
+                block([r0, 0], [piece.min(m - r0), n])
+            });
+        } else {
+            let piece = n.div_ceil(threads).next_multiple_of(SPLIT_COLUMNS);
+            (0..n.div_ceil(piece)).into_par_iter().for_each(|p| {
+                let c0 = p * piece;
+                block([0, c0], [m, piece.min(n - c0)])
+            });
+        }
+        return;
+    }
+    // SAFETY: as the caller guarantees.
+    unsafe { with_gemm([m, n, k], dst, lhs, rhs, beta, accumulate, large) }
+}
+
+/// [`product`] through `gemm`, on its threads when `large`.
+///
+/// # Safety
+/// As for [`product`].
+unsafe fn with_gemm(
+    [m, n, k]: [usize; 3],
+    dst: (*mut f32, isize),
+    lhs: (*const f32, [isize; 2]),
+    rhs: (*const f32, [isize; 2]),
+    beta: f32,
+    accumulate: bool,
+    large: bool,
+) {
     let threads = rayon::current_num_threads();
     let (out, out_rs) = (Out(dst.0), dst.1);
     let (a, b) = ((In(lhs.0), lhs.1), (In(rhs.0), rhs.1));

@@ -1,0 +1,360 @@
+//! The f32 matrix product on CPUs with AVX-512, written for the shapes a transformer's step
+//! multiplies (BENCHMARKS.md, "The f32 product").
+//!
+//! The output is computed in tiles of [`MR`] rows by [`NR`] columns, kept in 24 registers
+//! while the inner dimension runs: each step loads four 16-lane vectors of `rhs` and
+//! broadcasts one element of `lhs` per row. `rhs` is packed, a block of [`KC`] x [`NC`] at a
+//! time (512 KiB, held in a core's L2), into panels laid out in the order the tiles read them;
+//! a transposed `rhs` is packed through 16 x 16 register transposes. `lhs` is read where it
+//! lies when either of its strides is 1 (its rows stream, or each step's column is one
+//! contiguous run) and packed only otherwise. Every output element is one f32 fused
+//! multiply-add chain over the inner dimension in order, a block of [`KC`] at a time, so the
+//! result does not depend on how the caller splits the output between threads.
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+/// Output rows per tile: one broadcast of `lhs` each per step.
+pub(super) const MR: usize = 6;
+/// 16-lane vectors per tile row.
+const V: usize = 4;
+/// Output columns per tile.
+pub(super) const NR: usize = 16 * V;
+/// Steps of the inner dimension per block (the most; blocks are split evenly).
+const KC: usize = 512;
+/// Columns of `rhs` per packed block (the most; blocks are split evenly).
+const NC: usize = 256;
+
+/// A cache line of f32, so that packed panels are aligned for whole-vector loads.
+#[repr(align(64))]
+#[derive(Clone, Copy)]
+struct Line(#[allow(dead_code, reason = "only read through pointers")] [f32; 16]);
+
+thread_local! {
+    /// Each thread's packed block of `rhs`, and of `lhs` when it needs packing.
+    static PACKED: RefCell<[Vec<Line>; 2]> = const { RefCell::new([Vec::new(), Vec::new()]) };
+}
+
+/// `buf` grown to hold `floats` f32, as a pointer to its first.
+fn room(buf: &mut Vec<Line>, floats: usize) -> *mut f32 {
+    let lines = floats.div_ceil(16);
+    if buf.len() < lines {
+        buf.resize(lines, Line([0.0; 16]));
+    }
+    buf.as_mut_ptr().cast()
+}
+
+/// How a tile reads `lhs`: along rows (unit column stride, rows `stride` apart) or along
+/// columns (unit row stride, steps `stride` apart).
+#[derive(Clone, Copy)]
+enum Lhs {
+    Rows(isize),
+    Columns(isize),
+}
+
+/// Whether this CPU runs [`product`].
+pub(super) fn available() -> bool {
+    ember_cpu::vector() == ember_cpu::Vector::Avx512
+}
+
+/// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`, on the calling
+/// thread: operands as in [`super::product::product`].
+///
+/// # Safety
+/// [`available`]; every addressed element is in bounds, and no other thread writes `dst`'s
+/// elements.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn product(
+    [m, n, k]: [usize; 3],
+    (c, ldc): (*mut f32, isize),
+    (a, [ars, acs]): (*const f32, [isize; 2]),
+    (b, [brs, bcs]): (*const f32, [isize; 2]),
+    beta: f32,
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                // SAFETY: row i's n elements are in bounds, as the caller guarantees.
+                unsafe { std::slice::from_raw_parts_mut(c.offset(i as isize * ldc), n) }.fill(0.0);
+            }
+        }
+        return;
+    }
+    PACKED.with(|packed| {
+        let [rhs_buf, lhs_buf] = &mut *packed.borrow_mut();
+        let kc = k.div_ceil(k.div_ceil(KC));
+        let nc = n.div_ceil(n.div_ceil(NC)).next_multiple_of(NR);
+        let bp = room(rhs_buf, kc * nc);
+        let pack_lhs = acs != 1 && ars != 1;
+        let ap = if pack_lhs {
+            room(lhs_buf, m.next_multiple_of(MR) * kc)
+        } else {
+            std::ptr::null_mut()
+        };
+        for p0 in (0..k).step_by(kc) {
+            let depth = kc.min(k - p0);
+            // SAFETY (this block): the operands' elements addressed are those of rows
+            // below m, columns below n and steps below k, in bounds as the caller guarantees;
+            // the packed buffers hold the blocks packed into them.
+            unsafe {
+                if pack_lhs {
+                    pack_columns(a.offset(p0 as isize * acs), [m, depth], [ars, acs], ap);
+                }
+                let add = accumulate || p0 > 0;
+                for j0 in (0..n).step_by(nc) {
+                    let width = nc.min(n - j0);
+                    let from = b.offset(p0 as isize * brs + j0 as isize * bcs);
+                    pack_rhs(from, [depth, width], [brs, bcs], bp);
+                    for i0 in (0..m).step_by(MR) {
+                        let rows = MR.min(m - i0);
+                        let (at, lhs) = if acs == 1 {
+                            (a.offset(i0 as isize * ars + p0 as isize), Lhs::Rows(ars))
+                        } else if ars == 1 {
+                            (a.offset(i0 as isize + p0 as isize * acs), Lhs::Columns(acs))
+                        } else {
+                            (ap.add(i0 * depth).cast_const(), Lhs::Columns(MR as isize))
+                        };
+                        for jr in (0..width).step_by(NR) {
+                            let out = (c.offset(i0 as isize * ldc + (j0 + jr) as isize), ldc);
+                            let shape = [rows, NR.min(width - jr), depth];
+                            tile(shape, (at, lhs), bp.add(jr * depth), out, beta, add);
+                        }
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// Lane masks of a tile row's vectors for its first `cols` columns.
+fn masks(cols: usize) -> [u16; V] {
+    std::array::from_fn(|h| match cols.saturating_sub(16 * h) {
+        0 => 0,
+        c if c >= 16 => u16::MAX,
+        c => (1u16 << c) - 1,
+    })
+}
+
+/// Packs `depth x width` of `rhs` into panels of [`NR`] columns, each `depth` rows of `NR`
+/// (columns past `width` are zero): column `j` of step `s` goes to
+/// `out[(j / NR * depth + s) * NR + j % NR]`.
+///
+/// # Safety
+/// The CPU has AVX-512 F; the elements addressed are in bounds; `out` holds
+/// `width.next_multiple_of(NR) * depth` f32, 64-byte aligned.
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_rhs(b: *const f32, [depth, width]: [usize; 2], [rs, cs]: [isize; 2], out: *mut f32) {
+    for j0 in (0..width).step_by(NR) {
+        let cols = NR.min(width - j0);
+        // SAFETY (this panel): reads as the caller guarantees; the panel's writes are within
+        // `out`, at vector-aligned offsets.
+        unsafe {
+            let panel = out.add(j0 * depth);
+            if cs == 1 {
+                let masks = masks(cols);
+                for s in 0..depth {
+                    let row = b.offset(s as isize * rs + j0 as isize);
+                    for (h, &mask) in masks.iter().enumerate() {
+                        let v = _mm512_maskz_loadu_ps(mask, row.add(16 * h));
+                        _mm512_store_ps(panel.add(s * NR + 16 * h), v);
+                    }
+                }
+            } else if rs == 1 {
+                // Each column is contiguous along the inner dimension: 16 columns by 16
+                // steps at a time, transposed in registers.
+                for s0 in (0..depth).step_by(16) {
+                    let steps = 16.min(depth - s0);
+                    let step_mask = masks(steps)[0];
+                    for h in 0..V {
+                        let mut r = [_mm512_setzero_ps(); 16];
+                        for (jj, r) in r.iter_mut().enumerate() {
+                            let j = 16 * h + jj;
+                            if j < cols {
+                                let col = b.offset((j0 + j) as isize * cs + s0 as isize);
+                                *r = _mm512_maskz_loadu_ps(step_mask, col);
+                            }
+                        }
+                        for (s, v) in transpose(r).iter().enumerate().take(steps) {
+                            _mm512_store_ps(panel.add((s0 + s) * NR + 16 * h), *v);
+                        }
+                    }
+                }
+            } else {
+                for s in 0..depth {
+                    for j in 0..NR {
+                        *panel.add(s * NR + j) = if j < cols {
+                            *b.offset(s as isize * rs + (j0 + j) as isize * cs)
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The 16 x 16 transpose of `r`: lane `i` of output `j` is lane `j` of input `i`.
+#[inline(always)]
+fn transpose(r: [__m512; 16]) -> [__m512; 16] {
+    // SAFETY: register shuffles only; every caller runs with AVX-512 F.
+    unsafe {
+        let mut t = [_mm512_setzero_ps(); 16];
+        // Pairs of rows interleaved by lane, then by pairs of lanes...
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_ps(); 16];
+        for q in 0..4 {
+            let (x, y) = (4 * q, 4 * q + 2);
+            u[x] = _mm512_shuffle_ps::<0x44>(t[x], t[y]);
+            u[x + 1] = _mm512_shuffle_ps::<0xEE>(t[x], t[y]);
+            u[x + 2] = _mm512_shuffle_ps::<0x44>(t[x + 1], t[y + 1]);
+            u[x + 3] = _mm512_shuffle_ps::<0xEE>(t[x + 1], t[y + 1]);
+        }
+        // ... then by 128-bit quarters, twice.
+        for o in [0, 8] {
+            for i in 0..4 {
+                t[o + i] = _mm512_shuffle_f32x4::<0x88>(u[o + i], u[o + 4 + i]);
+                t[o + 4 + i] = _mm512_shuffle_f32x4::<0xDD>(u[o + i], u[o + 4 + i]);
+            }
+        }
+        for i in 0..8 {
+            u[i] = _mm512_shuffle_f32x4::<0x88>(t[i], t[8 + i]);
+            u[8 + i] = _mm512_shuffle_f32x4::<0xDD>(t[i], t[8 + i]);
+        }
+        u
+    }
+}
+
+/// Packs `rows x depth` of `lhs` (strides `[rs, cs]`) into panels of [`MR`] rows, each
+/// `depth` steps of `MR` elements: element `(i, s)` goes to `out[(i / MR * depth + s) * MR +
+/// i % MR]`.
+///
+/// # Safety
+/// The elements addressed are in bounds; `out` holds `rows.next_multiple_of(MR) * depth`
+/// f32.
+unsafe fn pack_columns(
+    a: *const f32,
+    [rows, depth]: [usize; 2],
+    [rs, cs]: [isize; 2],
+    out: *mut f32,
+) {
+    for i0 in (0..rows).step_by(MR) {
+        for s in 0..depth {
+            for i in i0..(i0 + MR).min(rows) {
+                // SAFETY: as the caller guarantees.
+                unsafe { *out.add((i0 * depth) + s * MR + i - i0) = *a.offset(i as isize * rs + s as isize * cs) };
+            }
+        }
+    }
+}
+
+/// One tile: `[rows, cols, depth]` of the output at `out` from `lhs` read as `Lhs` says
+/// and a packed panel of `rhs`, scaled by `beta`, added to the output when `add`.
+///
+/// # Safety
+/// The CPU has AVX-512 F; `rows <= MR`, `cols <= NR`; the elements addressed are in bounds.
+#[target_feature(enable = "avx512f")]
+unsafe fn tile(
+    [rows, cols, depth]: [usize; 3],
+    (a, lhs): (*const f32, Lhs),
+    panel: *const f32,
+    out: (*mut f32, isize),
+    beta: f32,
+    add: bool,
+) {
+    let vectors = cols.div_ceil(16);
+    let masks = masks(cols);
+    macro_rules! dispatch {
+        ($($r:literal)*) => {
+            match (rows, vectors, lhs) {
+                $(
+                    ($r, 1, Lhs::Rows(s)) => micro::<$r, 1, true>(depth, a, s, panel, out, beta, add, masks),
+                    ($r, 2, Lhs::Rows(s)) => micro::<$r, 2, true>(depth, a, s, panel, out, beta, add, masks),
+                    ($r, 3, Lhs::Rows(s)) => micro::<$r, 3, true>(depth, a, s, panel, out, beta, add, masks),
+                    ($r, 4, Lhs::Rows(s)) => micro::<$r, 4, true>(depth, a, s, panel, out, beta, add, masks),
+                    ($r, 1, Lhs::Columns(s)) => micro::<$r, 1, false>(depth, a, s, panel, out, beta, add, masks),
+                    ($r, 2, Lhs::Columns(s)) => micro::<$r, 2, false>(depth, a, s, panel, out, beta, add, masks),
+                    ($r, 3, Lhs::Columns(s)) => micro::<$r, 3, false>(depth, a, s, panel, out, beta, add, masks),
+                    ($r, 4, Lhs::Columns(s)) => micro::<$r, 4, false>(depth, a, s, panel, out, beta, add, masks),
+                )*
+                _ => unreachable!("a tile is at most {MR} x {NR}"),
+            }
+        };
+    }
+    // SAFETY: as the caller guarantees.
+    unsafe { dispatch!(1 2 3 4 5 6) }
+}
+
+/// The tile of `R` rows and `W` vectors: `lhs` row `i`, step `s` at `a + i * stride + s` when
+/// `ROWS`, else at `a + i + s * stride`.
+///
+/// # Safety
+/// As for [`tile`], with `W` vectors covering the tile's columns.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn micro<const R: usize, const W: usize, const ROWS: bool>(
+    depth: usize,
+    a: *const f32,
+    stride: isize,
+    panel: *const f32,
+    (c, ldc): (*mut f32, isize),
+    beta: f32,
+    add: bool,
+    masks: [u16; V],
+) {
+    // SAFETY: reads of the operands and the tile's output as the caller guarantees; the
+    // panel's vectors are 64-byte aligned.
+    unsafe {
+        // Ask for the output's lines now, so that they are in L1 when the sums are done.
+        for i in 0..R {
+            for h in 0..W {
+                _mm_prefetch::<_MM_HINT_T0>(c.offset(i as isize * ldc).add(16 * h).cast());
+            }
+        }
+        let mut acc = [[_mm512_setzero_ps(); W]; R];
+        if ROWS {
+            let row: [*const f32; R] = std::array::from_fn(|i| a.offset(i as isize * stride));
+            for s in 0..depth {
+                let b: [__m512; W] = std::array::from_fn(|h| _mm512_load_ps(panel.add(s * NR + 16 * h)));
+                for i in 0..R {
+                    let x = _mm512_set1_ps(*row[i].add(s));
+                    for h in 0..W {
+                        acc[i][h] = _mm512_fmadd_ps(x, b[h], acc[i][h]);
+                    }
+                }
+            }
+        } else {
+            let mut at = a;
+            for s in 0..depth {
+                let b: [__m512; W] = std::array::from_fn(|h| _mm512_load_ps(panel.add(s * NR + 16 * h)));
+                for i in 0..R {
+                    let x = _mm512_set1_ps(*at.add(i));
+                    for h in 0..W {
+                        acc[i][h] = _mm512_fmadd_ps(x, b[h], acc[i][h]);
+                    }
+                }
+                at = at.offset(stride);
+            }
+        }
+        let beta = _mm512_set1_ps(beta);
+        for (i, acc) in acc.iter().enumerate() {
+            let row = c.offset(i as isize * ldc);
+            for (h, &acc) in acc.iter().enumerate() {
+                let to = row.add(16 * h);
+                let v = if add {
+                    _mm512_fmadd_ps(acc, beta, _mm512_maskz_loadu_ps(masks[h], to))
+                } else {
+                    _mm512_mul_ps(acc, beta)
+                };
+                _mm512_mask_storeu_ps(to, masks[h], v);
+            }
+        }
+    }
+}
