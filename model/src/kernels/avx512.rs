@@ -249,7 +249,10 @@ unsafe fn pack_columns(
         for s in 0..depth {
             for i in i0..(i0 + MR).min(rows) {
                 // SAFETY: as the caller guarantees.
-                unsafe { *out.add((i0 * depth) + s * MR + i - i0) = *a.offset(i as isize * rs + s as isize * cs) };
+                unsafe {
+                    *out.add((i0 * depth) + s * MR + i - i0) =
+                        *a.offset(i as isize * rs + s as isize * cs)
+                };
             }
         }
     }
@@ -322,22 +325,24 @@ unsafe fn micro<const R: usize, const W: usize, const ROWS: bool>(
         if ROWS {
             let row: [*const f32; R] = std::array::from_fn(|i| a.offset(i as isize * stride));
             for s in 0..depth {
-                let b: [__m512; W] = std::array::from_fn(|h| _mm512_load_ps(panel.add(s * NR + 16 * h)));
-                for i in 0..R {
-                    let x = _mm512_set1_ps(*row[i].add(s));
-                    for h in 0..W {
-                        acc[i][h] = _mm512_fmadd_ps(x, b[h], acc[i][h]);
+                let b: [__m512; W] =
+                    std::array::from_fn(|h| _mm512_load_ps(panel.add(s * NR + 16 * h)));
+                for (acc, row) in acc.iter_mut().zip(&row) {
+                    let x = _mm512_set1_ps(*row.add(s));
+                    for (acc, &b) in acc.iter_mut().zip(&b) {
+                        *acc = _mm512_fmadd_ps(x, b, *acc);
                     }
                 }
             }
         } else {
             let mut at = a;
             for s in 0..depth {
-                let b: [__m512; W] = std::array::from_fn(|h| _mm512_load_ps(panel.add(s * NR + 16 * h)));
-                for i in 0..R {
+                let b: [__m512; W] =
+                    std::array::from_fn(|h| _mm512_load_ps(panel.add(s * NR + 16 * h)));
+                for (i, acc) in acc.iter_mut().enumerate() {
                     let x = _mm512_set1_ps(*at.add(i));
-                    for h in 0..W {
-                        acc[i][h] = _mm512_fmadd_ps(x, b[h], acc[i][h]);
+                    for (acc, &b) in acc.iter_mut().zip(&b) {
+                        *acc = _mm512_fmadd_ps(x, b, *acc);
                     }
                 }
                 at = at.offset(stride);
@@ -354,6 +359,110 @@ unsafe fn micro<const R: usize, const W: usize, const ROWS: bool>(
                     _mm512_mul_ps(acc, beta)
                 };
                 _mm512_mask_storeu_ps(to, masks[h], v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{KC, MR, NC, NR, available, product};
+    use crate::kernels::tests::values;
+
+    /// How an operand of `rows x cols` is stored: row-major, column-major, or with neither
+    /// stride 1 (every other element of a row-major buffer twice as wide).
+    #[derive(Debug, Clone, Copy)]
+    enum Layout {
+        Rows,
+        Columns,
+        Strided,
+    }
+
+    impl Layout {
+        /// [row stride, column stride] and the buffer's length.
+        fn strides(self, [rows, cols]: [usize; 2]) -> ([isize; 2], usize) {
+            match self {
+                Layout::Rows => ([cols as isize, 1], rows * cols),
+                Layout::Columns => ([1, rows as isize], rows * cols),
+                Layout::Strided => ([2 * cols as isize, 2], 2 * rows * cols),
+            }
+        }
+    }
+
+    #[test]
+    fn every_tile_shape_block_and_operand_layout_gives_the_f64_product() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX-512, so the product is gemm's");
+            return;
+        }
+        use Layout::*;
+        // Rows around a tile's MR, columns around a vector, a tile's NR and a block's NC,
+        // steps around a block's KC; 0 steps writes zeros (or keeps the output).
+        let (ms, ns, ks) = (
+            [1, MR + 1, 2 * MR + 1],
+            [1, 17, NR, NR + 1, NC + 44],
+            [0, 3, 17, KC + 88],
+        );
+        let mut shapes = vec![];
+        for m in ms {
+            for n in ns {
+                shapes.extend(ks.map(|k| (m, n, k)));
+            }
+        }
+        for (m, n, k) in shapes {
+            for (lhs_layout, rhs_layout) in [
+                (Rows, Rows),
+                (Columns, Columns),
+                (Strided, Strided),
+                (Rows, Columns),
+                (Columns, Rows),
+            ] {
+                let (ls, l_len) = lhs_layout.strides([m, k]);
+                let (rs, r_len) = rhs_layout.strides([k, n]);
+                let (lhs, rhs) = (values(l_len, 21, 1.0), values(r_len, 22, 1.0));
+                // The output rows are 3 wider than n: the 3 must keep their values.
+                let ldc = n + 3;
+                let before = values(m * ldc, 23, 1.0);
+                for accumulate in [false, true] {
+                    let mut out = before.clone();
+                    // SAFETY: the CPU has AVX-512; each operand spans its elements at its
+                    // strides, and `out` m rows of ldc.
+                    unsafe {
+                        product(
+                            [m, n, k],
+                            (out.as_mut_ptr(), ldc as isize),
+                            (lhs.as_ptr(), ls),
+                            (rhs.as_ptr(), rs),
+                            0.5,
+                            accumulate,
+                        )
+                    };
+                    let at = |v: &[f32], [rs, cs]: [isize; 2], i: usize, j: usize| {
+                        f64::from(v[(i as isize * rs + j as isize * cs) as usize])
+                    };
+                    let case = format!("{m}x{n}x{k} {lhs_layout:?} {rhs_layout:?} {accumulate}");
+                    for i in 0..m {
+                        for j in 0..ldc {
+                            let (got, was) = (out[i * ldc + j], before[i * ldc + j]);
+                            if j >= n {
+                                assert_eq!(
+                                    got.to_bits(),
+                                    was.to_bits(),
+                                    "{case}: ({i}, {j}) written"
+                                );
+                                continue;
+                            }
+                            let dot: f64 = (0..k)
+                                .map(|s| at(&lhs, ls, i, s) * at(&rhs, rs, s, j))
+                                .sum();
+                            let want = 0.5 * dot + if accumulate { f64::from(was) } else { 0.0 };
+                            assert!(
+                                (f64::from(got) - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                                "{case}: ({i}, {j}) is {got}, not {want}"
+                            );
+                        }
+                    }
+                }
             }
         }
     }

@@ -57,19 +57,19 @@ pub(crate) unsafe fn product(
         };
         if !large || threads == 1 {
             block([0, 0], [m, n]);
-        } else if m >= threads * 8 * avx512::MR {
-            // By rows: each thread packs all of `rhs` for its rows, a cost of one row in m /
-            // threads.
-            let piece = m.div_ceil(threads).next_multiple_of(avx512::MR);
-            (0..m.div_ceil(piece)).into_par_iter().for_each(|p| {
-                let r0 = p * piece;
-                block([r0, 0], [piece.min(m - r0), n])
-            });
-        } else {
+        } else if n >= threads * SPLIT_COLUMNS {
+            // By columns: each thread packs only its columns of `rhs`, and reads `lhs` where
+            // it lies.
             let piece = n.div_ceil(threads).next_multiple_of(SPLIT_COLUMNS);
             (0..n.div_ceil(piece)).into_par_iter().for_each(|p| {
                 let c0 = p * piece;
                 block([0, c0], [m, piece.min(n - c0)])
+            });
+        } else {
+            let piece = m.div_ceil(threads).next_multiple_of(avx512::MR);
+            (0..m.div_ceil(piece)).into_par_iter().for_each(|p| {
+                let r0 = p * piece;
+                block([r0, 0], [piece.min(m - r0), n])
             });
         }
         return;
@@ -173,12 +173,13 @@ mod tests {
     use super::product;
     use crate::kernels::tests::values;
 
-    /// `dst (+)= 0.5 lhs rhs_t^T`, with `rhs_t` stored `n x k`, on a pool of `threads`.
-    fn with_transposed_rhs(
+    /// `dst (+)= 0.5 lhs rhs` on a pool of `threads`, with `lhs` stored row-major or
+    /// transposed (`lhs_t`) and `rhs` stored row-major or transposed (`rhs_t`).
+    fn on_threads(
         [m, n, k]: [usize; 3],
-        [lhs, rhs_t, dst]: [&[f32]; 3],
+        [lhs, rhs, dst]: [&[f32]; 3],
+        [lhs_t, rhs_t]: [bool; 2],
         threads: usize,
-        parallel: bool,
         accumulate: bool,
     ) -> Vec<f32> {
         let mut dst = dst.to_vec();
@@ -186,57 +187,85 @@ mod tests {
             .num_threads(threads)
             .build()
             .unwrap();
+        let ls = if lhs_t {
+            [1, m as isize]
+        } else {
+            [k as isize, 1]
+        };
+        let rs = if rhs_t {
+            [1, k as isize]
+        } else {
+            [n as isize, 1]
+        };
         // SAFETY: every operand spans its `rows x columns` at the strides given.
         pool.install(|| unsafe {
             product(
                 [m, n, k],
                 (dst.as_mut_ptr(), n as isize),
-                (lhs.as_ptr(), [k as isize, 1]),
-                (rhs_t.as_ptr(), [1, k as isize]),
+                (lhs.as_ptr(), ls),
+                (rhs.as_ptr(), rs),
                 0.5,
                 accumulate,
-                parallel,
+                true,
             )
         });
         dst
     }
 
     #[test]
-    fn a_product_split_by_columns_has_the_bits_of_one_call_and_the_f64_value() {
-        // 300 columns: pieces of 192 and 108 on two threads, 128, 128 and 44 on three.
-        let mnk @ [m, n, k] = [96, 300, 100];
-        assert!(m * n * k >= super::PARALLEL_MACS);
-        let (lhs, rhs_t, before) = (
-            values(m * k, 11, 1.0),
-            values(n * k, 12, 1.0),
-            values(m * n, 13, 1.0),
-        );
-        let operands = [&lhs[..], &rhs_t, &before];
-        for accumulate in [false, true] {
-            let one = with_transposed_rhs(mnk, operands, 1, false, accumulate);
-            for threads in [2, 3] {
-                let split = with_transposed_rhs(mnk, operands, threads, true, accumulate);
-                let same = split
-                    .iter()
-                    .zip(&one)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{threads} threads, accumulate {accumulate}");
-            }
-            for (i, got) in one.iter().enumerate() {
-                let (r, c) = (i / n, i % n);
-                let dot: f64 = (0..k)
-                    .map(|j| f64::from(lhs[r * k + j]) * f64::from(rhs_t[c * k + j]))
-                    .sum();
-                let kept = if accumulate {
-                    f64::from(before[i])
-                } else {
-                    0.0
-                };
-                let want = 0.5 * dot + kept;
-                assert!(
-                    (f64::from(*got) - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                    "element {i}: {got} against {want}"
-                );
+    fn a_product_split_over_threads_has_the_bits_of_one_call_and_the_f64_value() {
+        // 300 columns split by columns (pieces of 192 and 108 on two threads, 128, 128 and 44
+        // on three); 60 columns split by rows.
+        for mnk @ [m, n, k] in [[96, 300, 100], [400, 60, 100]] {
+            assert!(m * n * k >= super::PARALLEL_MACS);
+            let (lhs, rhs, before) = (
+                values(m * k, 11, 1.0),
+                values(n * k, 12, 1.0),
+                values(m * n, 13, 1.0),
+            );
+            let operands = [&lhs[..], &rhs, &before];
+            for layout @ [lhs_t, rhs_t] in [[false, false], [false, true], [true, false]] {
+                for accumulate in [false, true] {
+                    let one = on_threads(mnk, operands, layout, 1, accumulate);
+                    for threads in [2, 3] {
+                        let split = on_threads(mnk, operands, layout, threads, accumulate);
+                        let same = split
+                            .iter()
+                            .zip(&one)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{mnk:?} {layout:?}: {threads} threads, {accumulate}");
+                    }
+                    let a = |r: usize, j: usize| {
+                        if lhs_t {
+                            lhs[j * m + r]
+                        } else {
+                            lhs[r * k + j]
+                        }
+                    };
+                    let b = |j: usize, c: usize| {
+                        if rhs_t {
+                            rhs[c * k + j]
+                        } else {
+                            rhs[j * n + c]
+                        }
+                    };
+                    for (i, got) in one.iter().enumerate() {
+                        let (r, c) = (i / n, i % n);
+                        let dot: f64 = (0..k)
+                            .map(|j| f64::from(a(r, j)) * f64::from(b(j, c)))
+                            .sum();
+                        let kept = if accumulate {
+                            f64::from(before[i])
+                        } else {
+                            0.0
+                        };
+                        let want = 0.5 * dot + kept;
+                        assert!(
+                            (f64::from(*got) - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                            "{mnk:?} {layout:?} element {i}: {got} against {want}"
+                        );
+                    }
+                }
             }
         }
     }
