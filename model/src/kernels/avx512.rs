@@ -52,9 +52,15 @@ enum Lhs {
     Columns(isize),
 }
 
-/// Whether this CPU runs [`product`].
+/// Whether products run here: the CPU has AVX-512 and `EMBER_F32_PRODUCT` is not `gemm`
+/// (which measures the product of other CPUs).
 pub(super) fn available() -> bool {
-    ember_cpu::vector() == ember_cpu::Vector::Avx512
+    static HERE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let here = *HERE.get_or_init(|| {
+        ember_cpu::vector() == ember_cpu::Vector::Avx512
+            && std::env::var("EMBER_F32_PRODUCT").as_deref() != Ok("gemm")
+    });
+    super::simd::level_cap() >= 2 && here
 }
 
 /// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`, on the calling

@@ -171,16 +171,19 @@ unsafe impl Sync for Out {}
 #[cfg(test)]
 mod tests {
     use super::product;
+    use crate::kernels::simd::LEVEL_CAP;
     use crate::kernels::tests::values;
 
     /// `dst (+)= 0.5 lhs rhs` on a pool of `threads`, with `lhs` stored row-major or
-    /// transposed (`lhs_t`) and `rhs` stored row-major or transposed (`rhs_t`).
+    /// transposed (`lhs_t`) and `rhs` stored row-major or transposed (`rhs_t`), the kernels'
+    /// level capped at `level` (2: the AVX-512 product where the CPU has it; 1: `gemm`'s).
     fn on_threads(
         [m, n, k]: [usize; 3],
         [lhs, rhs, dst]: [&[f32]; 3],
         [lhs_t, rhs_t]: [bool; 2],
         threads: usize,
         accumulate: bool,
+        level: u8,
     ) -> Vec<f32> {
         let mut dst = dst.to_vec();
         let pool = rayon::ThreadPoolBuilder::new()
@@ -199,6 +202,7 @@ mod tests {
         };
         // SAFETY: every operand spans its `rows x columns` at the strides given.
         pool.install(|| unsafe {
+            LEVEL_CAP.with(|c| c.set(level));
             product(
                 [m, n, k],
                 (dst.as_mut_ptr(), n as isize),
@@ -224,47 +228,52 @@ mod tests {
                 values(m * n, 13, 1.0),
             );
             let operands = [&lhs[..], &rhs, &before];
-            for layout @ [lhs_t, rhs_t] in [[false, false], [false, true], [true, false]] {
-                for accumulate in [false, true] {
-                    let one = on_threads(mnk, operands, layout, 1, accumulate);
-                    for threads in [2, 3] {
-                        let split = on_threads(mnk, operands, layout, threads, accumulate);
-                        let same = split
-                            .iter()
-                            .zip(&one)
-                            .all(|(a, b)| a.to_bits() == b.to_bits());
-                        assert!(same, "{mnk:?} {layout:?}: {threads} threads, {accumulate}");
+            let cases = [[false, false], [false, true], [true, false]]
+                .into_iter()
+                .flat_map(|layout| [false, true].map(|accumulate| (layout, accumulate)))
+                .flat_map(|case| [2, 1].map(|level| (level, case)));
+            for (level, (layout @ [lhs_t, rhs_t], accumulate)) in cases {
+                let one = on_threads(mnk, operands, layout, 1, accumulate, level);
+                for threads in [2, 3] {
+                    let split = on_threads(mnk, operands, layout, threads, accumulate, level);
+                    let same = split
+                        .iter()
+                        .zip(&one)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{mnk:?} {layout:?} level {level}: {threads} threads, {accumulate}"
+                    );
+                }
+                let a = |r: usize, j: usize| {
+                    if lhs_t {
+                        lhs[j * m + r]
+                    } else {
+                        lhs[r * k + j]
                     }
-                    let a = |r: usize, j: usize| {
-                        if lhs_t {
-                            lhs[j * m + r]
-                        } else {
-                            lhs[r * k + j]
-                        }
-                    };
-                    let b = |j: usize, c: usize| {
-                        if rhs_t {
-                            rhs[c * k + j]
-                        } else {
-                            rhs[j * n + c]
-                        }
-                    };
-                    for (i, got) in one.iter().enumerate() {
-                        let (r, c) = (i / n, i % n);
-                        let dot: f64 = (0..k)
-                            .map(|j| f64::from(a(r, j)) * f64::from(b(j, c)))
-                            .sum();
-                        let kept = if accumulate {
-                            f64::from(before[i])
-                        } else {
-                            0.0
-                        };
-                        let want = 0.5 * dot + kept;
-                        assert!(
-                            (f64::from(*got) - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                            "{mnk:?} {layout:?} element {i}: {got} against {want}"
-                        );
+                };
+                let b = |j: usize, c: usize| {
+                    if rhs_t {
+                        rhs[c * k + j]
+                    } else {
+                        rhs[j * n + c]
                     }
+                };
+                for (i, got) in one.iter().enumerate() {
+                    let (r, c) = (i / n, i % n);
+                    let dot: f64 = (0..k)
+                        .map(|j| f64::from(a(r, j)) * f64::from(b(j, c)))
+                        .sum();
+                    let kept = if accumulate {
+                        f64::from(before[i])
+                    } else {
+                        0.0
+                    };
+                    let want = 0.5 * dot + kept;
+                    assert!(
+                        (f64::from(*got) - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "{mnk:?} {layout:?} level {level}, element {i}: {got} against {want}"
+                    );
                 }
             }
         }
