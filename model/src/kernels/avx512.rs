@@ -111,19 +111,21 @@ pub(super) unsafe fn product(
                     pack_columns(a.offset(p0 as isize * acs), [m, depth], [ars, acs], ap);
                 }
                 let add = accumulate || p0 > 0;
+                // This block of `lhs`, how tiles read it, and the distance between its rows.
+                let (block, lhs, row) = if acs == 1 {
+                    (a.add(p0), Lhs::Rows(ars), ars)
+                } else if ars == 1 {
+                    (a.offset(p0 as isize * acs), Lhs::Columns(acs), 1)
+                } else {
+                    (ap.cast_const(), Lhs::Columns(MR as isize), depth as isize)
+                };
                 for j0 in (0..n).step_by(nc) {
                     let width = nc.min(n - j0);
                     let from = b.offset(p0 as isize * brs + j0 as isize * bcs);
                     pack_rhs(from, [depth, width], [brs, bcs], bp);
                     for i0 in (0..m).step_by(MR) {
                         let rows = MR.min(m - i0);
-                        let (at, lhs) = if acs == 1 {
-                            (a.offset(i0 as isize * ars + p0 as isize), Lhs::Rows(ars))
-                        } else if ars == 1 {
-                            (a.offset(i0 as isize + p0 as isize * acs), Lhs::Columns(acs))
-                        } else {
-                            (ap.add(i0 * depth).cast_const(), Lhs::Columns(MR as isize))
-                        };
+                        let at = block.offset(i0 as isize * row);
                         for jr in (0..width).step_by(NR) {
                             let out = (c.offset(i0 as isize * ldc + (j0 + jr) as isize), ldc);
                             let shape = [rows, NR.min(width - jr), depth];

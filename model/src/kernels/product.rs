@@ -60,16 +60,12 @@ pub(crate) unsafe fn product(
         } else if n >= threads * SPLIT_COLUMNS {
             // By columns: each thread packs only its columns of `rhs`, and reads `lhs` where
             // it lies.
-            let piece = n.div_ceil(threads).next_multiple_of(SPLIT_COLUMNS);
-            (0..n.div_ceil(piece)).into_par_iter().for_each(|p| {
-                let c0 = p * piece;
-                block([0, c0], [m, piece.min(n - c0)])
+            in_pieces(n, threads, SPLIT_COLUMNS, |[c0, cols]| {
+                block([0, c0], [m, cols])
             });
         } else {
-            let piece = m.div_ceil(threads).next_multiple_of(avx512::MR);
-            (0..m.div_ceil(piece)).into_par_iter().for_each(|p| {
-                let r0 = p * piece;
-                block([r0, 0], [piece.min(m - r0), n])
+            in_pieces(m, threads, avx512::MR, |[r0, rows]| {
+                block([r0, 0], [rows, n])
             });
         }
         return;
@@ -128,16 +124,24 @@ unsafe fn with_gemm(
         // (BENCHMARKS.md, "Transposed right operands"). Each thread instead takes its own
         // columns of the output and packs only its columns of `rhs`. Every element is the
         // same sum in the same order, so the bits do not change.
-        let width = n.div_ceil(threads).next_multiple_of(SPLIT_COLUMNS);
-        (0..n.div_ceil(width)).into_par_iter().for_each(|piece| {
-            let c0 = piece * width;
-            columns([c0, width.min(n - c0)], gemm::Parallelism::None)
+        in_pieces(n, threads, SPLIT_COLUMNS, |piece| {
+            columns(piece, gemm::Parallelism::None)
         });
     } else if large {
         columns([0, n], gemm::Parallelism::Rayon(0))
     } else {
         columns([0, n], gemm::Parallelism::None)
     }
+}
+
+/// `f([start, len])` for `0..len` cut into one piece per thread, each a multiple of
+/// `multiple` long (the last one shorter), on rayon's threads.
+fn in_pieces(len: usize, threads: usize, multiple: usize, f: impl Fn([usize; 2]) + Sync) {
+    let piece = len.div_ceil(threads).next_multiple_of(multiple);
+    (0..len.div_ceil(piece)).into_par_iter().for_each(|p| {
+        let start = p * piece;
+        f([start, piece.min(len - start)])
+    });
 }
 
 /// An operand's pointer, read by parallel tasks.
