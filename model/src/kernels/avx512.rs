@@ -147,6 +147,9 @@ fn masks(cols: usize) -> [u16; V] {
     })
 }
 
+/// Steps ahead that [`pack_rhs`] asks for a transposed `rhs`'s lines, in lines of 16.
+const PACK_AHEAD: usize = 3;
+
 /// Packs `depth x width` of `rhs` into panels of [`NR`] columns, each `depth` rows of `NR`
 /// (columns past `width` are zero): column `j` of step `s` goes to
 /// `out[(j / NR * depth + s) * NR + j % NR]`.
@@ -173,16 +176,27 @@ unsafe fn pack_rhs(b: *const f32, [depth, width]: [usize; 2], [rs, cs]: [isize; 
                 }
             } else if rs == 1 {
                 // Each column is contiguous along the inner dimension: 16 columns by 16
-                // steps at a time, transposed in registers.
-                for s0 in (0..depth).step_by(16) {
-                    let steps = 16.min(depth - s0);
-                    let step_mask = masks(steps)[0];
-                    for h in 0..V {
+                // steps at a time, transposed in registers. The 16 columns are read from
+                // first step to last before the next 16 (16 streams, not 64), each a few
+                // lines ahead of its loads.
+                for h in 0..V {
+                    if 16 * h >= cols {
+                        for s in 0..depth {
+                            _mm512_store_ps(panel.add(s * NR + 16 * h), _mm512_setzero_ps());
+                        }
+                        continue;
+                    }
+                    for s0 in (0..depth).step_by(16) {
+                        let steps = 16.min(depth - s0);
+                        let step_mask = masks(steps)[0];
                         let mut r = [_mm512_setzero_ps(); 16];
                         for (jj, r) in r.iter_mut().enumerate() {
                             let j = 16 * h + jj;
                             if j < cols {
                                 let col = b.offset((j0 + j) as isize * cs + s0 as isize);
+                                if s0 + 16 * PACK_AHEAD < depth {
+                                    _mm_prefetch::<_MM_HINT_T0>(col.add(16 * PACK_AHEAD).cast());
+                                }
                                 *r = _mm512_maskz_loadu_ps(step_mask, col);
                             }
                         }
