@@ -90,9 +90,7 @@ fn main() -> ExitCode {
             default(info);
         }));
     }
-    // The command runs on one of rayon's workers, so that the kernels' parallel passes start
-    // from inside the pool.
-    let result = ember_train::run::threads::on_pool(move || match cli.command {
+    let result = match cli.command {
         Command::Train(args) => cli::train::run(args),
         Command::Generate(args) => cli::inspect::generate_cmd(args),
         Command::Eval(args) => cli::inspect::eval_cmd(args),
@@ -109,7 +107,7 @@ fn main() -> ExitCode {
         Command::ProbeBack { addr, port, token } => {
             ember_train::run::launch::probe_back(&addr, port, &token).map_err(Into::into)
         }
-    });
+    };
     match result {
         Ok(()) => {
             if let Some(r) = records {

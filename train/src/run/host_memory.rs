@@ -18,20 +18,6 @@ pub fn gather_u64(comm: &Comm, mine: u64) -> Result<Vec<u64>> {
         .collect())
 }
 
-/// Makes every thread allocate from glibc's main arena. The command runs on one of rayon's
-/// workers ([`super::threads::on_pool`]), which would otherwise allocate from an arena of its
-/// own, where no block is larger than 64 MiB and freed memory is not kept at the top as
-/// [`set_allocator_for_training`] sets: `gpt2` (T 256, B 4) on one process, 7 steps, faulted
-/// 1.0 million pages and peaked at 2.07 GB resident that way, against 0.41 million and
-/// 1.66 GB from the main arena (`/usr/bin/time`, `ember bench train`).
-pub fn one_arena() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: `mallopt` only sets an allocator parameter.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-    }
-}
-
 /// Sets glibc's allocator for training on `world` ranks. Both thresholds are fixed, which
 /// also stops glibc from raising the mmap threshold as large blocks are freed.
 ///

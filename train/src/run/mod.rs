@@ -1,7 +1,7 @@
 //! A training run: its settings (`config`, `shard_args`, resolved by `setup`), the device and
 //! data it runs on, the GPT described to the partitioner (`stages`) and trained (`gpt_run`),
 //! the learning-rate schedule, the one training loop (`run_loop`), the host memory it holds,
-//! the threads it computes on, and `launch`'s records of a job that restarts by itself.
+//! and `launch`'s records of a job that restarts by itself.
 
 pub mod config;
 pub mod data;
@@ -14,4 +14,3 @@ pub mod schedule;
 pub mod setup;
 pub mod shard_args;
 pub mod stages;
-pub mod threads;
