@@ -147,7 +147,8 @@ fn masks(cols: usize) -> [u16; V] {
     })
 }
 
-/// Steps ahead that [`pack_rhs`] asks for a transposed `rhs`'s lines, in lines of 16.
+/// How many lines (16 steps each) ahead of its loads [`pack_rhs`] asks for a transposed
+/// `rhs`'s columns.
 const PACK_AHEAD: usize = 3;
 
 /// Packs `depth x width` of `rhs` into panels of [`NR`] columns, each `depth` rows of `NR`
@@ -189,12 +190,13 @@ unsafe fn pack_rhs(b: *const f32, [depth, width]: [usize; 2], [rs, cs]: [isize; 
                     for s0 in (0..depth).step_by(16) {
                         let steps = 16.min(depth - s0);
                         let step_mask = masks(steps)[0];
+                        let ahead = s0 + 16 * PACK_AHEAD < depth;
                         let mut r = [_mm512_setzero_ps(); 16];
                         for (jj, r) in r.iter_mut().enumerate() {
                             let j = 16 * h + jj;
                             if j < cols {
                                 let col = b.offset((j0 + j) as isize * cs + s0 as isize);
-                                if s0 + 16 * PACK_AHEAD < depth {
+                                if ahead {
                                     _mm_prefetch::<_MM_HINT_T0>(col.add(16 * PACK_AHEAD).cast());
                                 }
                                 *r = _mm512_maskz_loadu_ps(step_mask, col);
