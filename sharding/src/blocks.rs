@@ -1,28 +1,25 @@
-//! Sharding a model whose repeated blocks sit in a `Vec` field, in a few lines: each element of
-//! the field is a unit, the rest of the model is one more (the root), the model's own forward
-//! is cut into three hooks it is already made of, and Burn's own initialisers give the
-//! starting weights.
+//! Sharding a model whose repeated blocks sit in `Vec` fields, in a few lines: each element of
+//! each field is a unit, the rest of the model is one more (the root), and the model's own
+//! forward is cut into the pieces it is already made of. One stack of blocks (a decoder) takes
+//! three pieces: what comes before the blocks, one block, and what comes after them down to
+//! the loss. Several stacks (an encoder and a decoder) take one block piece per stack and,
+//! between two stacks, a piece that turns the first stack's output into the second's input
+//! (and puts what the second reads beside it, such as the encoder's output, in the [`Side`]).
+//! Burn's own initialisers give the starting weights ([`InitSource`]).
 //!
 //! The crate guide's first example runs it end to end (a doctest); `examples/llama.rs`,
-//! `examples/mlp.rs` and `examples/moe.rs` are complete programs.
+//! `examples/mlp.rs`, `examples/moe.rs` and `examples/seq2seq.rs` are complete programs.
 
 use std::fmt;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use burn::module::Module;
-use burn::tensor::kind::Basic;
 use burn::tensor::{Device, Tensor};
-use ember_comm::Comm;
-use serde::Serialize;
-use serde_json::{Map, Value};
 
-use crate::checkpoint::Checkpoint;
-use crate::config::{Preset, ShardConfig};
-use crate::engine::ShardedModel;
 use crate::error::ShardError;
 use crate::params::{param_shapes, take_value};
+use crate::side::Side;
 use crate::source::ParamSource;
 use crate::stage::{Flow, Staged, UnitDecl};
 
@@ -44,14 +41,14 @@ pub trait BlockModel<const D: usize>: Module + Clone {
     /// output (`.into()`); one with an auxiliary loss returns [`BlockOutput::with_aux`].
     fn block(&self, i: usize, x: Tensor<D>, batch: &Self::Batch) -> BlockOutput<D>;
 
-    /// Everything after the last block: its output to the batch's mean loss (`[1]`).
+    /// Everything after the last block: its output to the batch's loss (`[1]`).
     fn loss(&self, x: Tensor<D>, batch: &Self::Batch, device: &Device) -> Tensor<1>;
 }
 
 /// What a block hands on: its output, and an auxiliary loss if it has one.
 #[derive(Debug, Clone)]
 pub struct BlockOutput<const D: usize> {
-    /// The input of the next block (or of [`BlockModel::loss`]).
+    /// The input of the next block (or of the loss piece).
     pub hidden: Tensor<D>,
     /// An auxiliary loss (`[1]`, weighted as it should count: a mixture of experts'
     /// load-balancing loss times its coefficient), added to the model's loss: the step's
@@ -75,27 +72,93 @@ impl<const D: usize> From<Tensor<D>> for BlockOutput<D> {
     }
 }
 
-/// The three pieces of a model's forward as closures, for a model that does not implement
-/// [`BlockModel`]: `embed(model, batch, device)`, `block(model, i, x, batch)` (returning the
-/// block's output, or a [`BlockOutput`] with an auxiliary loss) and
-/// `loss(model, x, batch, device)`, with the meaning of the trait's methods. [`Shard::forward`]
-/// takes them directly.
-pub struct Pieces<M, B, const D: usize> {
-    embed: Arc<EmbedFn<M, B, D>>,
-    block: Arc<BlockFn<M, B, D>>,
-    loss: Arc<LossFn<M, B, D>>,
+/// `(hidden, aux)`: an output with an auxiliary loss, as [`BlockOutput::with_aux`].
+impl<const D: usize> From<(Tensor<D>, Tensor<1>)> for BlockOutput<D> {
+    fn from((hidden, aux): (Tensor<D>, Tensor<1>)) -> Self {
+        Self::with_aux(hidden, aux)
+    }
 }
 
-type EmbedFn<M, B, const D: usize> = dyn Fn(&M, &B, &Device) -> Tensor<D> + Send + Sync;
+/// What a `then` piece hands the next stack: its input, and side tensors for its blocks to read
+/// (an encoder's output). A `then` piece returns the input alone, or `(input, [(name,
+/// tensor), ..])`: `(m.embed(b.targets(d)), [("memory", m.enc_norm.forward(x))])`.
+#[derive(Debug, Clone)]
+pub struct Handover<const D: usize> {
+    /// The next stack's input.
+    pub input: Tensor<D>,
+    /// Side tensors put for the next stack's blocks (and the pieces after them), by name.
+    pub side: Vec<(String, Tensor<D>)>,
+}
+
+impl<const D: usize> From<Tensor<D>> for Handover<D> {
+    fn from(input: Tensor<D>) -> Self {
+        Self {
+            input,
+            side: Vec::new(),
+        }
+    }
+}
+
+impl<const D: usize, const N: usize, S: Into<String>> From<(Tensor<D>, [(S, Tensor<D>); N])>
+    for Handover<D>
+{
+    fn from((input, side): (Tensor<D>, [(S, Tensor<D>); N])) -> Self {
+        Self {
+            input,
+            side: side.into_iter().map(|(n, t)| (n.into(), t)).collect(),
+        }
+    }
+}
+
+type EmbedFn<M, B, const D: usize> = dyn Fn(&M, &B, &mut Side, &Device) -> Tensor<D> + Send + Sync;
 type BlockFn<M, B, const D: usize> =
-    dyn Fn(&M, usize, Tensor<D>, &B) -> BlockOutput<D> + Send + Sync;
-type LossFn<M, B, const D: usize> = dyn Fn(&M, Tensor<D>, &B, &Device) -> Tensor<1> + Send + Sync;
+    dyn Fn(&M, usize, Tensor<D>, &B, &mut Side) -> BlockOutput<D> + Send + Sync;
+type ThenFn<M, B, const D: usize> =
+    dyn Fn(&M, Tensor<D>, &B, &mut Side, &Device) -> Tensor<D> + Send + Sync;
+type LossFn<M, B, const D: usize> =
+    dyn Fn(&M, Tensor<D>, &B, &mut Side, &Device) -> Tensor<1> + Send + Sync;
+
+/// One stack's pieces: its block, and the piece that runs before its first block (the
+/// transition from the stack before it).
+struct StackPieces<M, B, const D: usize> {
+    block: Arc<BlockFn<M, B, D>>,
+    before: Option<Arc<ThenFn<M, B, D>>>,
+}
+
+impl<M, B, const D: usize> Clone for StackPieces<M, B, D> {
+    fn clone(&self) -> Self {
+        Self {
+            block: self.block.clone(),
+            before: self.before.clone(),
+        }
+    }
+}
+
+/// The pieces of a model's forward as closures, for a model that does not implement
+/// [`BlockModel`] or has several stacks of blocks: `embed` before the first stack, a block
+/// piece per stack, a `then` piece between two stacks where the second does not take the
+/// first one's output as it is, and `loss` after the last stack. [`Shard::forward`],
+/// [`Shard::embed`], [`Shard::stack`], [`Shard::then`] and [`Shard::loss`] build them.
+///
+/// [`Shard::forward`]: crate::Shard::forward
+/// [`Shard::embed`]: crate::Shard::embed
+/// [`Shard::stack`]: crate::Shard::stack
+/// [`Shard::then`]: crate::Shard::then
+/// [`Shard::loss`]: crate::Shard::loss
+pub struct Pieces<M, B, const D: usize> {
+    embed: Arc<EmbedFn<M, B, D>>,
+    stacks: Vec<StackPieces<M, B, D>>,
+    /// A `then` given after the last stack so far, for the next one.
+    then: Option<Arc<ThenFn<M, B, D>>>,
+    loss: Option<Arc<LossFn<M, B, D>>>,
+}
 
 impl<M, B, const D: usize> Clone for Pieces<M, B, D> {
     fn clone(&self) -> Self {
         Self {
             embed: self.embed.clone(),
-            block: self.block.clone(),
+            stacks: self.stacks.clone(),
+            then: self.then.clone(),
             loss: self.loss.clone(),
         }
     }
@@ -103,22 +166,25 @@ impl<M, B, const D: usize> Clone for Pieces<M, B, D> {
 
 impl<M, B, const D: usize> fmt::Debug for Pieces<M, B, D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Pieces").finish_non_exhaustive()
+        f.debug_struct("Pieces")
+            .field("stacks", &self.stacks.len())
+            .finish_non_exhaustive()
     }
 }
 
 impl<M: 'static, B: 'static, const D: usize> Pieces<M, B, D> {
-    /// The pieces as closures.
+    /// The three pieces of a model with one stack of blocks, as closures:
+    /// `embed(model, batch, device)`, `block(model, i, x, batch)` (returning the block's
+    /// output, or a [`BlockOutput`] with an auxiliary loss) and `loss(model, x, batch,
+    /// device)`, with the meaning of [`BlockModel`]'s methods.
     pub fn new<O: Into<BlockOutput<D>>>(
         embed: impl Fn(&M, &B, &Device) -> Tensor<D> + Send + Sync + 'static,
         block: impl Fn(&M, usize, Tensor<D>, &B) -> O + Send + Sync + 'static,
         loss: impl Fn(&M, Tensor<D>, &B, &Device) -> Tensor<1> + Send + Sync + 'static,
     ) -> Self {
-        Self {
-            embed: Arc::new(embed),
-            block: Arc::new(move |m: &M, i, x, b: &B| block(m, i, x, b).into()),
-            loss: Arc::new(loss),
-        }
+        Self::embed(move |m: &M, b: &B, _: &mut Side, d: &Device| embed(m, b, d))
+            .stack(move |m: &M, i, x, b: &B, _: &mut Side| block(m, i, x, b))
+            .loss(move |m: &M, x, b: &B, _: &mut Side, d: &Device| loss(m, x, b, d))
     }
 
     /// The pieces of a [`BlockModel`]: its own three methods.
@@ -132,69 +198,184 @@ impl<M: 'static, B: 'static, const D: usize> Pieces<M, B, D> {
             |m: &M, x, b: &B, d: &Device| m.loss(x, b, d),
         )
     }
+
+    /// Pieces that start with `embed(model, batch, side, device)`: the batch to the first
+    /// stack's input, on `device`.
+    pub fn embed(
+        embed: impl Fn(&M, &B, &mut Side, &Device) -> Tensor<D> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            embed: Arc::new(embed),
+            stacks: Vec::new(),
+            then: None,
+            loss: None,
+        }
+    }
+
+    /// The same pieces and the next stack's block: `block(model, i, x, batch, side)` runs
+    /// block `i` of the stack on `x`.
+    pub fn stack<O: Into<BlockOutput<D>>>(
+        mut self,
+        block: impl Fn(&M, usize, Tensor<D>, &B, &mut Side) -> O + Send + Sync + 'static,
+    ) -> Self {
+        self.stacks.push(StackPieces {
+            block: Arc::new(move |m: &M, i, x, b: &B, s: &mut Side| block(m, i, x, b, s).into()),
+            before: self.then.take(),
+        });
+        self
+    }
+
+    /// The same pieces and what runs between the last stack so far and the next:
+    /// `then(model, x, batch, side, device)` takes the last block's output `x` and returns the
+    /// next stack's input, alone or with side tensors for the next stack's blocks
+    /// ([`Handover`]).
+    pub fn then<O: Into<Handover<D>>>(
+        mut self,
+        then: impl Fn(&M, Tensor<D>, &B, &mut Side, &Device) -> O + Send + Sync + 'static,
+    ) -> Self {
+        self.then = Some(Arc::new(
+            move |m: &M, x, b: &B, side: &mut Side, d: &Device| {
+                let Handover { input, side: put } = then(m, x, b, side, d).into();
+                for (name, t) in put {
+                    side.put(name, t);
+                }
+                input
+            },
+        ));
+        self
+    }
+
+    /// The same pieces and the last: `loss(model, x, batch, side, device)` takes the last
+    /// block's output to the micro-batch's loss (`[1]`).
+    pub fn loss(
+        mut self,
+        loss: impl Fn(&M, Tensor<D>, &B, &mut Side, &Device) -> Tensor<1> + Send + Sync + 'static,
+    ) -> Self {
+        self.loss = Some(Arc::new(loss));
+        self
+    }
+
+    /// Stacks given a block piece.
+    pub fn stacks(&self) -> usize {
+        self.stacks.len()
+    }
 }
 
-/// The units of a model whose blocks sit in a `Vec` field, run by its [`Pieces`]: unit 0 is
-/// the root (every parameter outside the blocks' field) and runs `embed`; unit `i + 1` is
-/// block `i`; the last block's unit also reads the root and runs `loss`.
+/// The units of a model whose blocks sit in one or more `Vec` fields, run by its [`Pieces`]:
+/// unit 0 is the root (every parameter outside the blocks' fields) and runs `embed`; then one
+/// unit per block, stack after stack, named `field.i`. The first block of a stack after a
+/// `then` piece also reads the root and runs that piece first; the last block of the last
+/// stack also reads the root and runs `loss`.
 #[derive(Debug, Clone)]
 pub struct Blocks<M, B, const D: usize> {
-    field: String,
-    count: usize,
+    /// Each stack's field and count of blocks.
+    stacks: Vec<(String, usize)>,
     pieces: Pieces<M, B, D>,
 }
 
 impl<M: Module, B, const D: usize> Blocks<M, B, D> {
     /// The units of `module` with its blocks in field `field`, run by `pieces`.
     pub fn of(module: &M, field: &str, pieces: Pieces<M, B, D>) -> Result<Self, ShardError> {
-        let prefix = format!("{field}.");
-        let mut count = 0;
-        for (path, _) in param_shapes(module) {
-            if let Some(rest) = path.strip_prefix(&prefix) {
-                let index = rest.split('.').next().and_then(|i| i.parse::<usize>().ok());
-                match index {
-                    Some(i) => count = count.max(i + 1),
-                    None => {
-                        return Err(ShardError::setting(
-                            "blocks",
-                            field,
-                            format!(
-                                "parameter `{path}` is under the field but not in an element of \
-                                 a Vec: name the Vec field that holds the blocks"
-                            ),
-                        ));
-                    }
-                }
-            }
-        }
-        if count == 0 {
-            let roots: Vec<String> = param_shapes(module)
-                .into_iter()
-                .filter_map(|(p, _)| p.split('.').next().map(str::to_string))
-                .collect::<std::collections::BTreeSet<_>>()
-                .into_iter()
-                .collect();
+        Self::of_stacks(module, &[field], pieces)
+    }
+
+    /// The units of `module` with its blocks in the fields `fields`, one stack each in forward
+    /// order, run by `pieces` (one block piece per field, and a loss).
+    pub fn of_stacks(
+        module: &M,
+        fields: &[&str],
+        pieces: Pieces<M, B, D>,
+    ) -> Result<Self, ShardError> {
+        let names = fields.join(", ");
+        if fields.is_empty() || pieces.stacks.len() != fields.len() {
             return Err(ShardError::setting(
                 "blocks",
-                field,
+                &names,
                 format!(
-                    "no parameter lies under `{prefix}`: the model's fields with parameters are \
-                     {}",
-                    roots.join(", ")
+                    "{} fields of blocks and {} block pieces: give one block piece per field, \
+                     in the fields' order",
+                    fields.len(),
+                    pieces.stacks.len()
                 ),
             ));
         }
-        Ok(Self {
-            field: field.to_string(),
-            count,
-            pieces,
-        })
+        if pieces.loss.is_none() {
+            return Err(ShardError::setting(
+                "blocks",
+                &names,
+                "no loss piece: give one after the last stack's block piece",
+            ));
+        }
+        if pieces.then.is_some() {
+            return Err(ShardError::setting(
+                "blocks",
+                &names,
+                "a `then` piece after the last stack: it runs between two stacks, so give it \
+                 before the next stack's block piece, or drop it",
+            ));
+        }
+        let params = param_shapes(module);
+        let mut stacks = Vec::with_capacity(fields.len());
+        for field in fields {
+            stacks.push((field.to_string(), count_blocks(&params, field)?));
+        }
+        Ok(Self { stacks, pieces })
     }
 
-    /// Blocks in the field.
+    /// Blocks in all the fields.
     pub fn count(&self) -> usize {
-        self.count
+        self.stacks.iter().map(|(_, n)| n).sum()
     }
+
+    /// The stack and index within it of unit `unit` (`unit >= 1`).
+    fn locate(&self, unit: usize) -> (usize, usize) {
+        let mut i = unit - 1;
+        for (s, (_, n)) in self.stacks.iter().enumerate() {
+            if i < *n {
+                return (s, i);
+            }
+            i -= n;
+        }
+        unreachable!("unit {unit} is past the last block")
+    }
+}
+
+/// The count of blocks of the `Vec` field `field` among `params`.
+fn count_blocks(params: &[(String, Vec<usize>)], field: &str) -> Result<usize, ShardError> {
+    let prefix = format!("{field}.");
+    let mut count = 0;
+    for (path, _) in params {
+        if let Some(rest) = path.strip_prefix(&prefix) {
+            match rest.split('.').next().and_then(|i| i.parse::<usize>().ok()) {
+                Some(i) => count = count.max(i + 1),
+                None => {
+                    return Err(ShardError::setting(
+                        "blocks",
+                        field,
+                        format!(
+                            "parameter `{path}` is under the field but not in an element of a \
+                             Vec: name the Vec field that holds the blocks"
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    if count == 0 {
+        let roots: std::collections::BTreeSet<&str> = params
+            .iter()
+            .filter_map(|(p, _)| p.split('.').next())
+            .collect();
+        return Err(ShardError::setting(
+            "blocks",
+            field,
+            format!(
+                "no parameter lies under `{prefix}`: the model's fields with parameters are {}",
+                roots.into_iter().collect::<Vec<_>>().join(", ")
+            ),
+        ));
+    }
+    Ok(count)
 }
 
 impl<M: Module + Clone, B, const D: usize> Staged<D> for Blocks<M, B, D> {
@@ -202,29 +383,28 @@ impl<M: Module + Clone, B, const D: usize> Staged<D> for Blocks<M, B, D> {
     type Batch = B;
 
     fn units(&self, module: &M) -> Vec<UnitDecl> {
-        let prefix = format!("{}.", self.field);
+        let prefixes: Vec<String> = self.stacks.iter().map(|(f, _)| format!("{f}.")).collect();
         let root: Vec<String> = param_shapes(module)
             .into_iter()
             .map(|(p, _)| p)
-            .filter(|p| !p.starts_with(&prefix))
+            .filter(|p| !prefixes.iter().any(|f| p.starts_with(f)))
             .collect();
-        let root = UnitDecl {
+        let mut units = vec![UnitDecl {
             name: "root".into(),
             prefixes: root,
             uses: Vec::new(),
-        };
-        let last = self.count;
-        std::iter::once(root)
-            .chain((0..self.count).map(|i| {
-                let name = format!("{}.{i}", self.field);
+        }];
+        let last = self.count();
+        for (s, (field, n)) in self.stacks.iter().enumerate() {
+            for i in 0..*n {
+                let name = format!("{field}.{i}");
                 let unit = UnitDecl::new(name.clone(), &[&name]);
-                if i + 1 == last {
-                    unit.using(&[0])
-                } else {
-                    unit
-                }
-            }))
-            .collect()
+                let reads_root = units.len() == last
+                    || (i == 0 && self.pieces.stacks[s].before.is_some());
+                units.push(if reads_root { unit.using(&[0]) } else { unit });
+            }
+        }
+        units
     }
 
     fn forward(
@@ -232,26 +412,32 @@ impl<M: Module + Clone, B, const D: usize> Staged<D> for Blocks<M, B, D> {
         module: &M,
         unit: usize,
         input: Option<Tensor<D>>,
+        side: &mut Side,
         batch: &B,
         device: &Device,
     ) -> Flow<D> {
-        match input {
-            None => Flow::Hidden((self.pieces.embed)(module, batch, device)),
-            Some(x) => {
-                let BlockOutput { hidden, aux } = (self.pieces.block)(module, unit - 1, x, batch);
-                match (unit == self.count, aux) {
-                    // The last block's auxiliary loss joins the model's loss here.
-                    (true, aux) => {
-                        let loss = (self.pieces.loss)(module, hidden, batch, device);
-                        Flow::Loss(match aux {
-                            Some(aux) => aux + loss,
-                            None => loss,
-                        })
-                    }
-                    (false, None) => Flow::Hidden(hidden),
-                    (false, Some(aux)) => Flow::Aux(hidden, aux),
-                }
+        let Some(x) = input else {
+            return Flow::Hidden((self.pieces.embed)(module, batch, side, device));
+        };
+        let (s, i) = self.locate(unit);
+        let stack = &self.pieces.stacks[s];
+        let x = match (&stack.before, i) {
+            (Some(before), 0) => before(module, x, batch, side, device),
+            _ => x,
+        };
+        let BlockOutput { hidden, aux } = (stack.block)(module, i, x, batch, side);
+        match (unit == self.count(), aux) {
+            // The last block's auxiliary loss joins the model's loss here.
+            (true, aux) => {
+                let loss = self.pieces.loss.as_ref().expect("checked when built");
+                let loss = loss(module, hidden, batch, side, device);
+                Flow::Loss(match aux {
+                    Some(aux) => aux + loss,
+                    None => loss,
+                })
             }
+            (false, None) => Flow::Hidden(hidden),
+            (false, Some(aux)) => Flow::Aux(hidden, aux),
         }
     }
 }
@@ -335,347 +521,3 @@ impl<M: Module> ParamSource for InitSource<M> {
     }
 }
 
-/// Builds a [`ShardedModel`] of a model whose blocks sit in a `Vec` field, with named
-/// options: which field holds the blocks, the preset or a whole [`ShardConfig`], the seed of
-/// the initialisers, a checkpoint to resume instead, and the application's record checked on
-/// resume and kept in every save. The forward's pieces are the model's [`BlockModel`] impl, or
-/// closures given to [`forward`](Self::forward) (`P` is then [`Pieces`]).
-#[derive(Debug, Clone)]
-pub struct Shard<'a, P = ()> {
-    field: String,
-    config: Option<ShardConfig>,
-    preset: Preset,
-    seed: u64,
-    resume: Resume<'a>,
-    record: Option<Result<Map<String, Value>, String>>,
-    pieces: P,
-}
-
-/// Where a build's state comes from.
-#[derive(Debug, Clone)]
-enum Resume<'a> {
-    /// Burn's initialisers.
-    Fresh,
-    /// A checkpoint the caller opened.
-    Opened(&'a Checkpoint),
-    /// A checkpoint directory the build opens.
-    Dir(PathBuf),
-}
-
-impl<'a> Shard<'a> {
-    /// Each element of the `Vec` field `field` is a unit; the rest of the model is the root.
-    /// Defaults: [`Preset::Zero3`], seed 0.
-    pub fn blocks(field: &str) -> Self {
-        Self {
-            field: field.to_string(),
-            config: None,
-            preset: Preset::Zero3,
-            seed: 0,
-            resume: Resume::Fresh,
-            record: None,
-            pieces: (),
-        }
-    }
-
-    /// The model's forward as its three pieces, closures with the meaning of
-    /// [`BlockModel`]'s methods (see [`Pieces::new`]), for a model without the trait; the
-    /// crate guide's example shows them.
-    pub fn forward<M: 'static, B: 'static, O: Into<BlockOutput<D>>, const D: usize>(
-        self,
-        embed: impl Fn(&M, &B, &Device) -> Tensor<D> + Send + Sync + 'static,
-        block: impl Fn(&M, usize, Tensor<D>, &B) -> O + Send + Sync + 'static,
-        loss: impl Fn(&M, Tensor<D>, &B, &Device) -> Tensor<1> + Send + Sync + 'static,
-    ) -> Shard<'a, Pieces<M, B, D>> {
-        self.pieces(Pieces::new(embed, block, loss))
-    }
-
-    /// The model's forward as [`Pieces`] built beforehand.
-    pub fn pieces<M, B, const D: usize>(
-        self,
-        pieces: Pieces<M, B, D>,
-    ) -> Shard<'a, Pieces<M, B, D>> {
-        Shard {
-            field: self.field,
-            config: self.config,
-            preset: self.preset,
-            seed: self.seed,
-            resume: self.resume,
-            record: self.record,
-            pieces,
-        }
-    }
-
-    /// Partitions the module `init` builds (the model's `Config::init`, whose parameters
-    /// are lazy) over `comm`, computing on `device`, run by its [`BlockModel`] impl. Every
-    /// rank must call it.
-    pub fn build<'c, M, const D: usize>(
-        self,
-        comm: &'c Comm,
-        init: impl Fn(&Device) -> M,
-        device: Device,
-    ) -> Result<ShardedModel<'c, Blocks<M, M::Batch, D>, D>, ShardError>
-    where
-        M: BlockModel<D> + 'static,
-        M::Batch: 'static,
-    {
-        self.pieces(Pieces::of_model()).build(comm, init, device)
-    }
-}
-
-impl<'a, P> Shard<'a, P> {
-    /// The preset, sized to the communicator's topology.
-    pub fn preset(mut self, preset: Preset) -> Self {
-        self.preset = preset;
-        self
-    }
-
-    /// A whole configuration instead of a preset.
-    pub fn config(mut self, config: ShardConfig) -> Self {
-        self.config = Some(config);
-        self
-    }
-
-    /// The seed of the initialisers' generator.
-    pub fn seed(mut self, seed: u64) -> Self {
-        self.seed = seed;
-        self
-    }
-
-    /// Continue `checkpoint` (of any world size and preset) instead of initialising.
-    pub fn resume(mut self, checkpoint: &'a Checkpoint) -> Self {
-        self.resume = Resume::Opened(checkpoint);
-        self
-    }
-
-    /// Continue the checkpoint in `dir` (a `step-NNNNNN` directory, or a run's directory for
-    /// its newest complete checkpoint; of any world size and preset) when there is one, else
-    /// initialise: `.resume_from(args.resume.as_deref())`.
-    pub fn resume_from(mut self, dir: Option<&Path>) -> Self {
-        if let Some(dir) = dir {
-            self.resume = Resume::Dir(dir.to_path_buf());
-        }
-        self
-    }
-
-    /// The application's record (a struct that serialises to a JSON object: its settings,
-    /// its data's position): a resumed checkpoint must hold the same value under each of its
-    /// fields, or the build fails naming the first that differs, and every
-    /// [`ShardedModel::save`] whose options carry no record of their own keeps it.
-    pub fn record<R: Serialize>(mut self, record: &R) -> Self {
-        self.record = Some(match serde_json::to_value(record) {
-            Ok(Value::Object(map)) => Ok(map),
-            Ok(other) => Err(format!(
-                "the record must serialise to a JSON object, not {other}"
-            )),
-            Err(e) => Err(format!("the record does not serialise: {e}")),
-        });
-        self
-    }
-}
-
-impl<'a, M, B, const D: usize> Shard<'a, Pieces<M, B, D>>
-where
-    M: Module + Clone,
-{
-    /// Partitions the module `init` builds (the model's `Config::init`, whose parameters
-    /// are lazy) over `comm`, computing on `device`. Every rank must call it.
-    pub fn build<'c>(
-        self,
-        comm: &'c Comm,
-        init: impl Fn(&Device) -> M,
-        device: Device,
-    ) -> Result<ShardedModel<'c, Blocks<M, B, D>, D>, ShardError> {
-        let config = match self.config {
-            Some(c) => c,
-            None => self.preset.config(comm.topology().depth()),
-        };
-        let record = self
-            .record
-            .transpose()
-            .map_err(|why| ShardError::setting("record", "", why))?;
-        // A skeleton: its lazy parameters are never materialised.
-        let skeleton = init(&Device::flex());
-        let stages = Blocks::of(&skeleton, &self.field, self.pieces)?;
-        let opened;
-        let checkpoint = match self.resume {
-            Resume::Fresh => None,
-            Resume::Opened(checkpoint) => Some(checkpoint),
-            Resume::Dir(dir) => {
-                opened = Checkpoint::open(comm, &dir)?;
-                Some(&opened)
-            }
-        };
-        let model = match checkpoint {
-            Some(checkpoint) => {
-                if let Some(record) = &record {
-                    check_record(record, checkpoint)?;
-                }
-                ShardedModel::resume(comm, stages, skeleton, config, device, checkpoint)?
-            }
-            None => {
-                let mut source = InitSource::new(init(&Device::flex()), self.seed);
-                ShardedModel::new(comm, stages, skeleton, config, device, &mut source)?
-            }
-        };
-        Ok(match record {
-            Some(record) => model.with_record(record),
-            None => model,
-        })
-    }
-}
-
-/// Refuses a checkpoint whose application record differs from `record` under any of its
-/// fields.
-fn check_record(record: &Map<String, Value>, checkpoint: &Checkpoint) -> Result<(), ShardError> {
-    let saved = &checkpoint.manifest().app;
-    for (key, ours) in record {
-        let theirs = saved.get(key).unwrap_or(&Value::Null);
-        if theirs != ours {
-            return Err(ShardError::setting(
-                "record",
-                format!("{key} = {ours}"),
-                format!(
-                    "{} was saved with {key} = {theirs}: resume it with the settings it was \
-                     saved with, or start afresh",
-                    checkpoint.dir().display()
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// A batch that splits by rows, so a step's global batch can be shared among the ranks.
-///
-/// A Burn tensor is a batch already (one index of its first dimension a row), and so are a
-/// `Vec` of samples (one element a row) and a tuple of batches (inputs, targets, a mask: every
-/// part split at the same rows); a batch of one's own implements `rows` and `select`.
-pub trait Rows: Sized {
-    /// Rows (sequences, samples) in the batch.
-    fn rows(&self) -> usize;
-
-    /// Rows `range` of the batch.
-    fn select(&self, range: Range<usize>) -> Self;
-
-    /// The rows of each part of a batch made of several (a tuple's), which must agree; one
-    /// entry for a batch of one part.
-    fn part_rows(&self) -> Vec<usize> {
-        vec![self.rows()]
-    }
-}
-
-/// A batch of samples (or sequences), one element a row.
-impl<T: Clone> Rows for Vec<T> {
-    fn rows(&self) -> usize {
-        self.len()
-    }
-
-    fn select(&self, range: Range<usize>) -> Self {
-        self[range].to_vec()
-    }
-}
-
-/// A batch of Burn tensors, one row per index of the first dimension (a `[batch, seq]` tensor
-/// of token ids, a `[batch, features]` tensor of inputs).
-impl<const N: usize, K: Basic> Rows for Tensor<N, K> {
-    fn rows(&self) -> usize {
-        self.dims()[0]
-    }
-
-    fn select(&self, range: Range<usize>) -> Self {
-        self.clone().narrow(0, range.start, range.len())
-    }
-}
-
-macro_rules! tuple_rows {
-    ($($part:ident $i:tt),+) => {
-        impl<$($part: Rows),+> Rows for ($($part,)+) {
-            fn rows(&self) -> usize {
-                self.0.rows()
-            }
-
-            fn select(&self, range: Range<usize>) -> Self {
-                ($(self.$i.select(range.clone()),)+)
-            }
-
-            fn part_rows(&self) -> Vec<usize> {
-                let mut rows = Vec::new();
-                $(rows.extend(self.$i.part_rows());)+
-                rows
-            }
-        }
-    };
-}
-tuple_rows!(A 0, B 1);
-tuple_rows!(A 0, B 1, C 2);
-tuple_rows!(A 0, B 1, C 2, E 3);
-
-/// Rank `rank`'s rows of a global batch of `rows` rows over `world` ranks, refusing a batch that
-/// does not split evenly (every rank's loss weighs the same in the step's mean).
-pub(crate) fn share_of(rows: usize, rank: usize, world: usize) -> Result<Range<usize>, ShardError> {
-    if rows == 0 || !rows.is_multiple_of(world) {
-        return Err(ShardError::setting(
-            "batch",
-            rows,
-            format!(
-                "a global batch of {rows} rows does not split evenly over {world} ranks: use a \
-                 multiple of {world}"
-            ),
-        ));
-    }
-    let each = rows / world;
-    Ok(rank * each..(rank + 1) * each)
-}
-
-/// Rank `rank`'s rows of `global` over `world` ranks, refusing parts that disagree on their
-/// rows and a batch that does not split evenly.
-pub(crate) fn share_rows<B: Rows>(global: &B, rank: usize, world: usize) -> Result<B, ShardError> {
-    let parts = global.part_rows();
-    if parts.iter().any(|&r| r != parts[0]) {
-        return Err(ShardError::setting(
-            "batch",
-            format!("{parts:?}"),
-            "the batch's parts have different rows: every part (inputs, targets, masks) must \
-             hold one row per sequence or sample of the batch",
-        ));
-    }
-    Ok(global.select(share_of(global.rows(), rank, world)?))
-}
-
-impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D>
-where
-    S::Batch: Rows,
-{
-    /// This rank's share of the step's global batch (rows `rank * n / world ..`); every rank
-    /// passes the same global batch.
-    pub fn share(&self, global: &S::Batch) -> Result<S::Batch, ShardError> {
-        let comm = self.comm();
-        share_rows(global, comm.rank(), comm.topology().world_size())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn vecs_and_tuples_of_them_split_by_rows() {
-        let x: Vec<[f32; 2]> = (0..6).map(|i| [i as f32, -(i as f32)]).collect();
-        let ids: Vec<i64> = (0..6).collect();
-        // Rank 1 of 3 holds rows 2 and 3 of every part.
-        let (x1, ids1) = share_rows(&(x.clone(), ids.clone()), 1, 3).unwrap();
-        assert_eq!(x1, [[2.0, -2.0], [3.0, -3.0]]);
-        assert_eq!(ids1, [2, 3]);
-        // Parts that disagree on their rows, and rows that do not split: setting errors.
-        let short = x[..4].to_vec();
-        let err = share_rows(&(x.clone(), short, ids), 0, 2).unwrap_err();
-        assert!(
-            matches!(&err, ShardError::Setting { field: "batch", value, .. } if value == "[6, 4, 6]"),
-            "{err:?}"
-        );
-        assert!(matches!(
-            share_rows(&x, 0, 4),
-            Err(ShardError::Setting { field: "batch", .. })
-        ));
-    }
-}

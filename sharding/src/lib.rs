@@ -208,6 +208,7 @@
 //! (`rayon`, `simd`) and the AVX-512 matrix kernels, chosen at run time.
 
 pub mod blocks;
+mod builder;
 mod checkpoint;
 pub mod config;
 mod engine;
@@ -216,18 +217,25 @@ pub mod optim;
 pub mod params;
 pub mod plan;
 pub mod plumbing;
+mod rows;
+mod side;
 mod source;
 mod stage;
 mod transport;
 
-pub use blocks::{BlockModel, BlockOutput, Blocks, InitSource, Pieces, Rows, Shard};
+pub use blocks::{BlockModel, BlockOutput, Blocks, Handover, InitSource, Pieces};
+pub use builder::{Described, Shard};
 pub use checkpoint::{Checkpoint, FileEntry, Manifest, PendingSave, SaveOptions, TensorMeta};
 pub use config::{Compute, GradQuant, Preset, Recompute, ShardConfig, Span, WeightQuant};
-pub use engine::{Gradients, Layout, ShardedModel, StepHyper, StepReport};
+pub use engine::{
+    Gradients, Layout, ShardedModel, StepHyper, StepLoss, StepReport, draw_seed, rounding_tolerance,
+};
 pub use error::ShardError;
 pub use optim::{Adam, AdamW, DecayOn, FlatState, Optimizer, Sgd};
 pub use plan::simulate::Interval;
 pub use plan::{Memory, Plan};
+pub use rows::Rows;
+pub use side::Side;
 pub use source::{FnSource, ParamSource};
 pub use stage::{Flow, Staged, UnitDecl, assign};
 pub use transport::memory::Resident;

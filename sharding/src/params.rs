@@ -6,9 +6,10 @@
 //! `LinearConfig::init` and friends produce) unmaterialised.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::{Device, Gradients, Tensor};
+use burn::tensor::{DType, Device, Gradients, Shape, Tensor};
 
 /// Tracks the dotted path through `enter_module`/`exit_module` (Burn never calls the
 /// `*_with_path` visitor hooks from `Module::visit`).
@@ -122,12 +123,58 @@ pub fn load<M: Module>(
     device: &Device,
     require_grad: bool,
 ) -> M {
+    load_with(module, values, shapes, device, require_grad, None)
+}
+
+/// The paths of parameters read that were not loaded, in the order they were read: what a
+/// unit's forward read of units it does not declare.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ReadLog(Arc<Mutex<Vec<String>>>);
+
+impl ReadLog {
+    /// The paths read so far.
+    pub(crate) fn read(&self) -> Vec<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// [`load`], except that every parameter not in `values` becomes a lazy one that, when read,
+/// adds its path to `log` and gives zeros of its shape in `dtype` (so a forward that reads it
+/// runs on to where the log is looked at, instead of failing on an empty tensor).
+pub(crate) fn load_logged<M: Module>(
+    module: M,
+    values: &mut HashMap<String, Tensor<1>>,
+    shapes: &HashMap<String, Vec<usize>>,
+    device: &Device,
+    require_grad: bool,
+    dtype: DType,
+    log: &ReadLog,
+) -> M {
+    load_with(
+        module,
+        values,
+        shapes,
+        device,
+        require_grad,
+        Some((log, dtype)),
+    )
+}
+
+fn load_with<M: Module>(
+    module: M,
+    values: &mut HashMap<String, Tensor<1>>,
+    shapes: &HashMap<String, Vec<usize>>,
+    device: &Device,
+    require_grad: bool,
+    logged: Option<(&ReadLog, DType)>,
+) -> M {
     struct Loader<'a> {
         path: Path,
         values: &'a mut HashMap<String, Tensor<1>>,
         shapes: &'a HashMap<String, Vec<usize>>,
         device: &'a Device,
         require_grad: bool,
+        logged: Option<(&'a ReadLog, DType)>,
     }
     impl ModuleMapper for Loader<'_> {
         fn enter_module(&mut self, name: &str, _: &str) {
@@ -138,21 +185,37 @@ pub fn load<M: Module>(
         }
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let name = self.path.join();
-            let value = match self.values.remove(&name) {
-                Some(flat) => {
-                    let shape: [usize; D] = self.shapes[&name]
-                        .as_slice()
-                        .try_into()
-                        .expect("a parameter's rank never changes");
+            let shape = |name: &str| -> [usize; D] {
+                self.shapes[name]
+                    .as_slice()
+                    .try_into()
+                    .expect("a parameter's rank never changes")
+            };
+            let value = match (self.values.remove(&name), self.logged) {
+                (Some(flat), _) => {
                     // Reshape first: the leaf must be the tensor the module holds.
-                    let v = flat.reshape(shape);
+                    let v = flat.reshape(shape(&name));
                     if self.require_grad {
                         v.require_grad()
                     } else {
                         v
                     }
                 }
-                None => Tensor::empty([0; D], self.device),
+                (None, Some((log, dtype))) => {
+                    let dims = shape(&name);
+                    let log = log.clone();
+                    return Param::uninitialized(
+                        param.id,
+                        move |device: &Device, _| {
+                            log.0.lock().unwrap_or_else(|e| e.into_inner()).push(name);
+                            Tensor::<D>::zeros(dims, device).cast(dtype)
+                        },
+                        self.device.clone(),
+                        false,
+                        Shape::from(dims.to_vec()),
+                    );
+                }
+                (None, None) => Tensor::empty([0; D], self.device),
             };
             // `Param::consume` would initialise a lazy parameter only to drop its value: build
             // the replacement from the id alone.
@@ -165,6 +228,7 @@ pub fn load<M: Module>(
         shapes,
         device,
         require_grad,
+        logged,
     })
 }
 
@@ -190,8 +254,10 @@ pub fn grads_of<M: Module>(
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let name = self.path.join();
-            // Only loaded parameters are read: the others are empty and never lazy.
+            // Only loaded parameters are read: the others are empty, or lazy ones that must
+            // stay unread (`load_logged`).
             if let Some(&numel) = self.wanted.get(&name)
+                && param.is_initialized()
                 && let Some(g) = param.val().grad(self.grads)
             {
                 self.out.insert(name, g.reshape([numel]));

@@ -7,6 +7,7 @@ use burn::tensor::{Device, Tensor};
 
 use crate::error::ShardError;
 use crate::plan::UnitSpec;
+use crate::side::Side;
 
 /// A unit as declared: the parameter path prefixes it owns, and other units it reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,14 +71,18 @@ impl<const D: usize> Flow<D> {
 }
 
 /// A model cut into units that run one after another, each taking the previous one's
-/// activation (a single float tensor of rank `D`) and the batch.
+/// activation (a float tensor of rank `D`), the side tensors earlier units put ([`Side`]) and
+/// the batch.
 ///
 /// Contract: every unit but the last returns [`Flow::Hidden`] (or [`Flow::Aux`], with an
-/// auxiliary loss), the last returns [`Flow::Loss`]; `forward` must be pure (the same output
-/// for the same parameters, input and batch, with or without autodiff: backward may run it
-/// again); it reads only the parameters of unit `unit` and of its `uses`
-/// (the others are empty tensors when it runs); it builds any tensor it needs from `batch` on
-/// `device` (plain or autodiff, the partitioner decides). Every rank must declare the same units.
+/// auxiliary loss), the last returns [`Flow::Loss`]; `forward` is a function of the
+/// parameters, the input, the side tensors and the batch, and of the device's generator as the
+/// partitioner seeds it before each unit (so dropout drawn there is replayed exactly when
+/// backward runs the unit again); it reads only the parameters of unit `unit` and of its
+/// `uses` (reading another's is an error of the step naming both); it builds any tensor it
+/// needs from `batch` on `device` (plain or autodiff, the partitioner decides: a training
+/// forward runs on the autodiff device, as Burn's own training does, evaluation on the plain
+/// one). Every rank must declare the same units.
 pub trait Staged<const D: usize> {
     /// The Burn module.
     type Module: Module + Clone;
@@ -87,12 +92,14 @@ pub trait Staged<const D: usize> {
     /// The units, in forward order.
     fn units(&self, module: &Self::Module) -> Vec<UnitDecl>;
 
-    /// Runs unit `unit` of `module` on `input` (`None` for the first unit).
+    /// Runs unit `unit` of `module` on `input` (`None` for the first unit), reading and putting
+    /// side tensors in `side`.
     fn forward(
         &self,
         module: &Self::Module,
         unit: usize,
         input: Option<Tensor<D>>,
+        side: &mut Side,
         batch: &Self::Batch,
         device: &Device,
     ) -> Flow<D>;

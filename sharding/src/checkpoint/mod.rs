@@ -114,6 +114,10 @@ pub struct Manifest {
     /// Its topology, `NODESxGPUSxGCDS`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub topology: Option<String>,
+    /// The seed of the device's generator the model's units drew from
+    /// ([`draw_seed`](crate::draw_seed)), which a resumed model keeps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generator_seed: Option<u64>,
     /// The application's own record (ember: its run configuration, data position, RNG scheme
     /// and tokenizer checksum), kept beside the fields above.
     #[serde(flatten)]
@@ -133,6 +137,7 @@ impl Manifest {
             files: Vec::new(),
             shard: None,
             topology: None,
+            generator_seed: None,
             app: serde_json::Map::new(),
         }
     }

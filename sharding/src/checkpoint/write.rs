@@ -60,6 +60,10 @@ pub trait ShardView {
     fn residual_tensors(&self) -> Vec<(usize, usize, Tensor<1>)>;
     /// The layout the residuals belong to (JSON), checked when they are read back.
     fn residual_layout(&self) -> String;
+    /// The seed of the device's generator the model's units draw from, kept in the manifest.
+    fn generator_seed(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Element type of a tensor in a written file.
@@ -513,6 +517,7 @@ impl SaveJob {
             let manifest = Manifest {
                 shard: Some(plan.config.clone()),
                 topology: Some(plan.topology.to_string()),
+                generator_seed: sharded.generator_seed(),
                 app: options.app.clone(),
                 ..Manifest::new(step, plan.topology.world_size(), tensors)
             };

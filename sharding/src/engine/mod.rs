@@ -65,7 +65,7 @@ use crate::transport::route::{self, Residuals, agree};
 use crate::transport::staging;
 
 pub(crate) use shards::OwnedPiece;
-pub use step::Gradients;
+pub use step::{Gradients, rounding_tolerance};
 
 /// The hyper-parameters of one [`ShardedModel::train_step`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -86,10 +86,55 @@ type MomentReader<'a> =
 type SliceReader<'a> =
     dyn FnMut(&crate::plan::ParamSlot, std::ops::Range<usize>) -> Result<Vec<f32>, ShardError> + 'a;
 
+/// How a step's loss, and the loss its gradients are of, is formed from the losses the
+/// micro-batches give on every rank (the loss piece's value, with the auxiliary losses added).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StepLoss {
+    /// Each micro-batch's loss is a mean over its own rows or tokens, and the step's loss is
+    /// the mean of those over the micro-batches and the ranks (DDP's and FSDP's averaging).
+    /// That is the mean over the global batch only when every micro-batch weighs the same: a
+    /// loss averaged over each micro-batch's own valid tokens (sequences with padding) changes
+    /// with the world size and the number of micro-batches.
+    #[default]
+    Mean,
+    /// Each micro-batch's loss is its share of the step's: its sum over its own tokens (or
+    /// rows) divided by the count of tokens in the whole global batch, which every rank can
+    /// count (every rank holds the global batch it passes to
+    /// [`ShardedModel::share`]). The step's loss is the sum of the shares over the
+    /// micro-batches and the ranks, so it is the mean over the global batch's tokens at any
+    /// world size and any number of micro-batches, as one process computing the whole batch
+    /// finds it. Auxiliary losses are summed the same way: give each its share.
+    Sum,
+}
+
+/// The seed the partitioner gives the device's generator right before a unit's forward runs:
+/// unit `unit` of micro-batch `micro_batch` of step `step` (counting from 0, as
+/// [`ShardedModel::step`] does) of a model seeded `seed`.
+///
+/// `micro_batch` counts the global batch's micro-batches: a rank `r` passing `A` micro-batches
+/// to [`ShardedModel::backward`] runs micro-batches `r * A .. (r + 1) * A`, so `N` ranks of `A`
+/// micro-batches draw what one process of `N * A` micro-batches of the same rows draws
+/// ([`ShardedModel::micro_batches`] cuts them). Backward's recompute of a unit seeds the
+/// generator again with the same value, so it draws what the unit's forward drew: dropout
+/// from the device's generator (Burn's `Dropout`, `Tensor::random`) is replayed exactly, as
+/// PyTorch's activation checkpointing replays its saved generator state. A model trained in
+/// plain Burn draws the same masks by seeding its device with this value before each unit's
+/// part of its forward.
+pub fn draw_seed(seed: u64, step: u64, micro_batch: u64, unit: usize) -> u64 {
+    let mix = |z: u64| {
+        let z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        let z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    mix(mix(mix(mix(seed) ^ step) ^ micro_batch) ^ unit as u64)
+}
+
 /// What a step did, as this rank saw it.
 #[derive(Debug, Clone)]
 pub struct StepReport {
-    /// Mean loss over the global batch (the same on every rank).
+    /// The step's loss over the global batch (the same on every rank): per [`StepLoss`], the
+    /// mean of the micro-batches' losses over the micro-batches and the ranks, or their sum.
     pub loss: f64,
     /// Global gradient norm before clipping (the same on every rank).
     pub grad_norm: f64,
@@ -152,6 +197,10 @@ pub struct ShardedModel<'c, S: Staged<D>, const D: usize> {
     /// The application's record a save keeps when its options carry none
     /// ([`Shard::record`](crate::Shard::record)).
     record: serde_json::Map<String, serde_json::Value>,
+    /// The seed of the device's generator before each unit's forward ([`draw_seed`]).
+    seed: u64,
+    /// How the step's loss is formed from its micro-batches'.
+    step_loss: StepLoss,
 }
 
 /// What a [`ShardedModel`] is laid out by: a configuration, which it plans from the module's
@@ -293,6 +342,8 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             restored_residuals: false,
             recompute_checked: false,
             record: serde_json::Map::new(),
+            seed: source.fingerprint(),
+            step_loss: StepLoss::Mean,
         };
         model.refresh_primary()?;
         Ok(model)
@@ -317,6 +368,24 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
     /// number of the step to run next, counting from 0.
     pub fn step(&self) -> u64 {
         self.updates
+    }
+
+    /// The seed of the device's generator before each unit's forward ([`draw_seed`]): the
+    /// parameter source's ([`ParamSource::fingerprint`]; an [`InitSource`](crate::InitSource)'s
+    /// seed) for a new model, the saved model's for a resumed one.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// How the step's loss is formed from its micro-batches' ([`StepLoss::Mean`] unless set).
+    pub fn step_loss(&self) -> StepLoss {
+        self.step_loss
+    }
+
+    /// The same model, forming each step's loss from its micro-batches' per `step_loss`.
+    pub fn with_step_loss(mut self, step_loss: StepLoss) -> Self {
+        self.step_loss = step_loss;
+        self
     }
 
     /// The same model, keeping `record` in every save whose options carry none.
@@ -443,6 +512,9 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             })),
         )?;
         model.updates = index.updates;
+        if let Some(seed) = manifest.generator_seed {
+            model.seed = seed;
+        }
         if model.plan.config.error_feedback() {
             let stored = agree(comm, index.residuals(comm.rank()))?;
             if let Some((layout, values)) = stored

@@ -214,4 +214,8 @@ impl<S: Staged<D>, const D: usize> ShardView for ShardedModel<'_, S, D> {
     fn residual_layout(&self) -> String {
         ShardedModel::residual_layout(self)
     }
+
+    fn generator_seed(&self) -> Option<u64> {
+        Some(self.seed)
+    }
 }

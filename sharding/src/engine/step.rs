@@ -5,15 +5,16 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 
-use super::{OwnedPiece, ShardedModel, StepHyper, StepReport};
+use super::{OwnedPiece, ShardedModel, StepHyper, StepLoss, StepReport, draw_seed};
 use crate::config::Span;
 use crate::error::ShardError;
 use crate::optim::Optimizer;
-use crate::params::{grads_of, load};
+use crate::params::{ReadLog, grads_of, load_logged};
 use crate::plan::Visit;
 use crate::plan::schedule::{Event, Source};
+use crate::side::{Entry, Side};
 use crate::stage::{Flow, Staged};
 use crate::transport::host::{add_to, scalar};
 use crate::transport::memory;
@@ -86,15 +87,27 @@ impl Gradients {
 }
 
 /// A stage's forward with autodiff: the module holding its gathered parameters, its input as
-/// an autodiff leaf (none for the first stage) and its output.
+/// an autodiff leaf (none for the first stage), its output, the side tensors it was given (as
+/// autodiff leaves) and those it put (in its graph).
 struct Graph<M, const D: usize> {
     module: M,
     input: Option<Tensor<D>>,
     out: Flow<D>,
+    given: Vec<Entry>,
+    put: Vec<Entry>,
+}
+
+/// What a unit's forward visit gave, held against its recompute on the first step.
+struct Outputs<const D: usize> {
+    hidden: Tensor<D>,
+    aux: Option<Tensor<1>>,
+    put: Vec<Entry>,
 }
 
 /// The state of one step on the training thread.
 struct StepState<M, const D: usize> {
+    /// Micro-batches this rank runs in the step.
+    accum: usize,
     /// Reduced gradient shards, per unit (summed over micro-batches).
     grads: Vec<Option<Tensor<1>>>,
     /// Whole unit gradients being assembled, until handed to the reducer.
@@ -105,13 +118,30 @@ struct StepState<M, const D: usize> {
     upstream: Option<Tensor<D>>,
     /// Each stage's forward graph, kept for its backward without recompute.
     graphs: Vec<Option<Graph<M, D>>>,
-    /// Each micro-batch's mean loss.
+    /// The side tensors the forward visits of the running micro-batch put, each with the
+    /// stage that put it, until that stage's backward visit.
+    sides: Vec<(usize, Entry)>,
+    /// The gradients of side tensors, summed over the backward visits of the stages that read
+    /// them, until the backward visit of the stage that put them.
+    side_grads: HashMap<String, Tensor<1>>,
+    /// Each micro-batch's loss.
     micro_losses: Vec<f64>,
-    /// On the first step only: each unit's output from its forward visit of micro-batch 0,
-    /// held against the output its backward visit recomputes.
-    forward_outputs: Option<Vec<Option<Tensor<D>>>>,
+    /// On the first step only: each unit's outputs from its forward visit of micro-batch 0,
+    /// held against those its backward visit recomputes.
+    forward_outputs: Option<Vec<Option<Outputs<D>>>>,
     /// Parameters that received a gradient.
     reached: HashSet<String>,
+}
+
+impl<M, const D: usize> StepState<M, D> {
+    /// The side tensors stage `stage` is given (those earlier stages put), through `f`.
+    fn given(&self, stage: usize, f: impl Fn(Tensor<1>) -> Tensor<1>) -> Vec<Entry> {
+        self.sides
+            .iter()
+            .filter(|(by, _)| *by < stage)
+            .map(|(_, e)| e.clone().map(&f))
+            .collect()
+    }
 }
 
 impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
@@ -131,9 +161,15 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
 
     /// The gradients of `micro_batches` (this rank's share of the global batch, one per
     /// gradient-accumulation micro-step; every rank passes the same number): every unit's
-    /// gradient reduced over the ranks and averaged over micro-batches, this rank holding the
-    /// elements of its optimizer shard, with the step's loss and global norm. Every rank must
-    /// call it together. Nothing is updated until [`apply`](Self::apply).
+    /// gradient reduced over the ranks and combined over micro-batches as the step's loss is
+    /// ([`StepLoss`](crate::StepLoss)), this rank holding the elements of its optimizer
+    /// shard, with the step's loss and global norm. Every rank must call it together. Nothing
+    /// is updated until [`apply`](Self::apply).
+    ///
+    /// Each unit's forward runs as a training forward (on the autodiff device, where Burn's
+    /// `Dropout` is on), after the device's generator is seeded with
+    /// [`draw_seed`](crate::draw_seed)`(seed, step, micro-batch, unit)`; backward's recompute
+    /// of the unit seeds it alike, so it draws the same.
     pub fn backward(&mut self, micro_batches: &[S::Batch]) -> Result<Gradients, ShardError> {
         let start = Instant::now();
         self.comm.take_counters();
@@ -150,14 +186,17 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         let schedule = self.plan.schedule(accum);
         let k = self.plan.units.len();
         let mut state = StepState {
+            accum,
             grads: vec![None; k],
             work: vec![None; k],
             inputs: vec![None; k],
             upstream: None,
             graphs: (0..k).map(|_| None).collect(),
+            sides: Vec::new(),
+            side_grads: HashMap::new(),
             micro_losses: vec![0.0; accum],
             reached: HashSet::new(),
-            forward_outputs: (!self.recompute_checked).then(|| vec![None; k]),
+            forward_outputs: (!self.recompute_checked).then(|| (0..k).map(|_| None).collect()),
         };
         let (gather_comm, reduce_comm) =
             (self.comm.lane(GATHER_LANE)?, self.comm.lane(REDUCE_LANE)?);
@@ -211,7 +250,6 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             timeline,
         })
     }
-
     /// Updates the parameters with `optimizer` at learning rate `lr` from `grads` (this
     /// model's [`backward`](Self::backward), as the caller left them): each rank updates its
     /// optimizer shard, then the parameters the units gather are rebuilt from it. Every rank
@@ -289,11 +327,13 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         })
     }
 
-    /// Mean loss of `batch` on this rank (forward only; every rank must call it together when
-    /// parameters are partitioned, since it gathers them).
+    /// The loss of `batch` on this rank (forward only, as evaluation runs it: on the plain
+    /// device, where Burn's `Dropout` is off; every rank must call it together when parameters
+    /// are partitioned, since it gathers them).
     pub fn eval_loss(&self, batch: &S::Batch) -> Result<f64, ShardError> {
         let k = self.plan.units.len();
         let mut input: Option<Tensor<D>> = None;
+        let mut side = Side::default();
         for stage in 0..k {
             let needs = self.plan.units[stage].needs.clone();
             let full = if self.plan.config.params() == Span(0) {
@@ -304,14 +344,22 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
                     .map(|&u| self.gather_here(u))
                     .collect::<Result<_, _>>()?
             };
-            let module = self.module_with(&needs, full, false, false);
-            match self
-                .stages
-                .forward(&module, stage, input.take(), batch, &self.device)
-            {
+            let (module, log) = self.module_with(&needs, full, false, false);
+            self.device.seed(draw_seed(self.seed, self.updates, u64::MAX, stage));
+            side.enter(&self.plan.units[stage].name);
+            let out = self.stages.forward(
+                &module,
+                stage,
+                input.take(),
+                &mut side,
+                batch,
+                &self.device,
+            );
+            self.check_unit(stage, &log, side.take_misuse())?;
+            match out {
                 Flow::Hidden(h) | Flow::Aux(h, _) if stage + 1 < k => input = Some(h),
                 Flow::Loss(l) if stage + 1 == k => return Ok(scalar(l)),
-                _ => return Err(flow_error(stage, k)),
+                _ => return Err(self.flow_error(stage)),
             }
         }
         unreachable!("the last stage returned")
@@ -369,8 +417,17 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         Ok(())
     }
 
-    /// A forward visit: the stage without autodiff, keeping its output as the next stage's
-    /// input.
+    /// Seeds the device's generator for `stage` of this rank's micro-batch `micro`
+    /// ([`draw_seed`]).
+    fn seed_draws(&self, micro: usize, accum: usize, stage: usize) {
+        let micro = (self.comm.rank() * accum + micro) as u64;
+        self.autodiff
+            .seed(draw_seed(self.seed, self.updates, micro, stage));
+    }
+
+    /// A forward visit: the stage as a training forward runs it (on the autodiff device, with
+    /// nothing tracked unless its graph is kept for its backward), keeping its output as the
+    /// next stage's input and the side tensors it put for the stages after it.
     fn forward_visit(
         &self,
         v: Visit,
@@ -378,65 +435,107 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         batch: &S::Batch,
         state: &mut StepState<S::Module, D>,
     ) -> Result<(), ShardError> {
-        let k = self.plan.units.len();
-        let needs = &self.plan.units[v.stage].needs;
         if self.plan.keeps_graph(v.stage) {
             // With autodiff, kept until the backward visit (the parameters with it).
-            let graph = self.autodiff_forward(v, full, batch, state);
+            let graph = self.autodiff_forward(v, full, batch, state)?;
             let (h, aux) = match &graph.out {
                 Flow::Hidden(h) => (h, None),
                 Flow::Aux(h, aux) => (h, Some(aux)),
-                Flow::Loss(_) => return Err(flow_error(v.stage, k)),
+                Flow::Loss(_) => return Err(self.flow_error(v.stage)),
             };
             if let Some(aux) = aux {
                 state.micro_losses[v.micro] += scalar(aux.clone().without_autodiff());
             }
             state.inputs[v.stage + 1] = Some(h.clone().without_autodiff());
+            let put = graph.put.iter().cloned();
+            state.sides.extend(put.map(|e| (v.stage, e.map(Tensor::without_autodiff))));
             state.graphs[v.stage] = Some(graph);
             return Ok(());
         }
-        let module = self.module_with(needs, full, false, false);
-        let input = state.inputs[v.stage].clone();
-        let (h, aux) = self
-            .stages
-            .forward(&module, v.stage, input, batch, &self.device)
-            .hidden()
-            .ok_or_else(|| flow_error(v.stage, k))?;
+        self.seed_draws(v.micro, state.accum, v.stage);
+        let (module, log) =
+            self.module_with(&self.plan.units[v.stage].needs, full, true, false);
+        let input = state.inputs[v.stage].clone().map(Tensor::autodiff);
+        let mut side = Side::given(
+            &self.plan.units[v.stage].name,
+            state.given(v.stage, Tensor::autodiff),
+        );
+        let out = self.stages.forward(
+            &module,
+            v.stage,
+            input,
+            &mut side,
+            batch,
+            &self.autodiff,
+        );
+        let (_, put, misuse) = side.into_parts();
+        self.check_unit(v.stage, &log, misuse)?;
+        let (h, aux) = out.hidden().ok_or_else(|| self.flow_error(v.stage))?;
+        let h = h.without_autodiff();
+        let aux = aux.map(Tensor::without_autodiff);
+        let put: Vec<Entry> = put
+            .into_iter()
+            .map(|e| e.map(Tensor::without_autodiff))
+            .collect();
         // The auxiliary loss counts in the step's loss here; backward recomputes it for its
         // gradient.
-        if let Some(aux) = aux {
-            state.micro_losses[v.micro] += scalar(aux);
+        if let Some(aux) = &aux {
+            state.micro_losses[v.micro] += scalar(aux.clone());
         }
         if let Some(outputs) = &mut state.forward_outputs
             && v.micro == 0
         {
-            outputs[v.stage] = Some(h.clone());
+            outputs[v.stage] = Some(Outputs {
+                hidden: h.clone(),
+                aux,
+                put: put.clone(),
+            });
         }
+        state.sides.extend(put.into_iter().map(|e| (v.stage, e)));
         state.inputs[v.stage + 1] = Some(h);
         Ok(())
     }
 
-    /// The stage's forward with autodiff from its saved input, on the gathered `full` units.
+    /// The stage's forward with autodiff from its saved input, on the gathered `full` units,
+    /// after seeding the device's generator as its forward visit did.
     fn autodiff_forward(
         &self,
         v: Visit,
         full: Vec<Tensor<1>>,
         batch: &S::Batch,
         state: &mut StepState<S::Module, D>,
-    ) -> Graph<S::Module, D> {
-        let module = self.module_with(&self.plan.units[v.stage].needs, full, true, true);
+    ) -> Result<Graph<S::Module, D>, ShardError> {
+        self.seed_draws(v.micro, state.accum, v.stage);
+        let (module, log) = self.module_with(&self.plan.units[v.stage].needs, full, true, true);
         let input = state.inputs[v.stage]
             .take()
             .map(|x| x.autodiff().require_grad());
-        let out = self
-            .stages
-            .forward(&module, v.stage, input.clone(), batch, &self.autodiff);
-        Graph { module, input, out }
+        let mut side = Side::given(
+            &self.plan.units[v.stage].name,
+            state.given(v.stage, |t| t.autodiff().require_grad()),
+        );
+        let out = self.stages.forward(
+            &module,
+            v.stage,
+            input.clone(),
+            &mut side,
+            batch,
+            &self.autodiff,
+        );
+        let (given, put, misuse) = side.into_parts();
+        self.check_unit(v.stage, &log, misuse)?;
+        Ok(Graph {
+            module,
+            input,
+            out,
+            given,
+            put,
+        })
     }
 
     /// A backward visit: the stage's graph (kept by its forward visit, or recomputed with
     /// autodiff from its saved input), backpropagated from the loss (last stage) or from the
-    /// upstream gradient.
+    /// upstream gradient, and from the gradients of the side tensors it put.
     fn backward_visit(
         &self,
         v: Visit,
@@ -446,49 +545,75 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
     ) -> Result<(), ShardError> {
         let k = self.plan.units.len();
         let needs = &self.plan.units[v.stage].needs;
-        let Graph { module, input, out } = match state.graphs[v.stage].take() {
+        let graph = match state.graphs[v.stage].take() {
             Some(kept) => kept,
             None => {
-                let graph = self.autodiff_forward(v, full, batch, state);
+                let graph = self.autodiff_forward(v, full, batch, state)?;
                 let forward = state
                     .forward_outputs
                     .as_mut()
                     .filter(|_| v.micro == 0)
                     .and_then(|o| o[v.stage].take());
-                if let (Some(forward), Flow::Hidden(again) | Flow::Aux(again, _)) =
-                    (forward, &graph.out)
-                {
-                    check_recompute(v.stage, k, forward, again.clone().without_autodiff())?;
+                if let Some(forward) = forward {
+                    self.check_recompute(v.stage, forward, &graph)?;
                 }
                 graph
             }
         };
-        let grads_ad = match (out, v.stage + 1 == k) {
+        let Graph {
+            module,
+            input,
+            out,
+            given,
+            put,
+        } = graph;
+        let mut objective = match (out, v.stage + 1 == k) {
             (Flow::Loss(l), true) => {
                 state.micro_losses[v.micro] += scalar(l.clone().without_autodiff());
-                l.backward()
+                l
             }
             (Flow::Hidden(h), false) => {
                 let up = state
                     .upstream
                     .take()
-                    .ok_or_else(|| unused_input(v.stage + 1, k))?;
-                (h * up.autodiff()).sum().backward()
+                    .ok_or_else(|| self.unused_input(v.stage + 1))?;
+                (h * up.autodiff()).sum()
             }
             (Flow::Aux(h, aux), false) => {
                 let up = state
                     .upstream
                     .take()
-                    .ok_or_else(|| unused_input(v.stage + 1, k))?;
-                ((h * up.autodiff()).sum() + aux).backward()
+                    .ok_or_else(|| self.unused_input(v.stage + 1))?;
+                (h * up.autodiff()).sum() + aux
             }
-            _ => return Err(flow_error(v.stage, k)),
+            _ => return Err(self.flow_error(v.stage)),
         };
+        // The side tensors this stage put reach the stages that read them: their summed
+        // gradients flow back through this stage's graph too.
+        for e in put {
+            if let Some(g) = state.side_grads.remove(&e.name) {
+                objective = objective + (e.value * g.autodiff()).sum();
+            }
+        }
+        let grads_ad = objective.backward();
         let mut g = grads_of(&module, &grads_ad, &self.numels);
         state.upstream = match input {
-            Some(x) => Some(x.grad(&grads_ad).ok_or_else(|| unused_input(v.stage, k))?),
+            Some(x) => Some(
+                x.grad(&grads_ad)
+                    .ok_or_else(|| self.unused_input(v.stage))?,
+            ),
             None => None,
         };
+        for e in given {
+            if let Some(grad) = e.value.grad(&grads_ad) {
+                let sum = match state.side_grads.remove(&e.name) {
+                    Some(acc) => acc + grad,
+                    None => grad,
+                };
+                state.side_grads.insert(e.name, sum);
+            }
+        }
+        state.sides.retain(|(by, _)| *by != v.stage);
         drop(grads_ad);
         drop(module);
         for &u in needs {
@@ -507,24 +632,34 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
     ) -> Result<(), ShardError> {
         let k = self.plan.units.len();
         let all: Vec<usize> = (0..k).collect();
-        let module = self.module_with(&all, self.primary.clone(), true, true);
+        let (module, log) = self.module_with(&all, self.primary.clone(), true, true);
         let mut x: Option<Tensor<D>> = None;
         let mut loss = None;
         let mut aux_sum: Option<Tensor<1>> = None;
+        let mut side = Side::default();
         for stage in 0..k {
-            match self
-                .stages
-                .forward(&module, stage, x.take(), batch, &self.autodiff)
-            {
+            self.seed_draws(micro, state.accum, stage);
+            side.enter(&self.plan.units[stage].name);
+            let out = self.stages.forward(
+                &module,
+                stage,
+                x.take(),
+                &mut side,
+                batch,
+                &self.autodiff,
+            );
+            self.check_unit(stage, &log, side.take_misuse())?;
+            match out {
                 Flow::Hidden(h) if stage + 1 < k => x = Some(h),
                 Flow::Aux(h, aux) if stage + 1 < k => {
                     x = Some(h);
                     add_to(&mut aux_sum, aux);
                 }
                 Flow::Loss(l) if stage + 1 == k => loss = Some(l),
-                _ => return Err(flow_error(stage, k)),
+                _ => return Err(self.flow_error(stage)),
             }
         }
+        drop(side);
         let loss = loss.expect("the last stage returned the loss");
         // Auxiliary losses join in forward order, as the units' own sum would.
         let loss = match aux_sum {
@@ -543,22 +678,28 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         Ok(())
     }
 
-    /// The gradients' end on every rank: averaged over micro-batches, the global norm over
-    /// the optimizer group, the step's mean loss over the world. Returns the gradient shards,
-    /// the loss, the norm and the seconds its collectives took.
+    /// The gradients' end on every rank: combined over micro-batches and ranks as the step's
+    /// loss is ([`StepLoss`]), the global norm over the optimizer group, the step's loss over
+    /// the world. Returns the gradient shards, the loss, the norm and the seconds its
+    /// collectives took.
     fn close_gradients(
         &mut self,
         state: StepState<S::Module, D>,
     ) -> Result<(Vec<Tensor<1>>, f64, f64, f64), ShardError> {
         let accum = state.micro_losses.len();
-        let inv = 1.0 / accum as f64;
+        let world_size = self.plan.topology.world_size();
+        // The reductions average over the ranks; micro-batches' gradients are summed.
+        let factor = match self.step_loss {
+            StepLoss::Mean => 1.0 / accum as f64,
+            StepLoss::Sum => world_size as f64,
+        };
         let grads: Vec<Tensor<1>> = state
             .grads
             .into_iter()
             .map(|g| g.expect("every unit's gradient was reduced"))
             .map(|g| {
-                if accum > 1 {
-                    crate::transport::host::scale(g, inv)
+                if factor != 1.0 {
+                    crate::transport::host::scale(g, factor)
                 } else {
                     g
                 }
@@ -571,10 +712,13 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         let cfg = &self.plan.config;
         let closing = Instant::now();
         let sq = route::sum_over(self.comm, self.plan.group(cfg.optimizer()), sq as f32)? as f64;
-        let local_loss = state.micro_losses.iter().sum::<f64>() * inv;
+        let local_loss = state.micro_losses.iter().sum::<f64>();
         let world = self.plan.group(Span(self.plan.topology.depth()));
-        let loss = route::sum_over(self.comm, world, local_loss as f32)? as f64
-            / self.plan.topology.world_size() as f64;
+        let summed = route::sum_over(self.comm, world, local_loss as f32)? as f64;
+        let loss = match self.step_loss {
+            StepLoss::Mean => summed / (world_size * accum) as f64,
+            StepLoss::Sum => summed,
+        };
         let closing_s = closing.elapsed().as_secs_f64();
         let norm = sq.sqrt();
         if !loss.is_finite() || !norm.is_finite() {
@@ -585,14 +729,15 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
 
     /// The skeleton with the parameters of `units` set from their gathered flat buffers
     /// (views into them: nothing is copied, unless the modules compute in f32 over bf16
-    /// parameters: then each buffer is widened once), on the autodiff device when `autodiff`.
+    /// parameters: then each buffer is widened once), on the autodiff device when `autodiff`;
+    /// and the log of the other parameters the module's user reads (`load_logged`).
     fn module_with(
         &self,
         units: &[usize],
         full: Vec<Tensor<1>>,
         autodiff: bool,
         require_grad: bool,
-    ) -> S::Module {
+    ) -> (S::Module, ReadLog) {
         let mut values = HashMap::new();
         let dtype = self.module_dtype();
         for (&u, flat) in units.iter().zip(full) {
@@ -610,13 +755,104 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         } else {
             &self.device
         };
-        load(
+        let log = ReadLog::default();
+        let module = load_logged(
             self.skeleton.clone(),
             &mut values,
             &self.shapes,
             device,
             require_grad,
-        )
+            dtype,
+            &log,
+        );
+        (module, log)
+    }
+
+    /// Refuses what stage `stage`'s forward just did wrong: read a parameter of a unit it does
+    /// not declare (`log`), or misuse its side tensors (`misuse`).
+    fn check_unit(
+        &self,
+        stage: usize,
+        log: &ReadLog,
+        misuse: Vec<String>,
+    ) -> Result<(), ShardError> {
+        let unit = &self.plan.units[stage].name;
+        if let Some(path) = log.read().first() {
+            let owner = self
+                .plan
+                .units
+                .iter()
+                .position(|u| u.params.iter().any(|p| &p.name == path));
+            let owner = match owner {
+                Some(o) => format!(
+                    "which belongs to unit `{}` (unit {o}), not one it reads: a unit reads its \
+                     own parameters and those of the units its declaration names with \
+                     `using` (`UnitDecl::new(\"{unit}\", ..).using(&[{o}])`); with \
+                     `Shard::blocks` or `Shard::embed`, a block reads its own block's, and the \
+                     embed, then and loss pieces read the root's",
+                    self.plan.units[o].name
+                ),
+                None => "which is not a parameter of the model".to_string(),
+            };
+            return Err(ShardError::Model(format!(
+                "unit `{unit}` read parameter `{path}`, {owner}"
+            )));
+        }
+        if let Some(m) = misuse.into_iter().next() {
+            return Err(ShardError::Model(m));
+        }
+        Ok(())
+    }
+
+    /// Refuses a unit whose recomputed forward (backward's) gave other outputs than its
+    /// forward visit: its gradients would not be those of the loss. Both ran on the same
+    /// input, parameters, side tensors and batch, with the device's generator seeded alike, so
+    /// only the arithmetic's rounding may differ (a kernel fused otherwise); a difference
+    /// beyond [`rounding_tolerance`] of the output's largest magnitude is not rounding.
+    fn check_recompute(
+        &self,
+        stage: usize,
+        forward: Outputs<D>,
+        again: &Graph<S::Module, D>,
+    ) -> Result<(), ShardError> {
+        let unit = &self.plan.units[stage].name;
+        let (hidden, aux) = match &again.out {
+            Flow::Hidden(h) => (h.clone(), None),
+            Flow::Aux(h, aux) => (h.clone(), Some(aux.clone())),
+            Flow::Loss(_) => return Ok(()),
+        };
+        let mut pairs: Vec<(String, Tensor<1>, Tensor<1>)> = vec![(
+            "its output".into(),
+            flat(forward.hidden),
+            flat(hidden.without_autodiff()),
+        )];
+        if let (Some(a), Some(b)) = (forward.aux, aux) {
+            pairs.push(("its auxiliary loss".into(), a, b.without_autodiff()));
+        }
+        for e in forward.put {
+            if let Some(b) = again.put.iter().find(|b| b.name == e.name) {
+                pairs.push((
+                    format!("side tensor `{}`", e.name),
+                    e.value,
+                    b.value.clone().without_autodiff(),
+                ));
+            }
+        }
+        for (what, a, b) in pairs {
+            if let Some(m) = impurity(&what, a, b) {
+                return Err(ShardError::Model(format!(
+                    "unit `{unit}` gave other values when backward ran its forward again: \
+                     {m}. Backward recomputes each unit, so a unit's forward must give the same \
+                     values from the same parameters, input, side tensors and batch. The \
+                     device's generator is seeded alike for both runs, so Burn's Dropout and \
+                     Tensor::random draw the same; randomness from elsewhere (a generator of \
+                     one's own), state kept between calls, or a layer that computes otherwise \
+                     with autodiff does not: draw from the device's generator, or keep every \
+                     unit's graph (a ShardConfig whose recompute is Recompute::None)"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Unit `u`'s gradient as one flat f32 buffer of its padded length, from the gradients `g`
@@ -665,51 +901,60 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         rx.recv()
             .unwrap_or_else(|_| unreachable!("a flow run here delivers"))
     }
-}
 
-/// Refuses a unit whose recomputed forward (backward's) differs from its forward: its
-/// gradients would not be those of the loss. Both ran on the same input and parameters, so
-/// only the arithmetic's rounding may differ (a fused kernel, an autodiff path); a mean
-/// difference of 2% of the outputs' mean magnitude is far beyond that (bf16's rounding is
-/// 0.4% at most per element), and dropout at 1% already gives 2%.
-fn check_recompute<const D: usize>(
-    stage: usize,
-    k: usize,
-    forward: Tensor<D>,
-    again: Tensor<D>,
-) -> Result<(), ShardError> {
-    let forward = forward.cast(burn::tensor::DType::F32);
-    let again = again.cast(burn::tensor::DType::F32);
-    let scale = scalar(forward.clone().abs().mean());
-    let diff = scalar((forward - again).abs().mean());
-    // A forward that is not finite says nothing about purity (training diverged).
-    let impure = scale.is_finite() && (diff.is_nan() || diff > 0.02 * scale);
-    if impure || (scale == 0.0 && diff > 0.0) {
-        return Err(ShardError::Model(format!(
-            "unit {stage} of {k} gave other outputs when backward ran its forward again (mean \
-             difference {diff:.3e} against a mean magnitude of {scale:.3e}): backward \
-             recomputes each unit, so a unit must be a pure function of its parameters, its \
-             input and the batch. Randomness drawn from the device's generator (Burn's \
-             Dropout, Tensor::random) is the usual cause, and so is a layer that behaves \
-             differently without autodiff: key such randomness by the batch, or keep every \
-             unit's graph (a ShardConfig whose recompute is Recompute::None)"
-        )));
+    fn flow_error(&self, stage: usize) -> ShardError {
+        ShardError::Model(format!(
+            "unit `{}` returned the wrong kind of output: every unit but the last must return \
+             Flow::Hidden (or Flow::Aux) and the last Flow::Loss",
+            self.plan.units[stage].name
+        ))
     }
-    Ok(())
+
+    /// A unit whose output does not depend on the input it was given: no gradient can reach
+    /// the units before it.
+    fn unused_input(&self, stage: usize) -> ShardError {
+        ShardError::Model(format!(
+            "unit `{}` does not use its input: its output must be computed from the tensor the \
+             unit before it returned, or no gradient reaches that unit",
+            self.plan.units[stage].name
+        ))
+    }
 }
 
-fn flow_error(stage: usize, k: usize) -> ShardError {
-    ShardError::Model(format!(
-        "unit {stage} of {k} returned the wrong kind of output: every unit but the last must \
-         return Flow::Hidden (or Flow::Aux) and the last Flow::Loss"
-    ))
+/// `x` flattened.
+fn flat<const N: usize>(x: Tensor<N>) -> Tensor<1> {
+    let n: usize = x.dims().iter().product();
+    x.reshape([n])
 }
 
-/// A unit whose output does not depend on the input it was given: no gradient can reach the
-/// units before it.
-fn unused_input(stage: usize, k: usize) -> ShardError {
-    ShardError::Model(format!(
-        "unit {stage} of {k} does not use its input: its output must be computed from the \
-         tensor the unit before it returned, or no gradient reaches that unit"
+/// The largest difference between a unit's output and its recompute that is rounding, as a
+/// share of the output's largest magnitude: two units in the last place of the output's dtype,
+/// and never less than 2^-14 (f32's rounding, summed in another order by a kernel fused
+/// otherwise, stays below it). So 2^-14 in f32, 2^-6 in bf16, 2^-9 in f16.
+pub fn rounding_tolerance(dtype: DType) -> f64 {
+    let ulp = match dtype {
+        DType::F64 => 2f64.powi(-52),
+        DType::F16 => 2f64.powi(-10),
+        DType::BF16 => 2f64.powi(-7),
+        _ => 2f64.powi(-23),
+    };
+    (2.0 * ulp).max(2f64.powi(-14))
+}
+
+/// `None` when `again` equals `first` within rounding ([`rounding_tolerance`] of `first`'s
+/// dtype), else what differs, for a message.
+fn impurity(what: &str, first: Tensor<1>, again: Tensor<1>) -> Option<String> {
+    let tolerance = rounding_tolerance(first.dtype());
+    let first = first.cast(DType::F32);
+    let again = again.cast(DType::F32);
+    let scale = scalar(first.clone().abs().max());
+    let diff = scalar((first - again).abs().max());
+    // A forward that is not finite says nothing about purity (training diverged).
+    if !scale.is_finite() || diff <= tolerance * scale {
+        return None;
+    }
+    Some(format!(
+        "{what} differs by up to {diff:.3e} against a largest magnitude of {scale:.3e}, beyond \
+         rounding ({tolerance:.1e} of it)"
     ))
 }

@@ -11,7 +11,7 @@ use ember_model::init::splitmix64;
 use ember_model::{DropoutKey, Gpt, GptConfig, Tokens, cross_entropy};
 use ember_sharding::assign;
 use ember_sharding::plan::{ActivationBytes, UnitSpec};
-use ember_sharding::{Flow, ParamSource, ShardError, Staged, UnitDecl};
+use ember_sharding::{Flow, ParamSource, ShardError, Side, Staged, UnitDecl};
 
 /// A batch's token ids for `model`. The run's batches are windows of at most `block_size`
 /// tokens of data encoded by the tokenizer whose vocabulary sized the model (`setup.rs`), so
@@ -57,6 +57,7 @@ impl Staged<3> for GptStages {
         model: &Gpt,
         unit: usize,
         input: Option<Tensor<3>>,
+        _side: &mut Side,
         batch: &Batch,
         device: &Device,
     ) -> Flow<3> {
@@ -248,8 +249,9 @@ mod tests {
         };
         let mut x = None;
         let mut loss = None;
+        let mut side = Side::default();
         for u in 0..config.n_layer + 2 {
-            match stages.forward(&model, u, x.take(), &batch, &device) {
+            match stages.forward(&model, u, x.take(), &mut side, &batch, &device) {
                 Flow::Hidden(h) => x = Some(h),
                 Flow::Loss(l) => loss = Some(l),
                 Flow::Aux(..) => panic!("GPT's units give no auxiliary loss"),
