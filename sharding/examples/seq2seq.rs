@@ -168,7 +168,9 @@ impl EncBlock {
         let a = self.attn.forward(MhaInput::self_attn(n).mask_pad(pad));
         let x = x + self.drop.forward(a.context);
         let n = self.ffn_norm.forward(x.clone());
-        x + self.drop.forward(self.down.forward(gelu(self.up.forward(n))))
+        x + self
+            .drop
+            .forward(self.down.forward(gelu(self.up.forward(n))))
     }
 }
 
@@ -176,12 +178,19 @@ impl DecBlock {
     /// `y` (`[batch, target, d_model]`) through the block, attending to `memory` (the
     /// encoder's output): the output, and the block's share of its activation penalty (the
     /// mean square of its output over the global batch's target tokens, times its weight).
-    pub fn forward(&self, y: Tensor<3>, memory: Tensor<3>, pairs: &Pairs) -> (Tensor<3>, Tensor<1>) {
+    pub fn forward(
+        &self,
+        y: Tensor<3>,
+        memory: Tensor<3>,
+        pairs: &Pairs,
+    ) -> (Tensor<3>, Tensor<1>) {
         let device = y.device();
         let [b, t, _] = y.dims();
         let causal = Tensor::<2, Bool>::tril_mask([t, t], 0, &device).expand([b, t, t]);
         let n = self.self_norm.forward(y.clone());
-        let a = self.self_attn.forward(MhaInput::self_attn(n).mask_attn(causal));
+        let a = self
+            .self_attn
+            .forward(MhaInput::self_attn(n).mask_attn(causal));
         let y = y + self.drop.forward(a.context);
         let n = self.cross_norm.forward(y.clone());
         let pad = pairs.source_padding(&device);
@@ -190,7 +199,9 @@ impl DecBlock {
             .forward(MhaInput::new(n, memory.clone(), memory).mask_pad(pad));
         let y = y + self.drop.forward(c.context);
         let n = self.ffn_norm.forward(y.clone());
-        let y = y + self.drop.forward(self.down.forward(gelu(self.up.forward(n))));
+        let y = y + self
+            .drop
+            .forward(self.down.forward(gelu(self.up.forward(n))));
         let square = (y.clone() * y.clone()).mean_dim(2).reshape([b, t]);
         let aux = pairs.share(square, &device) * self.aux;
         (y, aux)
@@ -265,8 +276,16 @@ impl Seq2Seq {
             }
             let logits = self.logits(y);
             let t = out.len();
-            let last = logits.slice([0..1, t - 1..t]).reshape([SIZE.vocab]).argmax(0);
-            out.push(last.into_data().convert::<i64>().try_to_vec::<i64>().unwrap()[0]);
+            let last = logits
+                .slice([0..1, t - 1..t])
+                .reshape([SIZE.vocab])
+                .argmax(0);
+            out.push(
+                last.into_data()
+                    .convert::<i64>()
+                    .try_to_vec::<i64>()
+                    .unwrap()[0],
+            );
         }
         out.split_off(1)
     }
@@ -310,7 +329,12 @@ impl Pairs {
                 })
                 .collect();
             let target = source.iter().map(|&t| map_token(t, vocab));
-            sources.extend(source.iter().copied().chain(std::iter::repeat_n(PAD, len - n)));
+            sources.extend(
+                source
+                    .iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(PAD, len - n)),
+            );
             targets.extend(target.chain(std::iter::repeat_n(PAD, len - n)));
             lens.push(n);
         }
@@ -453,8 +477,15 @@ pub fn train(comm: &Comm, run: &Run) -> Result<Trained, ShardError> {
     };
     let mut model = Shard::embed(|m: &Seq2Seq, b: &Pairs, _, d| m.embed(b.sources(d))) // sharding
         .stack("enc", |m, i, x, b, _| m.enc[i].forward(x, b)) // sharding
-        .then(|m, x, b, _, d| (m.embed(b.decoder_inputs(d)), [("memory", m.enc_norm.forward(x))])) // sharding
-        .stack("dec", |m, i, y, b, side| m.dec[i].forward(y, side.get("memory"), b)) // sharding
+        .then(|m, x, b, _, d| {
+            (
+                m.embed(b.decoder_inputs(d)),
+                [("memory", m.enc_norm.forward(x))],
+            )
+        }) // sharding
+        .stack("dec", |m, i, y, b, side| {
+            m.dec[i].forward(y, side.get("memory"), b)
+        }) // sharding
         .loss(|m, y, b, _, d| m.loss(y, b, d)) // sharding
         .preset(run.preset.parse::<Preset>()?) // sharding
         .seed(SEED) // sharding
@@ -495,7 +526,9 @@ fn main() {
     let run = Run {
         preset: flag("--shard").unwrap_or_else(|| "zero3".into()),
         steps: flag("--steps").and_then(|s| s.parse().ok()).unwrap_or(120),
-        dropout: flag("--dropout").and_then(|s| s.parse().ok()).unwrap_or(SIZE.dropout),
+        dropout: flag("--dropout")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(SIZE.dropout),
         clip: 1.0,
         resume: flag("--resume").map(PathBuf::from),
         save: flag("--save").map(PathBuf::from),

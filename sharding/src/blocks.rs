@@ -399,8 +399,8 @@ impl<M: Module + Clone, B, const D: usize> Staged<D> for Blocks<M, B, D> {
             for i in 0..*n {
                 let name = format!("{field}.{i}");
                 let unit = UnitDecl::new(name.clone(), &[&name]);
-                let reads_root = units.len() == last
-                    || (i == 0 && self.pieces.stacks[s].before.is_some());
+                let reads_root =
+                    units.len() == last || (i == 0 && self.pieces.stacks[s].before.is_some());
                 units.push(if reads_root { unit.using(&[0]) } else { unit });
             }
         }
@@ -520,4 +520,3 @@ impl<M: Module> ParamSource for InitSource<M> {
         self.seed
     }
 }
-

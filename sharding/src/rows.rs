@@ -123,7 +123,11 @@ where
     /// micro-batches of every rank, rank after rank, are the global batch's consecutive
     /// micro-batches of `rows` rows, at any world size; a share that does not split into
     /// them is refused.
-    pub fn micro_batches(&self, global: &S::Batch, rows: usize) -> Result<Vec<S::Batch>, ShardError> {
+    pub fn micro_batches(
+        &self,
+        global: &S::Batch,
+        rows: usize,
+    ) -> Result<Vec<S::Batch>, ShardError> {
         let share = self.share(global)?;
         let n = share.rows();
         if rows == 0 || !n.is_multiple_of(rows) {

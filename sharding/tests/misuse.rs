@@ -10,7 +10,11 @@ mod mlp;
 
 use burn::tensor::{Device, Distribution, Tensor};
 use ember_comm::{Comm, CommConfig, Topology, TopologySource};
-use ember_sharding::{Pieces, Preset, Recompute, Rows, SaveOptions, Shard, ShardError};
+use std::sync::atomic::Ordering;
+
+use ember_sharding::{
+    Blocks, Pieces, Preset, Recompute, Rows, SaveOptions, Shard, ShardError, ShardedModel,
+};
 
 /// The three pieces of the MLP's forward, as the example gives them.
 fn pieces() -> Pieces<mlp::Mlp, mlp::Points, 2> {
@@ -116,8 +120,8 @@ fn library_misuse_returns_errors_instead_of_panicking() {
     let zero3 = losses(Preset::Zero3);
     assert_eq!(losses(Preset::Hier3), zero3, "hier3 at one process");
     assert_eq!(losses(Preset::Zeropp), zero3, "zeropp at one process");
-    // A unit that does not use its input (unit 1, whose layer's input is cut off by a
-    // `detach`, as a user might leave in): a model error naming the unit.
+    // A unit that does not use its input (unit `hidden.0`, whose layer's input is cut off by
+    // a `detach`, as a user might leave in): a model error naming the unit.
     let mut model = Shard::blocks("hidden")
         .seed(7)
         .pieces(pieces_with(|m, i, h| m.layer(i, h.detach())))
@@ -125,16 +129,16 @@ fn library_misuse_returns_errors_instead_of_panicking() {
         .unwrap();
     match model.train_step(&[mlp::draw(0, 0, 4, &Device::flex())], &hyper) {
         Err(ShardError::Model(m)) => {
-            assert!(m.contains("unit 1 of 2 does not use its input"), "{m}")
+            assert!(m.contains("unit `hidden.0` does not use its input"), "{m}")
         }
         other => panic!("a unit ignoring its input gave {other:?}"),
     }
-    // Dropout from the device's generator inside a unit that backward recomputes: refused,
-    // naming the unit and the rule; with every unit's graph kept (no recompute), it trains.
     let deep = mlp::MlpConfig { width: 8, depth: 2 };
     let deep_init = |d: &Device| deep.init(d);
-    // Unit 1's output is multiplied by a mask drawn from the device's generator: the
-    // recomputed forward of backward draws another one.
+    let points = || mlp::draw(0, 0, 64, &Device::flex());
+    // Dropout from the device's generator inside a unit that backward recomputes: the
+    // partitioner seeds the generator alike before the forward and its recompute, so the
+    // recompute draws the same mask and the unit trains, as it does keeping its graph.
     let dropout = |recompute: Recompute| {
         let mut config = Preset::Zero3.config(comm.topology().depth());
         config.recompute = recompute;
@@ -153,23 +157,72 @@ fn library_misuse_returns_errors_instead_of_panicking() {
             .build(&comm, deep_init, Device::flex())
             .unwrap()
     };
-    let points = || mlp::draw(0, 0, 64, &Device::flex());
-    match dropout(Recompute::Unit).train_step(&[points()], &hyper) {
+    let trained = |mut model: ShardedModel<'_, Blocks<mlp::Mlp, mlp::Points, 2>, 2>| -> Vec<f64> {
+        (0..3)
+            .map(|_| model.train_step(&[points()], &hyper).unwrap().loss)
+            .collect()
+    };
+    assert_eq!(
+        trained(dropout(Recompute::Unit)),
+        trained(dropout(Recompute::None)),
+        "recomputed and kept graphs draw the same masks"
+    );
+    // Any other impurity is refused, by the unit's name, once it exceeds rounding: a unit
+    // whose every second run adds `shift` times its output's largest magnitude to it passes
+    // at half the f32 threshold and is refused at twice it.
+    let tolerance = ember_sharding::rounding_tolerance(burn::tensor::DType::F32);
+    let shifted = |shift: f64| {
+        let runs = std::sync::atomic::AtomicUsize::new(0);
+        Shard::blocks("hidden")
+            .seed(7)
+            .pieces(pieces_with(move |m, i, h| {
+                let h = m.layer(i, h);
+                let run = runs.fetch_add(usize::from(i == 0), Ordering::Relaxed);
+                if i > 0 || run % 2 == 0 {
+                    return h;
+                }
+                let largest = h.clone().abs().max().into_scalar::<f32>() as f64;
+                h + largest * shift
+            }))
+            .build(&comm, deep_init, Device::flex())
+            .unwrap()
+            .train_step(&[points()], &hyper)
+    };
+    assert!(shifted(0.5 * tolerance).is_ok(), "within rounding");
+    match shifted(2.0 * tolerance) {
         Err(ShardError::Model(m)) => {
-            assert!(m.contains("unit 1 of 3 gave other outputs"), "{m}");
-            assert!(m.contains("pure function"), "{m}");
+            assert!(m.contains("unit `hidden.0` gave other values"), "{m}");
+            assert!(m.contains("beyond rounding"), "{m}");
         }
-        other => panic!("dropout from the device's generator gave {other:?}"),
+        other => panic!("a unit beyond rounding gave {other:?}"),
     }
-    let mut kept = dropout(Recompute::None);
-    for _ in 0..2 {
-        kept.train_step(&[points()], &hyper).unwrap();
-    }
-    // The same units without the mask are not refused (the forward and its recompute agree).
-    let mut pure = Shard::blocks("hidden")
+    // A block that reads a parameter of a unit it does not declare (the output layer, in the
+    // root, read from the first block): a model error naming the unit, the parameter and
+    // `using`, not a panic inside Burn.
+    let mut reads_root = Shard::blocks("hidden")
         .seed(7)
-        .pieces(pieces())
+        .pieces(pieces_with(|m, i, h| {
+            let h = m.layer(i, h);
+            if i > 0 {
+                return h;
+            }
+            let zero = Tensor::<2>::zeros([h.dims()[0], 1], &h.device());
+            h + m
+                .loss(m.stem(Tensor::zeros([1, 2], &zero.device())), &zero)
+                .reshape([1, 1])
+                * 0.0
+        }))
         .build(&comm, deep_init, Device::flex())
         .unwrap();
-    pure.train_step(&[points()], &hyper).unwrap();
+    match reads_root.train_step(&[points()], &hyper) {
+        Err(ShardError::Model(m)) => {
+            assert!(
+                m.contains("unit `hidden.0` read parameter `input.weight`"),
+                "{m}"
+            );
+            assert!(m.contains("unit `root` (unit 0)"), "{m}");
+            assert!(m.contains(".using(&[0])"), "{m}");
+        }
+        other => panic!("a block reading the root gave {other:?}"),
+    }
 }

@@ -44,7 +44,13 @@ fn losses(
     resume: Option<std::path::PathBuf>,
     save: Option<std::path::PathBuf>,
 ) -> Vec<(u64, f64)> {
-    let spec = common::spec(topology, &format!("{mode}/{p}/{clip}"), steps, &resume, &save);
+    let spec = common::spec(
+        topology,
+        &format!("{mode}/{p}/{clip}"),
+        steps,
+        &resume,
+        &save,
+    );
     let stdout = common::run_ranks(TEST, CHILD, &spec, np);
     serde_json::from_str(common::line(&stdout, "LOSSES ")).unwrap()
 }
@@ -191,12 +197,18 @@ fn the_seq2seq_example_trains_as_one_process_and_as_plain_burn() {
     for p in [0.01, 0.03, 0.1] {
         let reference = losses(0, "1x1x1", "plain", p, 0.0, STEPS, None, None);
         let (first, last) = (reference[0].1, reference[STEPS as usize - 1].1);
-        assert!(last < 0.8 * first, "plain Burn at {p}: loss {first} -> {last}");
+        assert!(
+            last < 0.8 * first,
+            "plain Burn at {p}: loss {first} -> {last}"
+        );
         for mode in ["zero3", "ddp", "keep"] {
             let ours = losses(0, "1x1x1", mode, p, 0.0, STEPS, None, None);
             let worst = common::largest_relative_difference(&reference, &ours);
             eprintln!("dropout {p}: one process ({mode}) against plain Burn: {worst:e}");
-            assert!(worst <= 2e-5, "dropout {p}, {mode}: {worst:e} off plain Burn");
+            assert!(
+                worst <= 2e-5,
+                "dropout {p}, {mode}: {worst:e} off plain Burn"
+            );
         }
     }
     // Sharded against one process, at the same micro-batches.
@@ -210,7 +222,9 @@ fn the_seq2seq_example_trains_as_one_process_and_as_plain_burn() {
         for (np, topology, preset) in runs {
             let sharded = losses(np, topology, preset.name(), p, 1.0, STEPS, None, None);
             let worst = common::largest_relative_difference(&single, &sharded);
-            eprintln!("dropout {p}: {preset} on {np} ranks ({topology}) against one process: {worst:e}");
+            eprintln!(
+                "dropout {p}: {preset} on {np} ranks ({topology}) against one process: {worst:e}"
+            );
             let bound = if matches!(preset, Preset::Zeropp | Preset::Hier3) {
                 0.02
             } else {

@@ -345,16 +345,12 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
                     .collect::<Result<_, _>>()?
             };
             let (module, log) = self.module_with(&needs, full, false, false);
-            self.device.seed(draw_seed(self.seed, self.updates, u64::MAX, stage));
+            self.device
+                .seed(draw_seed(self.seed, self.updates, u64::MAX, stage));
             side.enter(&self.plan.units[stage].name);
-            let out = self.stages.forward(
-                &module,
-                stage,
-                input.take(),
-                &mut side,
-                batch,
-                &self.device,
-            );
+            let out =
+                self.stages
+                    .forward(&module, stage, input.take(), &mut side, batch, &self.device);
             self.check_unit(stage, &log, side.take_misuse())?;
             match out {
                 Flow::Hidden(h) | Flow::Aux(h, _) if stage + 1 < k => input = Some(h),
@@ -448,26 +444,22 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             }
             state.inputs[v.stage + 1] = Some(h.clone().without_autodiff());
             let put = graph.put.iter().cloned();
-            state.sides.extend(put.map(|e| (v.stage, e.map(Tensor::without_autodiff))));
+            state
+                .sides
+                .extend(put.map(|e| (v.stage, e.map(Tensor::without_autodiff))));
             state.graphs[v.stage] = Some(graph);
             return Ok(());
         }
         self.seed_draws(v.micro, state.accum, v.stage);
-        let (module, log) =
-            self.module_with(&self.plan.units[v.stage].needs, full, true, false);
+        let (module, log) = self.module_with(&self.plan.units[v.stage].needs, full, true, false);
         let input = state.inputs[v.stage].clone().map(Tensor::autodiff);
         let mut side = Side::given(
             &self.plan.units[v.stage].name,
             state.given(v.stage, Tensor::autodiff),
         );
-        let out = self.stages.forward(
-            &module,
-            v.stage,
-            input,
-            &mut side,
-            batch,
-            &self.autodiff,
-        );
+        let out = self
+            .stages
+            .forward(&module, v.stage, input, &mut side, batch, &self.autodiff);
         let (_, put, misuse) = side.into_parts();
         self.check_unit(v.stage, &log, misuse)?;
         let (h, aux) = out.hidden().ok_or_else(|| self.flow_error(v.stage))?;
@@ -640,14 +632,9 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         for stage in 0..k {
             self.seed_draws(micro, state.accum, stage);
             side.enter(&self.plan.units[stage].name);
-            let out = self.stages.forward(
-                &module,
-                stage,
-                x.take(),
-                &mut side,
-                batch,
-                &self.autodiff,
-            );
+            let out =
+                self.stages
+                    .forward(&module, stage, x.take(), &mut side, batch, &self.autodiff);
             self.check_unit(stage, &log, side.take_misuse())?;
             match out {
                 Flow::Hidden(h) if stage + 1 < k => x = Some(h),
