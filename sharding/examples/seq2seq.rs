@@ -219,6 +219,11 @@ impl Seq2Seq {
             .forward(self.tokens.forward(ids) + self.positions.forward(positions))
     }
 
+    /// The encoder's output `x` as the decoder reads it: after the encoder's final norm.
+    pub fn memory(&self, x: Tensor<3>) -> Tensor<3> {
+        self.enc_norm.forward(x)
+    }
+
     /// The logits of the decoder's output `y` (`[batch, target, d_model]`): the final norm,
     /// then the head tied to the token embedding (scaled by `1 / sqrt(d_model)`, as T5 does).
     pub fn logits(&self, y: Tensor<3>) -> Tensor<3> {
@@ -249,8 +254,8 @@ impl Seq2Seq {
         for block in &self.enc {
             x = block.forward(x, pairs);
         }
-        let memory = self.enc_norm.forward(x);
-        let mut y = self.embed(pairs.decoder_inputs(device));
+        let memory = self.memory(x);
+        let mut y = self.embed(pairs.shifted(device));
         let mut aux = Tensor::zeros([1], device);
         for block in &self.dec {
             let (out, penalty) = block.forward(y, memory.clone(), pairs);
@@ -266,7 +271,7 @@ impl Seq2Seq {
         for block in &self.enc {
             x = block.forward(x, &pairs);
         }
-        let memory = self.enc_norm.forward(x);
+        let memory = self.memory(x);
         let mut out = vec![BOS];
         for _ in 0..len {
             let ids = Tensor::from_data(TensorData::new(out.clone(), [1, out.len()]), device);
@@ -373,8 +378,8 @@ impl Pairs {
         self.ids(self.targets.clone(), device)
     }
 
-    /// The decoder's inputs: the start token, then every target token but the last.
-    pub fn decoder_inputs(&self, device: &Device) -> Tensor<2, Int> {
+    /// The decoder's inputs: the targets shifted right, after the start token.
+    pub fn shifted(&self, device: &Device) -> Tensor<2, Int> {
         let ids = self
             .targets
             .chunks(self.len)
@@ -433,8 +438,8 @@ pub const SIZE: Seq2SeqConfig = Seq2SeqConfig {
     z_loss: 1e-4,
 };
 
-/// Pairs per step over all ranks, rows per micro-batch, and tokens per sequence at most.
-pub const BATCH: (usize, usize, usize) = (16, 4, 10);
+/// Pairs per step over all ranks, and tokens per sequence at most.
+pub const BATCH: (usize, usize) = (16, 10);
 
 /// The learning rate.
 pub const LR: f64 = 3e-3;
@@ -453,6 +458,9 @@ pub struct Run {
     pub dropout: f64,
     /// Clip the gradients' global norm to this (0 = off).
     pub clip: f64,
+    /// Pairs per micro-batch (a rank's share of the step's pairs is cut into micro-batches of
+    /// this many).
+    pub micro: usize,
     /// A checkpoint to continue.
     pub resume: Option<PathBuf>,
     /// Where to save the last step.
@@ -477,15 +485,8 @@ pub fn train(comm: &Comm, run: &Run) -> Result<Trained, ShardError> {
     };
     let mut model = Shard::embed(|m: &Seq2Seq, b: &Pairs, _, d| m.embed(b.sources(d))) // sharding
         .stack("enc", |m, i, x, b, _| m.enc[i].forward(x, b)) // sharding
-        .then(|m, x, b, _, d| {
-            (
-                m.embed(b.decoder_inputs(d)),
-                [("memory", m.enc_norm.forward(x))],
-            )
-        }) // sharding
-        .stack("dec", |m, i, y, b, side| {
-            m.dec[i].forward(y, side.get("memory"), b)
-        }) // sharding
+        .then(|m, x, b, _, d| (m.embed(b.shifted(d)), m.memory(x))) // sharding
+        .stack("dec", |m, i, y, b, s| m.dec[i].forward(y, s.get("enc"), b)) // sharding
         .loss(|m, y, b, _, d| m.loss(y, b, d)) // sharding
         .preset(run.preset.parse::<Preset>()?) // sharding
         .seed(SEED) // sharding
@@ -499,8 +500,8 @@ pub fn train(comm: &Comm, run: &Run) -> Result<Trained, ShardError> {
     };
     let mut losses = Vec::new();
     for step in model.step()..run.steps {
-        let batch = Pairs::draw(step, BATCH.0, BATCH.2, SIZE.vocab);
-        let mut grads = model.backward(&model.micro_batches(&batch, BATCH.1)?)?; // sharding
+        let batch = Pairs::draw(step, BATCH.0, BATCH.1, SIZE.vocab);
+        let mut grads = model.backward(&model.micro_batches(&batch, run.micro)?)?; // sharding
         grads.clip_norm(run.clip);
         let report = model.apply(grads, &adamw, LR)?; // sharding
         losses.push((step, report.loss));
@@ -530,6 +531,7 @@ fn main() {
             .and_then(|s| s.parse().ok())
             .unwrap_or(SIZE.dropout),
         clip: 1.0,
+        micro: flag("--micro").and_then(|s| s.parse().ok()).unwrap_or(4),
         resume: flag("--resume").map(PathBuf::from),
         save: flag("--save").map(PathBuf::from),
     };

@@ -79,14 +79,18 @@ impl<const D: usize> From<(Tensor<D>, Tensor<1>)> for BlockOutput<D> {
     }
 }
 
-/// What a `then` piece hands the next stack: its input, and side tensors for its blocks to read
-/// (an encoder's output). A `then` piece returns the input alone, or `(input, [(name,
-/// tensor), ..])`: `(m.embed(b.targets(d)), [("memory", m.enc_norm.forward(x))])`.
+/// What a `then` piece hands the next stack: its input, and side tensors for its blocks to read.
+/// A `then` piece returns the input alone; `(input, handed)`, which also puts `handed` (the
+/// finished stack's output as the next stack reads it: an encoder's output after its final
+/// norm) under the finished stack's field name; or `(input, [(name, tensor), ..])`, which puts
+/// each under its own name.
 #[derive(Debug, Clone)]
 pub struct Handover<const D: usize> {
     /// The next stack's input.
     pub input: Tensor<D>,
-    /// Side tensors put for the next stack's blocks (and the pieces after them), by name.
+    /// Put under the finished stack's field name.
+    pub handed: Option<Tensor<D>>,
+    /// Put under their own names.
     pub side: Vec<(String, Tensor<D>)>,
 }
 
@@ -94,17 +98,31 @@ impl<const D: usize> From<Tensor<D>> for Handover<D> {
     fn from(input: Tensor<D>) -> Self {
         Self {
             input,
+            handed: None,
             side: Vec::new(),
         }
     }
 }
 
+/// `(input, handed)`: `handed` is put under the finished stack's field name.
+impl<const D: usize> From<(Tensor<D>, Tensor<D>)> for Handover<D> {
+    fn from((input, handed): (Tensor<D>, Tensor<D>)) -> Self {
+        Self {
+            input,
+            handed: Some(handed),
+            side: Vec::new(),
+        }
+    }
+}
+
+/// `(input, [(name, tensor), ..])`: each tensor is put under its name.
 impl<const D: usize, const N: usize, S: Into<String>> From<(Tensor<D>, [(S, Tensor<D>); N])>
     for Handover<D>
 {
     fn from((input, side): (Tensor<D>, [(S, Tensor<D>); N])) -> Self {
         Self {
             input,
+            handed: None,
             side: side.into_iter().map(|(n, t)| (n.into(), t)).collect(),
         }
     }
@@ -114,7 +132,7 @@ type EmbedFn<M, B, const D: usize> = dyn Fn(&M, &B, &mut Side, &Device) -> Tenso
 type BlockFn<M, B, const D: usize> =
     dyn Fn(&M, usize, Tensor<D>, &B, &mut Side) -> BlockOutput<D> + Send + Sync;
 type ThenFn<M, B, const D: usize> =
-    dyn Fn(&M, Tensor<D>, &B, &mut Side, &Device) -> Tensor<D> + Send + Sync;
+    dyn Fn(&M, Tensor<D>, &B, &mut Side, &Device) -> Handover<D> + Send + Sync;
 type LossFn<M, B, const D: usize> =
     dyn Fn(&M, Tensor<D>, &B, &mut Side, &Device) -> Tensor<1> + Send + Sync;
 
@@ -234,13 +252,7 @@ impl<M: 'static, B: 'static, const D: usize> Pieces<M, B, D> {
         then: impl Fn(&M, Tensor<D>, &B, &mut Side, &Device) -> O + Send + Sync + 'static,
     ) -> Self {
         self.then = Some(Arc::new(
-            move |m: &M, x, b: &B, side: &mut Side, d: &Device| {
-                let Handover { input, side: put } = then(m, x, b, side, d).into();
-                for (name, t) in put {
-                    side.put(name, t);
-                }
-                input
-            },
+            move |m: &M, x, b: &B, side: &mut Side, d: &Device| then(m, x, b, side, d).into(),
         ));
         self
     }
@@ -422,7 +434,21 @@ impl<M: Module + Clone, B, const D: usize> Staged<D> for Blocks<M, B, D> {
         let (s, i) = self.locate(unit);
         let stack = &self.pieces.stacks[s];
         let x = match (&stack.before, i) {
-            (Some(before), 0) => before(module, x, batch, side, device),
+            (Some(before), 0) => {
+                let Handover {
+                    input,
+                    handed,
+                    side: put,
+                } = before(module, x, batch, side, device);
+                if let Some(handed) = handed {
+                    let finished = s.checked_sub(1).map_or("embed", |f| &self.stacks[f].0);
+                    side.put(finished, handed);
+                }
+                for (name, t) in put {
+                    side.put(name, t);
+                }
+                input
+            }
             _ => x,
         };
         let BlockOutput { hidden, aux } = (stack.block)(module, i, x, batch, side);

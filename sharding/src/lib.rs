@@ -79,7 +79,8 @@
 //!   parameter's path, so every world size starts from the same model ([`InitSource`]).
 //! - [`Shard::forward`] takes the pieces: `embed(model, batch, device)` to the first block's
 //!   input, `block(model, i, x, batch)` to block `i`'s output (or a [`BlockOutput`] with an
-//!   auxiliary loss), `loss(model, x, batch, device)` to the mean loss. The batch is at hand
+//!   auxiliary loss), `loss(model, x, batch, device)` to the loss (see "The step's loss"
+//!   below for what it averages). The batch is at hand
 //!   in every piece, for side inputs (masks, positions); `device` is where a piece builds
 //!   tensors from host data (the partitioner's device, with autodiff or without). A model
 //!   may implement [`BlockModel`] instead, and [`Shard::build`] uses it.
@@ -113,6 +114,55 @@
 //! `examples/mlp.rs` is a complete program (an MLP of Burn `Linear` layers, trained under
 //! `mpirun`, saved, resumed at another world size, gathered back).
 //!
+//! # Several stacks of blocks, and side tensors
+//!
+//! A model with more than one `Vec` of blocks (an encoder and a decoder) names each field
+//! with its block piece, in forward order, between [`Shard::embed`] and [`Shard::loss`]; a
+//! [`Shard::then`] piece between two stacks turns the first one's output into the second
+//! one's input. Every piece gets a [`Side`]: named tensors a piece puts for the pieces after
+//! it, of this micro-batch, to read, such as the encoder's output that every decoder block's
+//! cross-attention reads. A `then` piece hands one over by returning `(input, handed)`:
+//! `handed` is put under the finished stack's field name ([`Handover`]). Gradients flow back
+//! through side tensors to where they were put, summed over every unit that read them.
+//!
+//! ```
+//! # use burn::module::Module;
+//! # use burn::nn::{Linear, LinearConfig};
+//! # use burn::tensor::{Device, Tensor, TensorData};
+//! # use ember_comm::Comm;
+//! # use ember_sharding::{AdamW, Shard, ShardError, StepLoss};
+//! #[derive(Module, Debug)]
+//! struct EncDec { embed: Linear, enc: Vec<Linear>, dec: Vec<Linear>, head: Linear }
+//! # fn init(d: &Device) -> EncDec {
+//! #     let l = |i, o| LinearConfig::new(i, o).init(d);
+//! #     EncDec { embed: l(2, 8), enc: vec![l(8, 8), l(8, 8)], dec: vec![l(8, 8)], head: l(8, 1) }
+//! # }
+//! type Batch = (Tensor<2>, Tensor<2>);
+//! # fn main() -> Result<(), ShardError> {
+//! # let comm = Comm::from_env()?;
+//! # let x = Tensor::<2>::from_data(TensorData::new(vec![0.5f32; 16], [8, 2]), &Device::flex());
+//! # let batch: Batch = (x.clone(), x.sum_dim(1));
+//! let mut model = Shard::embed(|m: &EncDec, (x, _): &Batch, _, _| m.embed.forward(x.clone()))
+//!     .stack("enc", |m, i, h, _, _| m.enc[i].forward(h).tanh())
+//!     .then(|m, h, (x, _), _, _| (m.embed.forward(x.clone()), h)) // `h` put as "enc"
+//!     .stack("dec", |m, i, h, _, side| m.dec[i].forward(h + side.get::<2>("enc")).tanh())
+//!     .loss(|m, h, (_, y), _, _| {
+//!         let e = m.head.forward(h) - y.clone();
+//!         (e.clone() * e).sum() / 8.0 // this micro-batch's share of the global batch's mean
+//!     })
+//!     .step_loss(StepLoss::Sum)
+//!     .build(&comm, init, Device::flex())?;
+//! let grads = model.backward(&model.micro_batches(&batch, 4)?)?;
+//! model.apply(grads, &AdamW::default(), 1e-3)?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The units are the root (every parameter outside the fields), then each block of each
+//! field (`enc.0`, `enc.1`, `dec.0`). The root runs `embed`; the first block after a `then`
+//! piece runs it first, and the last block runs `loss`, both reading the root.
+//! `examples/seq2seq.rs` is a complete encoder-decoder in 16 such lines.
+//!
 //! # The unit model, for any model
 //!
 //! Burn's autodiff builds one graph per forward, so a sharded model runs as a sequence of
@@ -120,35 +170,66 @@
 //! gradients are reduced to their owners and the gathered copy is freed. Units are groups of
 //! parameters named by path prefix, usually one per transformer block plus the embedding and
 //! the head. [`Blocks`] is one way of cutting a model into units; any other is described with
-//! [`Staged`], without changing the model's code, and built with [`ShardedModel::new`] and a
+//! [`Staged`], without changing the model's code, and built with [`Shard::staged`] (with the
+//! options of every route: preset, seed, record, resume) or with [`ShardedModel::new`] and a
 //! [`ParamSource`] (an [`InitSource`], or any function of path and element range):
 //!
 //! - [`Staged::units`] returns one [`UnitDecl`] per unit, in forward order:
 //!   `UnitDecl::new("block3", &["blocks.3"])` owns every parameter whose path starts with
 //!   `blocks.3.`; every parameter must belong to exactly one unit. [`UnitDecl::using`] lets a
-//!   unit read another unit's parameters too (a tied head reading the embedding).
+//!   unit read another unit's parameters too (a tied head reading the embedding). A unit that
+//!   reads a parameter of a unit it does not declare fails the step with a
+//!   [`ShardError::Model`] naming the unit, the parameter, its owner and the `using` to add
+//!   (the read gives zeros, so nothing panics inside Burn first).
 //! - [`Staged::forward`] runs unit `k` on the previous unit's activation (one float tensor,
-//!   `None` for the first unit) and the batch, calling the model's own layers, and returns
-//!   [`Flow::Hidden`] for the next unit or, from the last, [`Flow::Loss`] (the mean loss).
+//!   `None` for the first unit), the [`Side`] tensors earlier units put, and the batch,
+//!   calling the model's own layers, and returns [`Flow::Hidden`] for the next unit or, from
+//!   the last, [`Flow::Loss`].
 //!
-//! # A unit's forward must be pure
+//! # Randomness, and recompute
 //!
 //! Unless [`Recompute::None`] keeps every unit's graph, backward runs each unit's forward a
 //! second time, with autodiff, from the input its first forward was given, and takes the
-//! gradients from that second run. So a unit's forward must give the same output from the
-//! same parameters, input and batch every time it runs, with or without autodiff. Two things
-//! break that rule:
+//! gradients from that second run. Both runs are training forwards (on the autodiff device,
+//! where Burn's `Dropout` is on), and before each the device's generator is seeded with
+//! [`draw_seed`]`(seed, step, micro-batch, unit)`, so the second run draws what the first drew:
+//! Burn's `Dropout`, in residual branches or inside `MultiHeadAttention`, and
+//! `Tensor::random` give the same masks, and the gradients are those of the loss the step
+//! reports, as PyTorch's activation checkpointing replays its saved generator state. Every
+//! preset and recompute setting draws the same, and the micro-batch counts the global batch's
+//! micro-batches, so `N` ranks of `A` micro-batches each draw what one process of `N * A`
+//! micro-batches of the same rows draws ([`ShardedModel::micro_batches`] cuts them); plain
+//! Burn draws the same by seeding its device with [`draw_seed`] before each unit's part of its
+//! forward. The seed is [`Shard::seed`]'s, kept in checkpoints. The device's generator is the
+//! process's: nothing else should draw from it while a step runs.
 //!
-//! - randomness drawn from the device's generator (Burn's `Dropout`, `Tensor::random`): the
-//!   second run draws other values. Draw it from a generator keyed by the batch instead (the
-//!   step, the sample's global index, the site), so every run of a unit draws the same;
-//! - layers that behave differently without autodiff (Burn's `Dropout` is off when autodiff
-//!   is).
-//!
-//! The first step of every [`ShardedModel`] holds each recomputed unit's output against its
-//! first run's and refuses a unit whose outputs differ by more than rounding, naming it (a
-//! [`ShardError::Model`]). Replicated parameters (`ddp`) and [`Recompute::None`] never
+//! Anything else that makes a unit give other values the second time (a generator of its
+//! own, state kept between calls, a layer that computes otherwise with autodiff) would give
+//! gradients of another function. The first step of every [`ShardedModel`] holds each
+//! recomputed unit's output, auxiliary loss and side tensors against its first run's and
+//! refuses a unit, by its declared name ([`ShardError::Model`]), where an element differs by
+//! more than rounding: more than [`rounding_tolerance`] of the output's largest magnitude,
+//! that is two units in the last place of its dtype and never less than 2^-14 (2^-14 in f32,
+//! 2^-6 in bf16, 2^-9 in f16). Replicated parameters (`ddp`) and [`Recompute::None`] never
 //! recompute, so such a unit trains there, as it would in plain Burn.
+//!
+//! # The step's loss
+//!
+//! Each micro-batch's loss is what the loss piece (or the last unit's [`Flow::Loss`]) gives,
+//! plus the auxiliary losses of its blocks. [`StepLoss`] says how a step combines them over
+//! the micro-batches and the ranks, for [`Gradients::loss`], [`StepReport::loss`] and the
+//! gradients:
+//!
+//! - [`StepLoss::Mean`] (the default): their mean. With a loss that averages over each
+//!   micro-batch's own tokens, this is the mean over the global batch only when every
+//!   micro-batch holds as many tokens; with padding it is the mean of the ranks' means, which
+//!   changes with the world size (as DDP's and FSDP's averaging does).
+//! - [`StepLoss::Sum`]: their sum, for a loss piece that gives its micro-batch's share of the
+//!   global mean: its sum over its own tokens divided by the count of tokens in the whole
+//!   global batch, which every rank can count before [`ShardedModel::share`] (torchtitan and
+//!   Hugging Face's `num_items_in_batch` do the same). The step's loss is then the mean over
+//!   the global batch's tokens, and the run trains as one process at any world size and
+//!   micro-batch count.
 //!
 //! # Parameter paths
 //!

@@ -30,27 +30,39 @@ const CHILD: &str = "EMBER_SEQ2SEQ_CHILD";
 const TEST: &str = "the_seq2seq_example_trains_as_one_process_and_as_plain_burn";
 const STEPS: u64 = 30;
 
+/// Pairs per micro-batch where runs are compared with dropout (the same micro-batches draw
+/// the same masks).
+const MICRO: usize = 4;
+
+/// How a run trains: `mode` is a preset's name, `keep` (zero3 keeping every unit's graph) or
+/// `plain` (plain Burn), at dropout `p`, gradient clipping `clip` and `micro` pairs per
+/// micro-batch.
+#[derive(Debug, Clone, Copy)]
+struct How<'a> {
+    mode: &'a str,
+    p: f64,
+    clip: f64,
+    micro: usize,
+}
+
 /// Rank 0's loss at every step of a run on `np` ranks over `topology` (`np == 0`: one process,
-/// no `mpirun`): `mode` is a preset's name, `keep` (zero3 keeping every unit's graph) or
-/// `plain` (plain Burn), at dropout `p` and gradient clipping `clip`.
-#[allow(clippy::too_many_arguments)]
+/// no `mpirun`), trained as `how` says.
 fn losses(
     np: usize,
     topology: &str,
-    mode: &str,
-    p: f64,
-    clip: f64,
+    how: How<'_>,
     steps: u64,
     resume: Option<std::path::PathBuf>,
     save: Option<std::path::PathBuf>,
 ) -> Vec<(u64, f64)> {
-    let spec = common::spec(
-        topology,
-        &format!("{mode}/{p}/{clip}"),
-        steps,
-        &resume,
-        &save,
-    );
+    let How {
+        mode,
+        p,
+        clip,
+        micro,
+    } = how;
+    let mode = format!("{mode}/{p}/{clip}/{micro}");
+    let spec = common::spec(topology, &mode, steps, &resume, &save);
     let stdout = common::run_ranks(TEST, CHILD, &spec, np);
     serde_json::from_str(common::line(&stdout, "LOSSES ")).unwrap()
 }
@@ -69,8 +81,8 @@ fn plain_loss(m: &Seq2Seq, pairs: &Pairs, step: u64, micro: u64, device: &Device
     }
     let first = 1 + m.enc.len();
     seed(first);
-    let memory = m.enc_norm.forward(x);
-    let mut y = m.embed(pairs.decoder_inputs(device));
+    let memory = m.memory(x);
+    let mut y = m.embed(pairs.shifted(device));
     let mut aux = Tensor::zeros([1], device);
     for (i, block) in m.dec.iter().enumerate() {
         if i > 0 {
@@ -93,6 +105,7 @@ fn plain(comm: &ember_comm::Comm, p: f64, steps: u64) -> Vec<(u64, f64)> {
             steps: 0,
             dropout: p,
             clip: 0.0,
+            micro: MICRO,
             resume: None,
             save: None,
         },
@@ -108,7 +121,7 @@ fn plain(comm: &ember_comm::Comm, p: f64, steps: u64) -> Vec<(u64, f64)> {
         .with_epsilon(1e-8)
         .with_weight_decay(0.01)
         .init();
-    let (rows, micro_rows, len) = BATCH;
+    let ((rows, len), micro_rows) = (BATCH, MICRO);
     let mut out = Vec::new();
     for step in 0..steps {
         let batch = Pairs::draw(step, rows, len, SIZE.vocab);
@@ -137,15 +150,8 @@ fn keep(comm: &ember_comm::Comm, p: f64, steps: u64) -> Vec<(u64, f64)> {
     config.recompute = Recompute::None;
     let mut model = Shard::embed(|m: &Seq2Seq, b: &Pairs, _, d| m.embed(b.sources(d)))
         .stack("enc", |m, i, x, b, _| m.enc[i].forward(x, b))
-        .then(|m, x, b, _, d| {
-            (
-                m.embed(b.decoder_inputs(d)),
-                [("memory", m.enc_norm.forward(x))],
-            )
-        })
-        .stack("dec", |m, i, y, b, side| {
-            m.dec[i].forward(y, side.get("memory"), b)
-        })
+        .then(|m, x, b, _, d| (m.embed(b.shifted(d)), m.memory(x)))
+        .stack("dec", |m, i, y, b, s| m.dec[i].forward(y, s.get("enc"), b))
         .loss(|m, y, b, _, d| m.loss(y, b, d))
         .config(config)
         .seed(SEED)
@@ -158,8 +164,8 @@ fn keep(comm: &ember_comm::Comm, p: f64, steps: u64) -> Vec<(u64, f64)> {
     };
     (0..steps)
         .map(|step| {
-            let batch = Pairs::draw(step, BATCH.0, BATCH.2, SIZE.vocab);
-            let micro = model.micro_batches(&batch, BATCH.1).unwrap();
+            let batch = Pairs::draw(step, BATCH.0, BATCH.1, SIZE.vocab);
+            let micro = model.micro_batches(&batch, MICRO).unwrap();
             let grads = model.backward(&micro).unwrap();
             (step, model.apply(grads, &adamw, LR).unwrap().loss)
         })
@@ -173,6 +179,7 @@ fn the_seq2seq_example_trains_as_one_process_and_as_plain_burn() {
         let mode = parts.next().unwrap();
         let p: f64 = parts.next().unwrap().parse().unwrap();
         let clip: f64 = parts.next().unwrap().parse().unwrap();
+        let micro: usize = parts.next().unwrap().parse().unwrap();
         let losses = match mode {
             "plain" => plain(&child.comm, p, child.steps),
             "keep" => keep(&child.comm, p, child.steps),
@@ -182,6 +189,7 @@ fn the_seq2seq_example_trains_as_one_process_and_as_plain_burn() {
                     steps: child.steps,
                     dropout: p,
                     clip,
+                    micro,
                     resume: child.resume,
                     save: child.save,
                 };
@@ -193,16 +201,22 @@ fn the_seq2seq_example_trains_as_one_process_and_as_plain_burn() {
         }
         return;
     }
+    let how = |mode, p, clip| How {
+        mode,
+        p,
+        clip,
+        micro: MICRO,
+    };
     // One process against plain Burn with the same masks, under each way a step runs.
     for p in [0.01, 0.03, 0.1] {
-        let reference = losses(0, "1x1x1", "plain", p, 0.0, STEPS, None, None);
+        let reference = losses(0, "1x1x1", how("plain", p, 0.0), STEPS, None, None);
         let (first, last) = (reference[0].1, reference[STEPS as usize - 1].1);
         assert!(
             last < 0.8 * first,
             "plain Burn at {p}: loss {first} -> {last}"
         );
         for mode in ["zero3", "ddp", "keep"] {
-            let ours = losses(0, "1x1x1", mode, p, 0.0, STEPS, None, None);
+            let ours = losses(0, "1x1x1", how(mode, p, 0.0), STEPS, None, None);
             let worst = common::largest_relative_difference(&reference, &ours);
             eprintln!("dropout {p}: one process ({mode}) against plain Burn: {worst:e}");
             assert!(
@@ -213,14 +227,15 @@ fn the_seq2seq_example_trains_as_one_process_and_as_plain_burn() {
     }
     // Sharded against one process, at the same micro-batches.
     for p in [0.1, 0.03] {
-        let single = losses(0, "1x1x1", "zero3", p, 1.0, STEPS, None, None);
+        let single = losses(0, "1x1x1", how("zero3", p, 1.0), STEPS, None, None);
         let mut runs = vec![(2, "1x2x1", Preset::Zero3)];
         runs.extend(Preset::ALL.into_iter().map(|preset| {
             let quantized = matches!(preset, Preset::Zeropp | Preset::Hier3);
             (4, if quantized { "1x2x2" } else { "2x2x1" }, preset)
         }));
         for (np, topology, preset) in runs {
-            let sharded = losses(np, topology, preset.name(), p, 1.0, STEPS, None, None);
+            let run = how(preset.name(), p, 1.0);
+            let sharded = losses(np, topology, run, STEPS, None, None);
             let worst = common::largest_relative_difference(&single, &sharded);
             eprintln!(
                 "dropout {p}: {preset} on {np} ranks ({topology}) against one process: {worst:e}"
@@ -236,29 +251,35 @@ fn the_seq2seq_example_trains_as_one_process_and_as_plain_burn() {
             );
         }
     }
+    // Without dropout the micro-batches need not be the same: the loss is the mean over the
+    // global batch's target tokens (`StepLoss::Sum`), whatever their count per micro-batch.
+    // One process in one micro-batch of 16 pairs, 2 ranks in one of 8 each, 4 ranks in two of
+    // 2 each.
+    let no_dropout = |micro| How {
+        micro,
+        ..how("zero3", 0.0, 1.0)
+    };
+    let single = losses(0, "1x1x1", no_dropout(16), STEPS, None, None);
+    for (np, topology, micro) in [(2, "1x2x1", 8), (4, "2x2x1", 2)] {
+        let sharded = losses(np, topology, no_dropout(micro), STEPS, None, None);
+        let worst = common::largest_relative_difference(&single, &sharded);
+        eprintln!(
+            "no dropout: {np} ranks in micro-batches of {micro} against one process in one: \
+             {worst:e}"
+        );
+        assert!(
+            worst <= 2e-5,
+            "{np} ranks, micro-batches of {micro}: {worst:e}"
+        );
+    }
     // Saved on 4 ranks at step 15, resumed on 2: the run that went on, within 2e-5.
     let tmp = tempfile::tempdir().unwrap();
-    let whole = losses(4, "2x2x1", "zero3", 0.1, 1.0, STEPS, None, None);
-    let first = losses(
-        4,
-        "2x2x1",
-        "zero3",
-        0.1,
-        1.0,
-        15,
-        None,
-        Some(tmp.path().to_path_buf()),
-    );
-    let resumed = losses(
-        2,
-        "1x2x1",
-        "zero3",
-        0.1,
-        1.0,
-        STEPS,
-        Some(tmp.path().join("step-000015")),
-        None,
-    );
+    let run = how("zero3", 0.1, 1.0);
+    let whole = losses(4, "2x2x1", run, STEPS, None, None);
+    let saved = Some(tmp.path().to_path_buf());
+    let first = losses(4, "2x2x1", run, 15, None, saved);
+    let step15 = Some(tmp.path().join("step-000015"));
+    let resumed = losses(2, "1x2x1", run, STEPS, step15, None);
     let joined: Vec<(u64, f64)> = first.into_iter().chain(resumed).collect();
     let worst = common::largest_relative_difference(&whole, &joined);
     eprintln!("saved on 4 ranks, resumed on 2, against 4 ranks throughout: {worst:e}");

@@ -945,3 +945,28 @@ fn impurity(what: &str, first: Tensor<1>, again: Tensor<1>) -> Option<String> {
          rounding ({tolerance:.1e} of it)"
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Device;
+
+    #[test]
+    fn rounding_is_two_units_in_the_last_place_and_never_below_2_to_the_minus_14() {
+        assert_eq!(rounding_tolerance(DType::F32), 2f64.powi(-14));
+        assert_eq!(rounding_tolerance(DType::BF16), 2f64.powi(-6));
+        assert_eq!(rounding_tolerance(DType::F16), 2f64.powi(-9));
+        // In bf16, at a largest magnitude of 4: 1/16 is rounding, 1/8 is not.
+        let device = Device::flex();
+        let x = || Tensor::<1>::from_floats([1.0, -2.0, 0.5, 4.0], &device).cast(DType::BF16);
+        let shifted = |by: f64| x() + by;
+        assert_eq!(impurity("out", x(), x()), None);
+        assert_eq!(impurity("out", x(), shifted(0.03)), None);
+        let m = impurity("out", x(), shifted(0.125)).expect("beyond rounding");
+        assert!(m.contains("out differs by up to 1.250e-1"), "{m}");
+        // A recompute that is not finite is refused; a forward that is not says nothing.
+        let nan = Tensor::<1>::from_floats([1.0, f32::NAN, 0.5, 4.0], &device);
+        assert!(impurity("out", x().cast(DType::F32), nan.clone()).is_some());
+        assert_eq!(impurity("out", nan, x().cast(DType::F32)), None);
+    }
+}
