@@ -178,7 +178,7 @@ fn library_misuse_returns_errors_instead_of_panicking() {
             .pieces(pieces_with(move |m, i, h| {
                 let h = m.layer(i, h);
                 let run = runs.fetch_add(usize::from(i == 0), Ordering::Relaxed);
-                if i > 0 || run % 2 == 0 {
+                if i > 0 || run.is_multiple_of(2) {
                     return h;
                 }
                 let largest = h.clone().abs().max().into_scalar::<f32>() as f64;

@@ -172,6 +172,21 @@ fn keep(comm: &ember_comm::Comm, p: f64, steps: u64) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// A step of the example's model whose encoder blocks read the encoder's final norm (a root
+/// parameter, which only the pieces around the stacks read).
+fn forgetful(comm: &ember_comm::Comm) -> Result<(), ember_sharding::ShardError> {
+    let mut model = Shard::embed(|m: &Seq2Seq, b: &Pairs, _, d| m.embed(b.sources(d)))
+        .stack("enc", |m, i, x, b, _| m.enc[i].forward(m.memory(x), b))
+        .then(|m, x, b, _, d| (m.embed(b.shifted(d)), m.memory(x)))
+        .stack("dec", |m, i, y, b, s| m.dec[i].forward(y, s.get("enc"), b))
+        .loss(|m, y, b, _, d| m.loss(y, b, d))
+        .step_loss(StepLoss::Sum)
+        .build(comm, |d| SIZE.init(d), Device::flex())?;
+    let batch = Pairs::draw(0, BATCH.0, BATCH.1, SIZE.vocab);
+    model.backward(&model.micro_batches(&batch, MICRO)?)?;
+    Ok(())
+}
+
 #[test]
 fn the_seq2seq_example_trains_as_one_process_and_as_plain_burn() {
     if let Some(child) = common::child(CHILD) {
@@ -183,6 +198,12 @@ fn the_seq2seq_example_trains_as_one_process_and_as_plain_burn() {
         let losses = match mode {
             "plain" => plain(&child.comm, p, child.steps),
             "keep" => keep(&child.comm, p, child.steps),
+            "forgetful" => {
+                // Every rank reports the error its step returns, then ends.
+                let e = forgetful(&child.comm).expect_err("a read of an undeclared parameter");
+                println!("ERROR rank {}: {e}", child.comm.rank());
+                std::process::exit(1);
+            }
             preset => {
                 let run = Run {
                     preset: preset.into(),
@@ -271,6 +292,27 @@ fn the_seq2seq_example_trains_as_one_process_and_as_plain_burn() {
             worst <= 2e-5,
             "{np} ranks, micro-batches of {micro}: {worst:e}"
         );
+    }
+    // A block that reads a parameter its unit does not declare: on every rank of the job, an
+    // error naming the unit, the parameter and `using`, and the job ends (not at the 300 s
+    // timeout, which `run_job` would report as exit status 124).
+    let spec = common::spec("1x2x1", "forgetful/0/0/4", 1, &None, &None);
+    let out = common::run_job(TEST, CHILD, &spec, 2);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{stdout}");
+    assert_ne!(out.status.code(), Some(124), "the job hung: {stdout}");
+    for rank in 0..2 {
+        // After the test harness's own `test ... ` where a rank's first line follows it.
+        let key = format!("ERROR rank {rank}: ");
+        let line = stdout
+            .lines()
+            .find_map(|l| l.split_once(&key).map(|(_, rest)| rest))
+            .unwrap_or_else(|| panic!("no {key} in\n{stdout}"));
+        assert!(
+            line.starts_with("unit `enc.0` read parameter `enc_norm.gamma`"),
+            "{line}"
+        );
+        assert!(line.contains(".using(&[0])"), "{line}");
     }
     // Saved on 4 ranks at step 15, resumed on 2: the run that went on, within 2e-5.
     let tmp = tempfile::tempdir().unwrap();

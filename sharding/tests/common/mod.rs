@@ -9,6 +9,20 @@ use std::process::Command;
 /// `mpirun` when `np` is 0), with `spec` in the ranks' environment variable `child`; returns
 /// their standard output, after failing the test with both outputs if the job failed.
 pub fn run_ranks(test: &str, child: &str, spec: &str, np: usize) -> String {
+    let out = run_job(test, child, spec, np);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{spec} failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// [`run_ranks`]'s job, whatever its outcome: its status and outputs. `timeout` ends it after
+/// 300 s (exit status 124), so a job that hangs fails the test instead of the test hanging.
+pub fn run_job(test: &str, child: &str, spec: &str, np: usize) -> std::process::Output {
     let exe = std::env::current_exe().expect("test binary path");
     // A session directory of its own, so jobs of other test binaries, or of a crashed run,
     // never share Open MPI's temporary files.
@@ -38,14 +52,7 @@ pub fn run_ranks(test: &str, child: &str, spec: &str, np: usize) -> String {
         .output()
         .expect("running mpirun (is openmpi-bin installed?)");
     let _ = std::fs::remove_dir_all(&tmp);
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{spec} failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
+    out
 }
 
 /// The text after `key` on the first line of `stdout` that starts with it.
