@@ -102,6 +102,28 @@ fn library_misuse_returns_errors_instead_of_panicking() {
         }
         other => panic!("a resume under another record gave {other:?}"),
     }
+    // A `Staged` description takes the builder's options too: the MLP's units through
+    // `Shard::staged` train as through `Shard::blocks`, keep the record and resume.
+    let stages = Blocks::of(&size.init(&Device::flex()), "hidden", pieces()).unwrap();
+    let staged = |resume: Option<&std::path::Path>, width: usize| {
+        Shard::staged(stages.clone())
+            .seed(3)
+            .record(&mlp::MlpConfig { width, depth: 1 })
+            .resume_from(resume)
+            .build(&comm, init, Device::flex())
+    };
+    let blocks = Shard::blocks("hidden").pieces(pieces()).seed(3);
+    let mut blocks = blocks.build(&comm, init, Device::flex()).unwrap();
+    let mut by_staged = staged(None, 8).unwrap();
+    for step in 0..3 {
+        let batch = || mlp::draw(step, 0, 16, &Device::flex());
+        let a = blocks.train_step(&[batch()], &hyper).unwrap().loss;
+        let b = by_staged.train_step(&[batch()], &hyper).unwrap().loss;
+        assert_eq!(a, b, "step {step}: Shard::staged against Shard::blocks");
+    }
+    let saved = by_staged.save(tmp.path(), &SaveOptions::default()).unwrap();
+    assert_eq!(staged(Some(&saved), 8).unwrap().step(), 3);
+    assert_eq!(setting_field(staged(Some(&saved), 16)), "record");
     // One process sends nothing: hier3 and zeropp neither quantize its weights nor keep a
     // secondary copy, and train exactly as zero3 (their gradients' hops move nothing either).
     let losses = |preset: Preset| -> Vec<f64> {

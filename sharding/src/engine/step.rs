@@ -45,7 +45,9 @@ pub struct Gradients {
 }
 
 impl Gradients {
-    /// Mean loss over the global batch (the same on every rank).
+    /// The step's loss over the global batch (the same on every rank): per
+    /// [`StepLoss`](crate::StepLoss), the mean of the micro-batches' losses over the
+    /// micro-batches and the ranks, or their sum.
     pub fn loss(&self) -> f64 {
         self.loss
     }
