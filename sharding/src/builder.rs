@@ -102,14 +102,7 @@ impl<'a> Shard<'a> {
     /// A model described by its own [`Staged`] implementation (which parameters form each
     /// unit, and how one unit runs), built with the options every route shares.
     pub fn staged<S>(stages: S) -> Shard<'a, Described<S>> {
-        let Shard {
-            fields, options, ..
-        } = Self::with_fields(Vec::new());
-        Shard {
-            fields,
-            options,
-            pieces: Described(stages),
-        }
+        Self::with_fields(Vec::new()).with_pieces(Described(stages))
     }
 
     /// The model's forward as its three pieces, closures with the meaning of
@@ -129,11 +122,7 @@ impl<'a> Shard<'a> {
         self,
         pieces: Pieces<M, B, D>,
     ) -> Shard<'a, Pieces<M, B, D>> {
-        Shard {
-            fields: self.fields,
-            options: self.options,
-            pieces,
-        }
+        self.with_pieces(pieces)
     }
 
     /// Partitions the module `init` builds (the model's `Config::init`, whose parameters
@@ -154,6 +143,15 @@ impl<'a> Shard<'a> {
 }
 
 impl<'a, P> Shard<'a, P> {
+    /// The same builder with what the model is made of replaced by `pieces`.
+    fn with_pieces<Q>(self, pieces: Q) -> Shard<'a, Q> {
+        Shard {
+            fields: self.fields,
+            options: self.options,
+            pieces,
+        }
+    }
+
     /// The preset, sized to the communicator's topology.
     pub fn preset(mut self, preset: Preset) -> Self {
         self.options.preset = preset;

@@ -156,9 +156,9 @@ impl Side {
         std::mem::take(&mut self.misuse)
     }
 
-    /// The entries the unit was given, those it put, and what it did wrong.
-    pub(crate) fn into_parts(mut self) -> (Vec<Entry>, Vec<Entry>, Vec<String>) {
+    /// The entries the unit was given, and those it put.
+    pub(crate) fn into_parts(mut self) -> (Vec<Entry>, Vec<Entry>) {
         let put = self.entries.split_off(self.given);
-        (self.entries, put, self.misuse)
+        (self.entries, put)
     }
 }

@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 
 use super::{OwnedPiece, ShardedModel, StepHyper, StepLoss, StepReport, draw_seed};
 use crate::config::Span;
@@ -125,7 +125,7 @@ struct StepState<M, const D: usize> {
     sides: Vec<(usize, Entry)>,
     /// The gradients of side tensors, summed over the backward visits of the stages that read
     /// them, until the backward visit of the stage that put them.
-    side_grads: HashMap<String, Tensor<1>>,
+    side_grads: HashMap<String, Option<Tensor<1>>>,
     /// Each micro-batch's loss.
     micro_losses: Vec<f64>,
     /// On the first step only: each unit's outputs from its forward visit of micro-batch 0,
@@ -349,11 +349,15 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             let (module, log) = self.module_with(&needs, full, false, false);
             self.device
                 .seed(draw_seed(self.seed, self.updates, u64::MAX, stage));
-            side.enter(&self.plan.units[stage].name);
-            let out =
-                self.stages
-                    .forward(&module, stage, input.take(), &mut side, batch, &self.device);
-            self.check_unit(stage, &log, side.take_misuse())?;
+            let out = self.run_unit(
+                stage,
+                &module,
+                &log,
+                input.take(),
+                &mut side,
+                batch,
+                &self.device,
+            )?;
             match out {
                 Flow::Hidden(h) | Flow::Aux(h, _) if stage + 1 < k => input = Some(h),
                 Flow::Loss(l) if stage + 1 == k => return Ok(scalar(l)),
@@ -435,7 +439,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
     ) -> Result<(), ShardError> {
         if self.plan.keeps_graph(v.stage) {
             // With autodiff, kept until the backward visit (the parameters with it).
-            let graph = self.autodiff_forward(v, full, batch, state)?;
+            let graph = self.unit_forward(v, full, batch, state, true)?;
             let (h, aux) = match &graph.out {
                 Flow::Hidden(h) => (h, None),
                 Flow::Aux(h, aux) => (h, Some(aux)),
@@ -452,18 +456,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             state.graphs[v.stage] = Some(graph);
             return Ok(());
         }
-        self.seed_draws(v.micro, state.accum, v.stage);
-        let (module, log) = self.module_with(&self.plan.units[v.stage].needs, full, true, false);
-        let input = state.inputs[v.stage].clone().map(Tensor::autodiff);
-        let mut side = Side::given(
-            &self.plan.units[v.stage].name,
-            state.given(v.stage, Tensor::autodiff),
-        );
-        let out = self
-            .stages
-            .forward(&module, v.stage, input, &mut side, batch, &self.autodiff);
-        let (_, put, misuse) = side.into_parts();
-        self.check_unit(v.stage, &log, misuse)?;
+        let Graph { out, put, .. } = self.unit_forward(v, full, batch, state, false)?;
         let (h, aux) = out.hidden().ok_or_else(|| self.flow_error(v.stage))?;
         let h = h.without_autodiff();
         let aux = aux.map(Tensor::without_autodiff);
@@ -490,34 +483,43 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         Ok(())
     }
 
-    /// The stage's forward with autodiff from its saved input, on the gathered `full` units,
-    /// after seeding the device's generator as its forward visit did.
-    fn autodiff_forward(
+    /// The stage's forward on the autodiff device, on the gathered `full` units, after seeding
+    /// the device's generator for it: `tracked`, from its saved input (taken) as an autodiff
+    /// leaf, for a backward through it; else with nothing tracked, from a copy of the input,
+    /// as a forward visit that keeps no graph.
+    fn unit_forward(
         &self,
         v: Visit,
         full: Vec<Tensor<1>>,
         batch: &S::Batch,
         state: &mut StepState<S::Module, D>,
+        tracked: bool,
     ) -> Result<Graph<S::Module, D>, ShardError> {
         self.seed_draws(v.micro, state.accum, v.stage);
-        let (module, log) = self.module_with(&self.plan.units[v.stage].needs, full, true, true);
-        let input = state.inputs[v.stage]
-            .take()
-            .map(|x| x.autodiff().require_grad());
-        let mut side = Side::given(
-            &self.plan.units[v.stage].name,
-            state.given(v.stage, |t| t.autodiff().require_grad()),
-        );
-        let out = self.stages.forward(
-            &module,
+        let needs = &self.plan.units[v.stage].needs;
+        let (module, log) = self.module_with(needs, full, true, tracked);
+        let leaf = |t: Tensor<1>| {
+            let t = t.autodiff();
+            if tracked { t.require_grad() } else { t }
+        };
+        let input = if tracked {
+            state.inputs[v.stage]
+                .take()
+                .map(|x| x.autodiff().require_grad())
+        } else {
+            state.inputs[v.stage].clone().map(Tensor::autodiff)
+        };
+        let mut side = Side::given(&self.plan.units[v.stage].name, state.given(v.stage, leaf));
+        let out = self.run_unit(
             v.stage,
+            &module,
+            &log,
             input.clone(),
             &mut side,
             batch,
             &self.autodiff,
-        );
-        let (given, put, misuse) = side.into_parts();
-        self.check_unit(v.stage, &log, misuse)?;
+        )?;
+        let (given, put) = side.into_parts();
         Ok(Graph {
             module,
             input,
@@ -525,6 +527,27 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             given,
             put,
         })
+    }
+
+    /// Runs `stage` of `module` (on `device`, the one `module` lives on) on `input` and
+    /// `side`, then refuses what its forward did wrong ([`check_unit`](Self::check_unit)).
+    #[allow(clippy::too_many_arguments)]
+    fn run_unit(
+        &self,
+        stage: usize,
+        module: &S::Module,
+        log: &ReadLog,
+        input: Option<Tensor<D>>,
+        side: &mut Side,
+        batch: &S::Batch,
+        device: &Device,
+    ) -> Result<Flow<D>, ShardError> {
+        side.enter(&self.plan.units[stage].name);
+        let out = self
+            .stages
+            .forward(module, stage, input, side, batch, device);
+        self.check_unit(stage, log, side.take_misuse())?;
+        Ok(out)
     }
 
     /// A backward visit: the stage's graph (kept by its forward visit, or recomputed with
@@ -542,7 +565,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         let graph = match state.graphs[v.stage].take() {
             Some(kept) => kept,
             None => {
-                let graph = self.autodiff_forward(v, full, batch, state)?;
+                let graph = self.unit_forward(v, full, batch, state, true)?;
                 let forward = state
                     .forward_outputs
                     .as_mut()
@@ -585,7 +608,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         // The side tensors this stage put reach the stages that read them: their summed
         // gradients flow back through this stage's graph too.
         for e in put {
-            if let Some(g) = state.side_grads.remove(&e.name) {
+            if let Some(g) = state.side_grads.remove(&e.name).flatten() {
                 objective = objective + (e.value * g.autodiff()).sum();
             }
         }
@@ -600,11 +623,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         };
         for e in given {
             if let Some(grad) = e.value.grad(&grads_ad) {
-                let sum = match state.side_grads.remove(&e.name) {
-                    Some(acc) => acc + grad,
-                    None => grad,
-                };
-                state.side_grads.insert(e.name, sum);
+                add_to(state.side_grads.entry(e.name).or_default(), grad);
             }
         }
         state.sides.retain(|(by, _)| *by != v.stage);
@@ -633,11 +652,15 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         let mut side = Side::default();
         for stage in 0..k {
             self.seed_draws(micro, state.accum, stage);
-            side.enter(&self.plan.units[stage].name);
-            let out =
-                self.stages
-                    .forward(&module, stage, x.take(), &mut side, batch, &self.autodiff);
-            self.check_unit(stage, &log, side.take_misuse())?;
+            let out = self.run_unit(
+                stage,
+                &module,
+                &log,
+                x.take(),
+                &mut side,
+                batch,
+                &self.autodiff,
+            )?;
             match out {
                 Flow::Hidden(h) if stage + 1 < k => x = Some(h),
                 Flow::Aux(h, aux) if stage + 1 < k => {
