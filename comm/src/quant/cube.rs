@@ -13,8 +13,15 @@ pub use cubecl::server::Handle;
 
 use super::{BlockSize, QuantFormat, QuantKernels, Quantized};
 
-/// One unit per block: `scales[b]` = bits of `amax / qmax`, or a quiet NaN's bits for a block
-/// holding a non-finite value.
+/// Bits below which a magnitude is subnormal (or zero): such values are read and written as
+/// zeros (`quant`'s numerics), whether or not the device flushes them itself.
+const MIN_NORMAL: u32 = 0x0080_0000;
+/// `reference::SCALE_DROPPED_BITS` low mantissa bits, and the mask that clears them.
+const SCALE_LOW: u32 = (1 << super::reference::SCALE_DROPPED_BITS) - 1;
+const SCALE_KEEP: u32 = !SCALE_LOW;
+
+/// One unit per block: `scales[b]` = bits of `amax / qmax` rounded up to 16 significant bits,
+/// 0 below the normal range, or a quiet NaN's bits for a block holding a non-finite value.
 // CubeCL kernels loop over ranges: iterator adaptors don't exist inside `#[cube]`.
 #[allow(clippy::needless_range_loop)]
 #[cube(launch_unchecked)]
@@ -32,10 +39,14 @@ pub fn block_scales(
         for i in start..end {
             amax = max(amax, u32::reinterpret(input[i]) & 0x7fff_ffffu32);
         }
-        let scale = f32::reinterpret(amax) / f32::cast_from(qmax);
-        let mut bits = u32::reinterpret(scale);
+        let mut bits = 0u32;
         if amax >= 0x7f80_0000u32 {
             bits = 0x7fc0_0000u32;
+        } else if amax >= MIN_NORMAL {
+            let scale = u32::reinterpret(f32::reinterpret(amax) / f32::cast_from(qmax));
+            if scale >= MIN_NORMAL {
+                bits = (scale + SCALE_LOW) & SCALE_KEEP;
+            }
         }
         scales[b] = bits;
     }
@@ -64,7 +75,9 @@ pub fn quantize_pack(
                 let sbits = scales[i / block];
                 let mut q = 0i32;
                 // Finite and non-zero: scales are never negative, so the bits order like values.
-                if sbits != 0u32 && sbits < 0x7f80_0000u32 {
+                // A subnormal input quantizes to 0.
+                let normal = (u32::reinterpret(input[i]) & 0x7fff_ffffu32) >= MIN_NORMAL;
+                if sbits != 0u32 && sbits < 0x7f80_0000u32 && normal {
                     let y = f32::round(input[i] / f32::reinterpret(sbits));
                     q = i32::cast_from(max(min(y, limit), -limit));
                 }
@@ -77,7 +90,9 @@ pub fn quantize_pack(
 }
 
 /// One unit per element: sums `q * scale` over `parts` quantized buffers laid end to end
-/// (each `data.len() / parts` words and `scales.len() / parts` scales), in part order from 0.
+/// (each `data.len() / parts` words and `scales.len() / parts` scales), in part order from 0,
+/// each partial sum below the normal range made a zero of its sign. The product is exact (16-bit
+/// scales), so a compiler that fuses it with the add into an FMA changes nothing.
 #[cube(launch_unchecked)]
 pub fn dequantize_sum_kernel(
     data: &[u32],
@@ -101,6 +116,10 @@ pub fn dequantize_sum_kernel(
             let q = i32::reinterpret(raw << (32 - width)) >> i32::cast_from(32 - width);
             let scale = f32::reinterpret(scales[p * scales_per_part + i / block]);
             acc += f32::cast_from(q) * scale;
+            let bits = u32::reinterpret(acc);
+            if (bits & 0x7fff_ffffu32) < MIN_NORMAL {
+                acc = f32::reinterpret(bits & 0x8000_0000u32);
+            }
         }
         out[i] = acc;
     }

@@ -11,7 +11,7 @@
 //! to the division for the lanes where that could change the integer. Why it is exact, for a
 //! normal scale in `[2^-100, 2^100]` (see [`recip_safe`]), with `u = 2^-24`, `q* = x / scale`
 //! (exact), `Q = fl(q*)` (what the reference rounds) and `|q*| <= QMAX / (1 - u) < 128`
-//! (`scale = fl(amax / QMAX)`, `|x| <= amax`):
+//! (`scale >= fl(amax / QMAX)`, rounded up to 16 bits, and `|x| <= amax`):
 //!
 //! 1. `y = fl(x * r)`: `fl(1 / scale)` and the product each add one relative error `<= u`, so
 //!    `|y - q*| <= (2u + u^2) |q*|` and `|y - Q| <= (3u + u^2) |q*| + 2^-149 < 2^-14`.
@@ -25,15 +25,18 @@
 //!    (about 1 element in 2000 on continuous data; every exact tie, as it must).
 //! 4. `|y| < QMAX + 2^-14`, so `G >> 12` needs no clamp (and `Q` none either).
 //!
-//! Subnormal, tiny or huge scales (whose reciprocal may be inexact or overflow) take the
-//! division for the whole block. Dequantization is one multiply (plus, for sums, adds in part
-//! order from `0.0`), the same operations as the reference, so the same bits; int4 looks the
-//! product up in a 16-entry table of `nibble * scale`, computed by the same multiply.
+//! Tiny or huge scales (whose reciprocal may be inexact or overflow) take the division for the
+//! whole block. Subnormal inputs are zeroed before either path, as the reference reads them.
+//! Dequantization is one multiply (plus, for sums, adds in part order from `0.0`, each partial
+//! sum flushed as the reference flushes it), the same operations as the reference, so the
+//! same bits; int4 looks the product up in a 16-entry table of `nibble * scale`, computed by
+//! the same multiply.
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 
-use super::{BlockSize, NON_FINITE_BITS, POISON_SCALE, QuantFormat, QuantKernels, Quantized};
+use super::reference::{self, Ieee, flush};
+use super::{BlockSize, MIN_NORMAL_BITS, QuantFormat, QuantKernels, Quantized};
 
 /// The host runtime: data in ordinary `Vec`s (or caller slices with the `_into` forms).
 #[derive(Debug, Clone, Copy, Default)]
@@ -43,7 +46,7 @@ pub struct HostKernels;
 /// current rounding mode (nearest, ties to even; Rust never changes it) and leaves that integer
 /// `k` in the low mantissa bits: `bits(y + M) == bits(M) + k`. No libm call (`round_ties_even`
 /// needs one on baseline x86-64) and no float-to-int conversion. Every quotient here is below
-/// ~254 in magnitude (`|x| <= amax` and `scale >= amax / 254` even for subnormal scales).
+/// ~128 in magnitude (`|x| <= amax` and `scale >= fl(amax / QMAX)`).
 const ROUND_MAGIC: f32 = 12_582_912.0;
 /// The bits of [`ROUND_MAGIC`].
 const ROUND_MAGIC_BITS: i32 = 0x4b40_0000;
@@ -72,11 +75,17 @@ fn recip_safe(scale: f32) -> bool {
 
 /// The scale of a block from its largest `|x|` bit pattern (`reference::block_scale`).
 #[inline(always)]
-fn scale_from_bits(amax_bits: u32, qmax: f32) -> f32 {
-    if amax_bits >= NON_FINITE_BITS {
-        POISON_SCALE
+fn scale_from_bits(amax_bits: u32, format: QuantFormat) -> f32 {
+    reference::scale_from_amax_bits::<Ieee>(amax_bits, format)
+}
+
+/// `x`, or +0 where `x` is subnormal: what the reference quantizes it as.
+#[inline(always)]
+fn zero_subnormal(x: f32) -> f32 {
+    if x.to_bits() & 0x7fff_ffff < MIN_NORMAL_BITS {
+        0.0
     } else {
-        f32::from_bits(amax_bits) / qmax
+        x
     }
 }
 
@@ -153,7 +162,8 @@ impl HostKernels {
         dequantize_sum_on(Isa::best(), parts, out);
     }
 
-    /// Adds the dequantized `q` to `acc` element-wise (`acc[i] += q_i * scale`).
+    /// Adds the dequantized `q` to `acc` element-wise (`acc[i] += q_i * scale`), reading and
+    /// writing subnormals as zeros of their sign ([`reference::flush`]).
     pub fn dequantize_add(&self, q: &Quantized, acc: &mut [f32]) {
         dequantize_on(Isa::best(), q, acc, Write::Add);
     }
@@ -231,6 +241,7 @@ mod portable {
     /// One 16-element chunk: each element's integer (its low byte / nibble is what is stored).
     #[inline(always)]
     fn chunk(x: &[f32; 16], scale: f32, recip: Option<f32>, qmax: i32) -> [i32; 16] {
+        let x = &x.map(zero_subnormal);
         if let Some(r) = recip {
             let g = x.map(|v| fast_g(v, r));
             // `|`, not `any`: no early exit, so the test vectorises.
@@ -295,7 +306,7 @@ mod portable {
             let amax = chunk
                 .iter()
                 .fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
-            let scale = scale_from_bits(amax, format.qmax());
+            let scale = scale_from_bits(amax, format);
             *s = scale;
             if scale.is_nan() || scale == 0.0 {
                 out.fill(0);
@@ -309,8 +320,8 @@ mod portable {
     fn put(o: &mut f32, v: f32, write: Write) {
         match write {
             Write::Set => *o = v,
-            Write::FromZero => *o = 0.0 + v,
-            Write::Add => *o += v,
+            Write::FromZero => *o = flush(0.0 + v),
+            Write::Add => *o = flush(flush(*o) + v),
         }
     }
 

@@ -7,14 +7,25 @@
 //! For each block of `B` consecutive elements (the last one may be shorter), with
 //! `QMAX = 127` (int8) or `7` (int4) and `amax` the largest `|x|` of the block:
 //!
-//! - `scale = amax / QMAX`, `q = clamp(round_half_even(x / scale), -QMAX, QMAX)`,
-//!   `x' = q * scale`. So `|x - x'| <= scale / 2` (up to one f32 rounding of `x / scale`).
-//! - A block of zeros (or whose scale underflows to 0) has `scale = 0` and `q = 0`.
+//! - `scale = amax / QMAX` rounded up to 16 significant bits, `q = clamp(round_half_even(x /
+//!   scale), -QMAX, QMAX)`, `x' = q * scale`. So `|x - x'| <= scale / 2` (up to one f32
+//!   rounding of `x / scale`), and `scale` is at most `2^-15` (relative) above `amax / QMAX`.
+//! - A block of zeros or subnormals, or whose scale falls below the normal range (`amax <
+//!   QMAX * 2^-126`), has `scale = 0` and `q = 0`; a subnormal `x` quantizes to 0.
 //! - A block holding any `±inf` or `NaN` has `scale = NaN` and `q = 0`, so the **whole block
 //!   dequantizes to NaN**: a non-finite gradient poisons its block visibly instead of being
 //!   silently clipped, and loss-NaN detection upstream still fires.
+//! - A sum of dequantized parts adds them in part order from `0.0`, and each partial sum below
+//!   `2^-126` in magnitude becomes a zero of its sign.
 //! - `amax` is taken on the bit patterns (`bits & 0x7fff_ffff`, which orders non-negative
 //!   floats like their values) so no runtime's NaN-unaware `max` can hide a NaN.
+//!
+//! Why the 16 bits and the flushes: devices differ where IEEE 754 leaves room. NVRTC contracts
+//! `acc + q * scale` into one FMA, which skips the product's rounding; with 16-bit scales and
+//! `|q| <= 127` the product is exact, so fused and separate give the same sum. A device that
+//! flushes subnormals (FTZ) reads and writes them as zero; here no operation ever meets one
+//! that the numerics did not already make zero. `reference::Device` runs the reference both
+//! ways, and the tests hold each to the IEEE result bit for bit.
 //!
 //! # Packing
 //!
@@ -183,6 +194,8 @@ pub trait QuantKernels {
 
 /// Bits that mark a non-finite f32 once the sign is masked off.
 pub(crate) const NON_FINITE_BITS: u32 = 0x7f80_0000;
+/// The smallest normal f32's bits: a magnitude below it is subnormal (or zero).
+pub(crate) const MIN_NORMAL_BITS: u32 = 0x0080_0000;
 /// The scale of a block holding a non-finite value: a quiet NaN.
 pub(crate) const POISON_SCALE: f32 = f32::NAN;
 

@@ -1,13 +1,13 @@
 //! The quantization kernels of one runtime against the scalar [`reference`], bit for bit:
 //! quantized bytes and scales exactly, dequantized values exactly (any NaN matching any NaN:
 //! payloads are not specified). The cases cover lengths that aren't a multiple of the block,
-//! all-zero blocks, ±inf, NaN, -0, exact ties, subnormals and a buffer of more than 65535
-//! cubes. The tests run it on every runtime of the build; `ember selftest` runs it on the
+//! all-zero blocks, ±inf, NaN, -0, exact ties, subnormals, scales below the normal range,
+//! sums that cancel into the subnormal range and a buffer of more than 65535 cubes. The tests run it on every runtime of the build; `ember selftest` runs it on the
 //! device a run would use, so a GPU is checked by the binary that trains on it.
 
 use serde::Serialize;
 
-use super::{BlockSize, QuantFormat, QuantKernels, reference};
+use super::{BlockSize, QuantFormat, QuantKernels, Quantized, reference};
 
 /// What one runtime's check found.
 #[derive(Debug, Clone, Serialize)]
@@ -66,10 +66,31 @@ pub fn cases() -> Vec<(&'static str, Vec<f32>)> {
             "subnormals",
             vec![1e-40, -3e-42, 1e-45, 0.0, 2e-38, 5e-39, 7e-45, 1e-44, 1e-39],
         ),
+        (
+            "scales below the normal range",
+            vec![
+                1e-37, -5e-38, 2e-38, 1.2e-38, -1.1e-38, 3e-39, 0.0, -1e-37, 1.5e-36,
+            ],
+        ),
         ("length 7", values(7, 4)),
         ("length 1", vec![-3.25]),
         ("all zero", vec![0.0; 64]),
         ("empty", vec![]),
+    ]
+}
+
+/// Two quantized parts whose sum cancels into the subnormal range: `127 * 2^-120` (scale
+/// `2^-120`) and `-127 * s` with `s = 2^-120 (1 - 2^-15)` (16 significant bits), which add to
+/// `127 * 2^-135`, about `2^-128`. A device that flushes subnormals makes that zero.
+pub fn cancelling_parts(format: QuantFormat) -> Vec<Quantized> {
+    let q = format.qmax();
+    let s = 2f32.powi(-120);
+    let a = vec![q * s; 16];
+    let b = vec![-q * (s - s * 2f32.powi(-15)); 16];
+    let block = BlockSize::new(8).expect("a multiple of 8");
+    vec![
+        reference::quantize(&a, format, block),
+        reference::quantize(&b, format, block),
     ]
 }
 
@@ -82,7 +103,7 @@ pub fn same(a: &[f32], b: &[f32]) -> bool {
 }
 
 /// Checks `rt` on every case, format and block size of [`cases`] (blocks of 8, 16 and 2048),
-/// and on one buffer of `65_535 * 256 + 40` elements, more cubes than one dispatch
+/// on [`cancelling_parts`], and on one buffer of `65_535 * 256 + 40` elements, more cubes than one dispatch
 /// dimension holds.
 pub fn check(rt: &dyn QuantKernels) -> SelfCheck {
     let mut out = SelfCheck {
@@ -120,6 +141,16 @@ pub fn check(rt: &dyn QuantKernels) -> SelfCheck {
             }
         }
     }
+    for format in [QuantFormat::Int8, QuantFormat::Int4] {
+        let parts = cancelling_parts(format);
+        expect(
+            same(
+                &rt.dequantize_sum(&parts),
+                &reference::dequantize_sum(&parts),
+            ),
+            format!("sums cancelling below the normal range {format:?}: dequantize_sum"),
+        );
+    }
     let n = 65_535 * 256 + 40;
     let x = values(n, 5);
     let block = BlockSize::new(64).expect("a multiple of 8");
@@ -141,7 +172,7 @@ pub fn check(rt: &dyn QuantKernels) -> SelfCheck {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::Quantized;
+    use crate::quant::reference::{Arith, Device, Ieee};
 
     /// A runtime that gets one case wrong: the check must name it.
     struct OffByOne;
@@ -177,6 +208,51 @@ mod tests {
         let good = check(&crate::quant::host::HostKernels);
         assert!(good.passed(), "{:?}", good.failures);
         assert_eq!(good.checks, bad.checks);
-        assert_eq!(good.checks, 3 * 2 * cases().len() * 3 + 4);
+        assert_eq!(good.checks, 3 * 2 * cases().len() * 3 + 2 + 4);
+    }
+
+    /// The reference run with the operations of `A`.
+    struct Model<A>(std::marker::PhantomData<A>);
+
+    impl<A: Arith> QuantKernels for Model<A> {
+        fn name(&self) -> String {
+            std::any::type_name::<A>().into()
+        }
+        fn quantize(&self, x: &[f32], format: QuantFormat, block: BlockSize) -> Quantized {
+            reference::quantize_on::<A>(x, format, block)
+        }
+        fn dequantize(&self, q: &Quantized) -> Vec<f32> {
+            reference::dequantize_on::<A>(q)
+        }
+        fn dequantize_sum(&self, parts: &[Quantized]) -> Vec<f32> {
+            reference::dequantize_sum_on::<A>(parts)
+        }
+    }
+
+    fn model<A: Arith>() -> SelfCheck {
+        check(&Model::<A>(std::marker::PhantomData))
+    }
+
+    /// A device that contracts `acc + q * scale` into an FMA, flushes subnormals, or both,
+    /// computes the reference's bits: the numerics leave neither choice a bit to change.
+    #[test]
+    fn fused_multiply_adds_and_flushed_subnormals_change_no_bit() {
+        assert!(model::<Ieee>().passed());
+        for check in [
+            model::<Device<true, false>>(),
+            model::<Device<false, true>>(),
+            model::<Device<true, true>>(),
+        ] {
+            assert!(check.passed(), "{}: {:?}", check.runtime, check.failures);
+        }
+        // The cancelling sum does reach the subnormal range before its flush.
+        for format in [QuantFormat::Int8, QuantFormat::Int4] {
+            let [a, b] = &cancelling_parts(format)[..] else {
+                unreachable!()
+            };
+            let sum = reference::dequantize(a)[0] + reference::dequantize(b)[0];
+            assert!(sum != 0.0 && sum.abs() < f32::MIN_POSITIVE, "{sum:e}");
+            assert_eq!(reference::dequantize_sum(&[a.clone(), b.clone()])[0], 0.0);
+        }
     }
 }

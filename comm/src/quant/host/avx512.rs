@@ -9,8 +9,8 @@
 use std::arch::x86_64::*;
 
 use super::{
-    FINE_BIAS, FINE_MAGIC, NEAR_TIE, ROUND_MAGIC, ROUND_MAGIC_BITS, Write, recip_safe,
-    scale_from_bits,
+    FINE_BIAS, FINE_MAGIC, MIN_NORMAL_BITS, NEAR_TIE, ROUND_MAGIC, ROUND_MAGIC_BITS, Write,
+    recip_safe, scale_from_bits,
 };
 use crate::quant::{BlockSize, QuantFormat, Quantized};
 
@@ -87,6 +87,30 @@ fn absmax_bits(x: &[f32]) -> u32 {
     _mm512_reduce_max_epu32(m).max(tail)
 }
 
+/// The lanes of `v` below the normal range: subnormals and zeros.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn tiny(v: __m512) -> __mmask16 {
+    let abs = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fff_ffff));
+    _mm512_cmplt_epu32_mask(abs, _mm512_set1_epi32(MIN_NORMAL_BITS as i32))
+}
+
+/// `v` with its subnormal lanes +0: what the reference quantizes them as.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn zero_subnormals(v: __m512) -> __m512 {
+    _mm512_maskz_mov_ps(!tiny(v), v)
+}
+
+/// `v` with its lanes below the normal range made zeros of their sign (`reference::flush`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn flush(v: __m512) -> __m512 {
+    let bits = _mm512_castps_si512(v);
+    let sign = _mm512_set1_epi32(0x8000_0000u32 as i32);
+    _mm512_castsi512_ps(_mm512_mask_and_epi32(bits, tiny(v), bits, sign))
+}
+
 /// One block's constants, broadcast.
 struct Quantizer {
     scale: __m512,
@@ -110,6 +134,7 @@ impl Quantizer {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
     fn fast(&self, v: __m512) -> (__m512i, __mmask16) {
+        let v = zero_subnormals(v);
         let a = _mm512_add_ps(_mm512_mul_ps(v, self.recip), _mm512_set1_ps(FINE_MAGIC));
         let g = _mm512_add_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(FINE_BIAS));
         let near = _mm512_testn_epi32_mask(g, _mm512_set1_epi32(NEAR_TIE));
@@ -121,6 +146,7 @@ impl Quantizer {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
     fn exact(&self, v: __m512) -> __m512i {
+        let v = zero_subnormals(v);
         let a = _mm512_add_ps(_mm512_div_ps(v, self.scale), _mm512_set1_ps(ROUND_MAGIC));
         let k = _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(ROUND_MAGIC_BITS));
         let neg = _mm512_sub_epi32(_mm512_setzero_si512(), self.qmax);
@@ -349,14 +375,19 @@ pub(super) fn quantize(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 fn quantize_as<const INT4: bool>(x: &[f32], b: usize, data: &mut [u8], scales: &mut [f32]) {
-    let qmax = if INT4 { 7.0 } else { 127.0 };
+    let format = if INT4 {
+        QuantFormat::Int4
+    } else {
+        QuantFormat::Int8
+    };
+    let qmax = format.qmax();
     let per = if INT4 { 8 } else { 16 };
     // Blocks are a multiple of 8 elements, so each block's bytes start at a whole byte.
     let per_block = if INT4 { b / 2 } else { b };
     if !b.is_multiple_of(16) {
         // Blocks of 8 + 16 j: not whole chunks, so no segments (a rare choice of block).
         for ((xb, ob), s) in x.chunks(b).zip(data.chunks_mut(per_block)).zip(scales) {
-            *s = scale_from_bits(absmax_bits(xb), qmax);
+            *s = scale_from_bits(absmax_bits(xb), format);
             let q = Quantizer::new(*s, qmax);
             if s.is_nan() || *s == 0.0 {
                 ob.fill(0);
@@ -376,7 +407,7 @@ fn quantize_as<const INT4: bool>(x: &[f32], b: usize, data: &mut [u8], scales: &
         .zip(scales.chunks_mut(group))
     {
         for (xb, s) in xg.chunks(b).zip(sg.iter_mut()) {
-            *s = scale_from_bits(absmax_bits(xb), qmax);
+            *s = scale_from_bits(absmax_bits(xb), format);
         }
         for (xs, ds) in xg.chunks(SEG).zip(dg.chunks_mut(per * SEG_CHUNKS)) {
             quantize_segment::<INT4>(xs, ds, sg, b, qmax);
@@ -391,8 +422,8 @@ fn put<const W: u8>(out: &mut [f32; 16], v: __m512) {
     let v = match W {
         SET => v,
         // `0.0 + v` is not `v` for -0.0; the compiler keeps the add.
-        FROM_ZERO => _mm512_add_ps(_mm512_setzero_ps(), v),
-        _ => _mm512_add_ps(load_f32(out), v),
+        FROM_ZERO => flush(_mm512_add_ps(_mm512_setzero_ps(), v)),
+        _ => flush(_mm512_add_ps(flush(load_f32(out)), v)),
     };
     store_f32(out, v);
 }
@@ -473,7 +504,8 @@ const SUM_GROUP: usize = 4;
 
 /// `host::HostKernels::dequantize_sum_into` on AVX-512F for non-empty `parts` of one format,
 /// block and length (checked by the caller): per block, per group of [`SUM_GROUP`] parts, per 16
-/// lanes `acc = ((0.0 + p0) + p1) + ...` in part order, as the reference adds.
+/// lanes `acc = ((0.0 + p0) + p1) + ...` in part order, each partial sum flushed, as the
+/// reference adds.
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) fn dequantize_sum(parts: &[Quantized], out: &mut [f32]) {
     match parts[0].format {
@@ -546,7 +578,7 @@ fn add_parts<const INT4: bool>(
     let per = if INT4 { 8 } else { 16 };
     for (j, d) in data.iter().enumerate() {
         let v = values::<INT4>(&d[per * i..per * (i + 1)], scale[j], table[j]);
-        acc = _mm512_add_ps(acc, v);
+        acc = flush(_mm512_add_ps(acc, v));
     }
     acc
 }
