@@ -1456,6 +1456,31 @@ fn wgpu_sharded_training_matches_flex() {
             device.is_some_and(|b| b.iter().all(|&x| x > 0)),
             "{preset}: the wgpu run reports its device memory"
         );
+        // Every rank's step split: the parts add up to the step, and on wgpu bytes cross both
+        // ways at the rate their time and bytes give.
+        for m in &runs[1] {
+            let split = m
+                .step_split
+                .as_ref()
+                .expect("a sharded run splits its steps");
+            assert_eq!(split.len(), 2, "{preset}: one split per rank");
+            for s in split {
+                let parts = s.compute_s + s.staging_s + s.comm_wait_s;
+                assert!(
+                    s.compute_s >= 0.0 && (parts - s.step_s).abs() <= 1e-9 + 1e-6 * s.step_s,
+                    "{preset}: {s:?}"
+                );
+                assert!(
+                    s.to_host_bytes > 0 && s.to_device_bytes > 0,
+                    "{preset}: {s:?}"
+                );
+                let rate = s.to_host_bytes as f64 / s.to_host_s / 1e9;
+                assert!(
+                    (rate - s.to_host_gbps).abs() <= 1e-9 * rate,
+                    "{preset}: {s:?}"
+                );
+            }
+        }
     }
 }
 

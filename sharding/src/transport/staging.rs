@@ -18,25 +18,60 @@ use serde::{Deserialize, Serialize};
 pub struct Staging {
     /// Seconds spent inside crossings (threads overlapping each other count twice).
     pub seconds: f64,
+    /// Seconds of the crossings from the device to the host.
+    #[serde(default)]
+    pub to_host_seconds: f64,
+    /// Seconds of the crossings from the host to the device.
+    #[serde(default)]
+    pub to_device_seconds: f64,
+    /// Seconds of the crossings made on the thread that called [`Staging::take`] (the
+    /// training thread, for a step's report): the part of its time they hold up directly.
+    #[serde(default)]
+    pub this_thread_seconds: f64,
     /// Bytes read back from the device.
     pub to_host_bytes: u64,
     /// Bytes written to the device.
     pub to_device_bytes: u64,
 }
 
-static NANOS: AtomicU64 = AtomicU64::new(0);
+static TO_HOST_NANOS: AtomicU64 = AtomicU64::new(0);
+static TO_DEVICE_NANOS: AtomicU64 = AtomicU64::new(0);
 static TO_HOST: AtomicU64 = AtomicU64::new(0);
 static TO_DEVICE: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// Nanoseconds of this thread's crossings since its last [`Staging::take`].
+    static THIS_THREAD_NANOS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
 
 impl Staging {
     /// The crossings since the last call, process-wide; the counters restart at zero.
     pub fn take() -> Self {
+        let to_host_seconds = TO_HOST_NANOS.swap(0, Ordering::Relaxed) as f64 * 1e-9;
+        let to_device_seconds = TO_DEVICE_NANOS.swap(0, Ordering::Relaxed) as f64 * 1e-9;
         Self {
-            seconds: NANOS.swap(0, Ordering::Relaxed) as f64 * 1e-9,
+            seconds: to_host_seconds + to_device_seconds,
+            to_host_seconds,
+            to_device_seconds,
+            this_thread_seconds: THIS_THREAD_NANOS.with(|n| n.replace(0)) as f64 * 1e-9,
             to_host_bytes: TO_HOST.swap(0, Ordering::Relaxed),
             to_device_bytes: TO_DEVICE.swap(0, Ordering::Relaxed),
         }
     }
+
+    /// Bytes per second from the device to the host (`None` where nothing crossed).
+    pub fn to_host_rate(&self) -> Option<f64> {
+        rate(self.to_host_bytes, self.to_host_seconds)
+    }
+
+    /// Bytes per second from the host to the device (`None` where nothing crossed).
+    pub fn to_device_rate(&self) -> Option<f64> {
+        rate(self.to_device_bytes, self.to_device_seconds)
+    }
+}
+
+fn rate(bytes: u64, seconds: f64) -> Option<f64> {
+    (bytes > 0 && seconds > 0.0).then(|| bytes as f64 / seconds)
 }
 
 /// Which way a crossing goes.
@@ -56,11 +91,14 @@ pub(crate) fn timed<T>(way: Way, bytes: usize, f: impl FnOnce() -> T) -> T {
 
 /// Puts a crossing of `bytes` bytes that began at `start` and ends now on the staging clock.
 pub(crate) fn record(way: Way, bytes: usize, start: Instant) {
-    NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    match way {
-        Way::ToHost => TO_HOST.fetch_add(bytes as u64, Ordering::Relaxed),
-        Way::ToDevice => TO_DEVICE.fetch_add(bytes as u64, Ordering::Relaxed),
+    let nanos = start.elapsed().as_nanos() as u64;
+    THIS_THREAD_NANOS.with(|n| n.set(n.get() + nanos));
+    let (time, count) = match way {
+        Way::ToHost => (&TO_HOST_NANOS, &TO_HOST),
+        Way::ToDevice => (&TO_DEVICE_NANOS, &TO_DEVICE),
     };
+    time.fetch_add(nanos, Ordering::Relaxed);
+    count.fetch_add(bytes as u64, Ordering::Relaxed);
 }
 
 /// The values of an f32 tensor, on the host (cast from any other float dtype).

@@ -74,6 +74,109 @@ pub struct StepMetrics {
     /// Sharded runs on several GPUs: every rank's last step and its links' throughput.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub stragglers: Option<Stragglers>,
+    /// Sharded runs: where every rank's step went (rank 0 first): compute, crossings between
+    /// device and host memory each way, and waiting on MPI.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub step_split: Option<Vec<StepSplit>>,
+}
+
+/// One rank's step, split. On the training thread the step is `compute_s + staging_s +
+/// comm_wait_s`: `compute_s` is what the other two leave. The crossings each way are every
+/// thread's (communication threads stage too, beside the training thread's compute), with
+/// their bytes and the rate they moved at.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepSplit {
+    /// The step, seconds.
+    pub step_s: f64,
+    /// The training thread's time in neither a crossing nor a wait on communication.
+    pub compute_s: f64,
+    /// The training thread's seconds in crossings between device and host memory.
+    pub staging_s: f64,
+    /// The training thread's seconds blocked on communication.
+    pub comm_wait_s: f64,
+    /// Every thread's seconds in crossings from the device to the host, and their bytes.
+    pub to_host_s: f64,
+    /// Bytes read back from the device.
+    pub to_host_bytes: u64,
+    /// `to_host_bytes / to_host_s`, GB/s (0 where nothing crossed).
+    pub to_host_gbps: f64,
+    /// Every thread's seconds in crossings from the host to the device.
+    pub to_device_s: f64,
+    /// Bytes written to the device.
+    pub to_device_bytes: u64,
+    /// `to_device_bytes / to_device_s`, GB/s (0 where nothing crossed).
+    pub to_device_gbps: f64,
+}
+
+impl StepSplit {
+    /// Words of [`StepSplit::to_words`].
+    pub const WORDS: usize = 7;
+
+    /// From a step's report.
+    pub fn new(step_s: f64, comm_wait_s: f64, staging: &ember_sharding::Staging) -> Self {
+        let gbps = |r: Option<f64>| r.map_or(0.0, |r| r / 1e9);
+        Self {
+            step_s,
+            compute_s: (step_s - comm_wait_s - staging.this_thread_seconds).max(0.0),
+            staging_s: staging.this_thread_seconds,
+            comm_wait_s,
+            to_host_s: staging.to_host_seconds,
+            to_host_bytes: staging.to_host_bytes,
+            to_host_gbps: gbps(staging.to_host_rate()),
+            to_device_s: staging.to_device_seconds,
+            to_device_bytes: staging.to_device_bytes,
+            to_device_gbps: gbps(staging.to_device_rate()),
+        }
+    }
+
+    /// As little-endian words, for gathering over the ranks.
+    pub fn to_words(&self) -> [[u8; 8]; Self::WORDS] {
+        [
+            self.step_s.to_le_bytes(),
+            self.comm_wait_s.to_le_bytes(),
+            self.staging_s.to_le_bytes(),
+            self.to_host_s.to_le_bytes(),
+            self.to_host_bytes.to_le_bytes(),
+            self.to_device_s.to_le_bytes(),
+            self.to_device_bytes.to_le_bytes(),
+        ]
+    }
+
+    /// From the words of [`StepSplit::to_words`].
+    pub fn from_words(w: &[[u8; 8]; Self::WORDS]) -> Self {
+        let f = |i: usize| f64::from_le_bytes(w[i]);
+        let staging = ember_sharding::Staging {
+            seconds: f(3) + f(5),
+            to_host_seconds: f(3),
+            to_device_seconds: f(5),
+            this_thread_seconds: f(2),
+            to_host_bytes: u64::from_le_bytes(w[4]),
+            to_device_bytes: u64::from_le_bytes(w[6]),
+        };
+        Self::new(f(0), f(1), &staging)
+    }
+
+    /// One log line for `rank`.
+    pub fn line(&self, rank: usize) -> String {
+        let way = |bytes: u64, s: f64, gbps: f64| {
+            format!(
+                "{:.1} MB in {:.3} s at {:.2} GB/s",
+                bytes as f64 / 1e6,
+                s,
+                gbps
+            )
+        };
+        format!(
+            "rank {rank} step {:.3} s: compute {:.3} + staging {:.3} + MPI wait {:.3}; \
+             device to host {}, host to device {}",
+            self.step_s,
+            self.compute_s,
+            self.staging_s,
+            self.comm_wait_s,
+            way(self.to_host_bytes, self.to_host_s, self.to_host_gbps),
+            way(self.to_device_bytes, self.to_device_s, self.to_device_gbps),
+        )
+    }
 }
 
 /// How evenly the ranks moved in the last step: their step times, and the megabytes per
@@ -244,4 +347,32 @@ pub fn progress_bar(total: u64, start: u64, rank: usize) -> indicatif::ProgressB
     );
     bar.set_position(start);
     bar
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_split_crosses_ranks_whole_and_leaves_compute_what_the_rest_leave() {
+        let staging = ember_sharding::Staging {
+            seconds: 0.5,
+            to_host_seconds: 0.2,
+            to_device_seconds: 0.3,
+            this_thread_seconds: 0.25,
+            to_host_bytes: 400_000_000,
+            to_device_bytes: 150_000_000,
+        };
+        let s = StepSplit::new(1.0, 0.5, &staging);
+        assert_eq!(s.compute_s, 0.25);
+        assert_eq!((s.to_host_gbps, s.to_device_gbps), (2.0, 0.5));
+        assert_eq!(StepSplit::from_words(&s.to_words()), s);
+        assert!(
+            s.line(1)
+                .starts_with("rank 1 step 1.000 s: compute 0.250 + staging 0.250")
+        );
+        // Nothing crossed: no rate, and compute never negative.
+        let idle = StepSplit::new(0.1, 0.2, &ember_sharding::Staging::default());
+        assert_eq!((idle.compute_s, idle.to_host_gbps), (0.0, 0.0));
+    }
 }

@@ -19,7 +19,7 @@ use ember_sharding::{
 use crate::error::InitFromMismatch;
 use crate::files::checkpoint::RunRecord;
 use crate::files::export::HfDir;
-use crate::files::metrics::StepMetrics;
+use crate::files::metrics::{StepMetrics, StepSplit};
 use crate::log0;
 use crate::run::config::TrainConfig;
 use crate::run::host_memory::{gather_u64, rss_peaks, set_allocator_for_training};
@@ -270,23 +270,28 @@ impl Trainee for GptRun<'_, '_> {
             m.staging_frac = Some(r.staging.seconds / r.step_s.max(1e-9));
             m.staging_bytes = Some(r.staging.to_host_bytes + r.staging.to_device_bytes);
             let off = r.traffic.off_gpu();
-            let mut mine = Vec::with_capacity(24);
-            mine.extend_from_slice(&r.step_s.to_le_bytes());
+            let split = StepSplit::new(r.step_s, r.comm_wait_s, &r.staging);
+            let words = 2 + StepSplit::WORDS;
+            let mut mine = Vec::with_capacity(8 * words);
             mine.extend_from_slice(&off.bytes.to_le_bytes());
             mine.extend_from_slice(&off.nanos.to_le_bytes());
+            for w in split.to_words() {
+                mine.extend_from_slice(&w);
+            }
             let all = comm.world().all_gather(&mine)?;
-            let ranks: Vec<(f64, u64, u64)> = all
-                .chunks_exact(24)
-                .map(|c| {
-                    let word = |i: usize| c[i * 8..(i + 1) * 8].try_into().expect("8 bytes");
-                    (
-                        f64::from_le_bytes(word(0)),
-                        u64::from_le_bytes(word(1)),
-                        u64::from_le_bytes(word(2)),
-                    )
-                })
-                .collect();
+            let mut ranks = Vec::with_capacity(world);
+            let mut splits = Vec::with_capacity(world);
+            for c in all.chunks_exact(8 * words) {
+                let w: Vec<[u8; 8]> = c
+                    .chunks_exact(8)
+                    .map(|w| w.try_into().expect("8 bytes"))
+                    .collect();
+                let s = StepSplit::from_words(w[2..].try_into().expect("the split's words"));
+                ranks.push((s.step_s, u64::from_le_bytes(w[0]), u64::from_le_bytes(w[1])));
+                splits.push(s);
+            }
             m.stragglers = crate::files::metrics::Stragglers::new(&ranks);
+            m.step_split = Some(splits);
         }
         m.rss_peak_bytes = Some(rss_peaks(comm)?);
         if let Some(b) = self.last.as_ref().and_then(|r| r.device_bytes) {

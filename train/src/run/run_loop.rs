@@ -182,6 +182,7 @@ pub fn run(
                 staging_bytes: None,
                 plan_bytes: None,
                 stragglers: None,
+                step_split: None,
             };
             trainee.observe(&mut m)?;
             if let Some(w) = writer.as_mut() {
@@ -207,6 +208,19 @@ pub fn run(
             });
             if let Some(s) = &m.stragglers {
                 bar.suspend(|| log0!(rank, "{}", s.line()));
+            }
+            // On devices with their own memory (where crossings cost): every rank up to 8;
+            // beyond, rank 0 and the slowest. metrics.jsonl has every rank on every device.
+            let split = m.step_split.as_ref().filter(|_| m.device_bytes.is_some());
+            if let Some(split) = split.filter(|s| s.len() > 1) {
+                let slowest = (0..split.len())
+                    .max_by(|&a, &b| split[a].step_s.total_cmp(&split[b].step_s))
+                    .unwrap_or(0);
+                for (r, x) in split.iter().enumerate() {
+                    if split.len() <= 8 || r == 0 || r == slowest {
+                        bar.suspend(|| log0!(rank, "{}", x.line(r)));
+                    }
+                }
             }
             logged.push(m);
             window = (0.0, 0);
