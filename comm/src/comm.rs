@@ -137,6 +137,8 @@ pub(crate) struct Core {
     /// Ranks sharing this rank's memory.
     node_ranks: usize,
     world: SimpleCommunicator,
+    /// What the MPI library said of GPU memory at start-up.
+    device_memory: crate::device_memory::DeviceMemorySupport,
     _universe: Universe,
 }
 
@@ -284,6 +286,7 @@ impl Comm {
                 rank,
                 node_ranks,
                 world,
+                device_memory: crate::device_memory::DeviceMemorySupport::query(),
                 _universe: universe,
             }),
             lane: 0,
@@ -326,6 +329,24 @@ impl Comm {
     /// The resolved topology.
     pub fn topology(&self) -> &Topology {
         &self.core.topology
+    }
+
+    /// What the MPI library said at start-up of taking GPU memory as message buffers.
+    pub fn device_memory(&self) -> &crate::device_memory::DeviceMemorySupport {
+        &self.core.device_memory
+    }
+
+    /// The MPI library's name and version (`MPI_Get_library_version` up to its first comma or
+    /// line end, e.g. `Open MPI v4.1.4`).
+    pub fn library_version(&self) -> String {
+        mpi::environment::library_version()
+            .ok()
+            .and_then(|v| {
+                let first = v.lines().next()?.split(',').next()?;
+                let words: Vec<&str> = first.split_whitespace().collect();
+                (!words.is_empty()).then(|| words.join(" "))
+            })
+            .unwrap_or_else(|| "an MPI library that does not name itself".into())
     }
 
     /// The group of `scope` that contains this rank (any spelling; the group reports the

@@ -524,3 +524,54 @@ fn path_collectives_equal_flat_on_their_group_at_every_topology() {
     assert!(err.to_string().contains("built for 4 levels"), "{err}");
     comm.barrier();
 }
+
+/// What `Comm` says of GPU memory is what the MPI library says: Open MPI's own `ompi_info`
+/// (where it is installed) reports whether it was built with CUDA buffer support, and the
+/// rank's answer to `MPIX_Query_cuda_support` must agree; either way a CUDA run stages.
+#[test]
+fn device_memory_support_is_what_the_mpi_library_reports() {
+    if !is_child() {
+        let out = mpirun(
+            "device_memory_support_is_what_the_mpi_library_reports",
+            1,
+            "1",
+            std::time::Duration::from_secs(60),
+            &[],
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let said = stdout
+            .lines()
+            .find_map(|l| l.split("cuda support: ").nth(1))
+            .expect("the rank prints its answer");
+        let built = std::process::Command::new("ompi_info")
+            .args(["--parsable", "--all"])
+            .output()
+            .ok()
+            .and_then(|o| {
+                String::from_utf8_lossy(&o.stdout).lines().find_map(|l| {
+                    l.strip_prefix("mca:opal:base:param:opal_built_with_cuda_support:value:")
+                        .map(str::to_string)
+                })
+            });
+        match built.as_deref() {
+            Some("true") => assert_eq!(said, "Yes", "ompi_info says CUDA support is built"),
+            Some("false") => assert_eq!(said, "No", "ompi_info says it is not"),
+            _ => eprintln!("no ompi_info: the library's answer ({said}) is not cross-checked"),
+        }
+        return;
+    }
+    let comm = child_comm();
+    let support = comm.device_memory();
+    println!("cuda support: {:?}", support.cuda.0);
+    println!("library: {}", comm.library_version());
+    assert!(!comm.library_version().is_empty());
+    assert!(matches!(
+        support.crossing(Some(ember_comm::GpuMemory::Cuda)),
+        ember_comm::Crossing::Staged { .. }
+    ));
+}

@@ -26,7 +26,9 @@
 //! 4. `|y| < QMAX + 2^-14`, so `G >> 12` needs no clamp (and `Q` none either).
 //!
 //! Tiny or huge scales (whose reciprocal may be inexact or overflow) take the division for the
-//! whole block. Subnormal inputs are zeroed before either path, as the reference reads them.
+//! whole block. A subnormal `x` quantizes to 0 as the reference says: the division path zeroes
+//! it first, and the reciprocal path needs nothing, since `|x| < 2^-126` and `scale >= 2^-100`
+//! make `|y| < 2^-25`, which step 2 rounds to 0.
 //! Dequantization is one multiply (plus, for sums, adds in part order from `0.0`, each partial
 //! sum flushed as the reference flushes it), the same operations as the reference, so the
 //! same bits; int4 looks the product up in a 16-entry table of `nibble * scale`, computed by
@@ -36,7 +38,7 @@
 mod avx512;
 
 use super::reference::{self, Ieee, flush};
-use super::{BlockSize, MIN_NORMAL_BITS, QuantFormat, QuantKernels, Quantized};
+use super::{BlockSize, QuantFormat, QuantKernels, Quantized};
 
 /// The host runtime: data in ordinary `Vec`s (or caller slices with the `_into` forms).
 #[derive(Debug, Clone, Copy, Default)]
@@ -79,19 +81,24 @@ fn scale_from_bits(amax_bits: u32, format: QuantFormat) -> f32 {
     reference::scale_from_amax_bits::<Ieee>(amax_bits, format)
 }
 
+/// The exponent field of an f32: zero for subnormals and zeros.
+const EXPONENT_BITS: u32 = 0x7f80_0000;
+
 /// `x`, or +0 where `x` is subnormal: what the reference quantizes it as.
 #[inline(always)]
 fn zero_subnormal(x: f32) -> f32 {
-    if x.to_bits() & 0x7fff_ffff < MIN_NORMAL_BITS {
+    if x.to_bits() & EXPONENT_BITS == 0 {
         0.0
     } else {
         x
     }
 }
 
-/// The reference's `round_half_even(x / scale).clamp(-qmax, qmax)` for a finite non-zero scale.
+/// The reference's `round_half_even(x / scale).clamp(-qmax, qmax)` for a finite non-zero scale
+/// (0 for a subnormal `x`).
 #[inline(always)]
 fn quantize_exact(x: f32, scale: f32, qmax: i32) -> i32 {
+    let x = zero_subnormal(x);
     let k = (x / scale + ROUND_MAGIC).to_bits() as i32 - ROUND_MAGIC_BITS;
     k.clamp(-qmax, qmax)
 }
@@ -162,8 +169,8 @@ impl HostKernels {
         dequantize_sum_on(Isa::best(), parts, out);
     }
 
-    /// Adds the dequantized `q` to `acc` element-wise (`acc[i] += q_i * scale`), reading and
-    /// writing subnormals as zeros of their sign ([`reference::flush`]).
+    /// Adds the dequantized `q` to `acc` element-wise (`acc[i] += q_i * scale`), each sum
+    /// [`reference::flush`]ed as the reference's sums are.
     pub fn dequantize_add(&self, q: &Quantized, acc: &mut [f32]) {
         dequantize_on(Isa::best(), q, acc, Write::Add);
     }
@@ -241,7 +248,6 @@ mod portable {
     /// One 16-element chunk: each element's integer (its low byte / nibble is what is stored).
     #[inline(always)]
     fn chunk(x: &[f32; 16], scale: f32, recip: Option<f32>, qmax: i32) -> [i32; 16] {
-        let x = &x.map(zero_subnormal);
         if let Some(r) = recip {
             let g = x.map(|v| fast_g(v, r));
             // `|`, not `any`: no early exit, so the test vectorises.
@@ -320,8 +326,9 @@ mod portable {
     fn put(o: &mut f32, v: f32, write: Write) {
         match write {
             Write::Set => *o = v,
-            Write::FromZero => *o = flush(0.0 + v),
-            Write::Add => *o = flush(flush(*o) + v),
+            // `v` is an exact product, zero or normal: nothing to flush.
+            Write::FromZero => *o = 0.0 + v,
+            Write::Add => *o = flush(*o + v),
         }
     }
 

@@ -112,6 +112,19 @@ impl<'c, 'd> GptRun<'c, 'd> {
             _ => (0, 0),
         };
         if world > 1 {
+            use crate::run::config::DeviceKind;
+            let gpu = match c.device {
+                DeviceKind::Flex | DeviceKind::Ndarray => None,
+                DeviceKind::Wgpu => Some(ember_comm::GpuMemory::Wgpu),
+                DeviceKind::Cuda(_) => Some(ember_comm::GpuMemory::Cuda),
+                DeviceKind::Rocm(_) => Some(ember_comm::GpuMemory::Rocm),
+            };
+            log0!(
+                rank,
+                "collectives through {}: {}",
+                comm.library_version(),
+                comm.device_memory().crossing(gpu)
+            );
             log0!(
                 rank,
                 "sharding {} over {} ({world} ranks): per rank {:.2} MB params, {:.2} MB \

@@ -9,7 +9,7 @@
 use std::arch::x86_64::*;
 
 use super::{
-    FINE_BIAS, FINE_MAGIC, MIN_NORMAL_BITS, NEAR_TIE, ROUND_MAGIC, ROUND_MAGIC_BITS, Write,
+    EXPONENT_BITS, FINE_BIAS, FINE_MAGIC, NEAR_TIE, ROUND_MAGIC, ROUND_MAGIC_BITS, Write,
     recip_safe, scale_from_bits,
 };
 use crate::quant::{BlockSize, QuantFormat, Quantized};
@@ -87,12 +87,14 @@ fn absmax_bits(x: &[f32]) -> u32 {
     _mm512_reduce_max_epu32(m).max(tail)
 }
 
-/// The lanes of `v` below the normal range: subnormals and zeros.
+/// The lanes of `v` whose exponent field is zero: subnormals and zeros.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 fn tiny(v: __m512) -> __mmask16 {
-    let abs = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fff_ffff));
-    _mm512_cmplt_epu32_mask(abs, _mm512_set1_epi32(MIN_NORMAL_BITS as i32))
+    _mm512_testn_epi32_mask(
+        _mm512_castps_si512(v),
+        _mm512_set1_epi32(EXPONENT_BITS as i32),
+    )
 }
 
 /// `v` with its subnormal lanes +0: what the reference quantizes them as.
@@ -102,7 +104,7 @@ fn zero_subnormals(v: __m512) -> __m512 {
     _mm512_maskz_mov_ps(!tiny(v), v)
 }
 
-/// `v` with its lanes below the normal range made zeros of their sign (`reference::flush`).
+/// `v` with its subnormal lanes made zeros of their sign (`reference::flush`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 fn flush(v: __m512) -> __m512 {
@@ -134,7 +136,7 @@ impl Quantizer {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
     fn fast(&self, v: __m512) -> (__m512i, __mmask16) {
-        let v = zero_subnormals(v);
+        // A subnormal lane needs no zeroing here (`host` module doc): it rounds to 0.
         let a = _mm512_add_ps(_mm512_mul_ps(v, self.recip), _mm512_set1_ps(FINE_MAGIC));
         let g = _mm512_add_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(FINE_BIAS));
         let near = _mm512_testn_epi32_mask(g, _mm512_set1_epi32(NEAR_TIE));
@@ -422,8 +424,9 @@ fn put<const W: u8>(out: &mut [f32; 16], v: __m512) {
     let v = match W {
         SET => v,
         // `0.0 + v` is not `v` for -0.0; the compiler keeps the add.
-        FROM_ZERO => flush(_mm512_add_ps(_mm512_setzero_ps(), v)),
-        _ => flush(_mm512_add_ps(flush(load_f32(out)), v)),
+        // `v` is an exact product, zero or normal: nothing to flush.
+        FROM_ZERO => _mm512_add_ps(_mm512_setzero_ps(), v),
+        _ => flush(_mm512_add_ps(load_f32(out), v)),
     };
     store_f32(out, v);
 }
@@ -519,8 +522,32 @@ pub(super) fn dequantize_sum(parts: &[Quantized], out: &mut [f32]) {
 fn dequantize_sum_as<const INT4: bool>(parts: &[Quantized], out: &mut [f32]) {
     let b = parts[0].block.get();
     let per_block = parts[0].format.data_bytes(b);
-    let per = if INT4 { 8 } else { 16 };
     for (k, out) in out.chunks_mut(b).enumerate() {
+        // Scales of at least 2^-110 keep every sum a multiple of 2^-125 or coarser: zero or
+        // normal. Only a block with a smaller scale can produce a subnormal to flush.
+        if parts.iter().all(|p| p.scales[k] >= NO_FLUSH_SCALE) {
+            dequantize_sum_block::<INT4, false>(parts, out, k, per_block);
+        } else {
+            dequantize_sum_block::<INT4, true>(parts, out, k, per_block);
+        }
+    }
+}
+
+/// The smallest scale whose products and their sums need no flush (`dequantize_sum_as`): a
+/// 16-bit scale `m * 2^e` of at least `2^-110` has `e >= -125`.
+const NO_FLUSH_SCALE: f32 = f32::from_bits((127 - 110) << 23);
+
+/// Block `k` of every part summed into `out`, flushing each sum if `FLUSH`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn dequantize_sum_block<const INT4: bool, const FLUSH: bool>(
+    parts: &[Quantized],
+    out: &mut [f32],
+    k: usize,
+    per_block: usize,
+) {
+    let per = if INT4 { 8 } else { 16 };
+    {
         let start = k * per_block;
         for (g, group) in parts.chunks(SUM_GROUP).enumerate() {
             let n = group.len();
@@ -544,7 +571,7 @@ fn dequantize_sum_as<const INT4: bool>(parts: &[Quantized], out: &mut [f32]) {
             let mut os = out.chunks_exact_mut(16);
             for (i, o) in (&mut os).enumerate() {
                 let o: &mut [f32; 16] = o.try_into().unwrap();
-                let acc = add_parts::<INT4>(init(o), &data[..n], &scale, &table, i);
+                let acc = add_parts::<INT4, FLUSH>(init(o), &data[..n], &scale, &table, i);
                 store_f32(o, acc);
             }
             let o = os.into_remainder();
@@ -557,7 +584,7 @@ fn dequantize_sum_as<const INT4: bool>(parts: &[Quantized], out: &mut [f32]) {
                 let tail: [&[u8]; SUM_GROUP] = std::array::from_fn(|j| &bytes[j][..]);
                 let mut buf = [0.0f32; 16];
                 buf[..o.len()].copy_from_slice(o);
-                let acc = add_parts::<INT4>(init(&buf), &tail[..n], &scale, &table, 0);
+                let acc = add_parts::<INT4, FLUSH>(init(&buf), &tail[..n], &scale, &table, 0);
                 store_f32(&mut buf, acc);
                 o.copy_from_slice(&buf[..o.len()]);
             }
@@ -568,7 +595,7 @@ fn dequantize_sum_as<const INT4: bool>(parts: &[Quantized], out: &mut [f32]) {
 /// `acc` plus chunk `i` (16 values) of each part in `data`, in order.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn add_parts<const INT4: bool>(
+fn add_parts<const INT4: bool, const FLUSH: bool>(
     mut acc: __m512,
     data: &[&[u8]],
     scale: &[__m512; SUM_GROUP],
@@ -578,7 +605,10 @@ fn add_parts<const INT4: bool>(
     let per = if INT4 { 8 } else { 16 };
     for (j, d) in data.iter().enumerate() {
         let v = values::<INT4>(&d[per * i..per * (i + 1)], scale[j], table[j]);
-        acc = flush(_mm512_add_ps(acc, v));
+        acc = _mm512_add_ps(acc, v);
+        if FLUSH {
+            acc = flush(acc);
+        }
     }
     acc
 }

@@ -297,3 +297,43 @@ fn the_reciprocal_is_used_only_between_its_bounds() {
     assert!(!recip_safe(f32::from_bits(hi.to_bits() + 1)));
     assert!(!recip_safe(1e-40) && !recip_safe(f32::NAN) && !recip_safe(0.0));
 }
+
+/// Sums that fall into the subnormal range, beside parts whose scales need no flush: every
+/// order of tiny-scaled, cancelling and ordinary parts, against the reference.
+#[test]
+fn sums_below_the_normal_range_are_flushed_in_every_order() {
+    for format in [QuantFormat::Int8, QuantFormat::Int4] {
+        let [a, b] = &crate::quant::selfcheck::cancelling_parts(format)[..] else {
+            unreachable!()
+        };
+        let block = a.block;
+        let big = reference::quantize(&values(a.len, 21), format, block);
+        let minus = reference::quantize(
+            &values(a.len, 21).iter().map(|v| -v).collect::<Vec<_>>(),
+            format,
+            block,
+        );
+        let orders = [
+            vec![a.clone(), b.clone()],
+            vec![big.clone(), a.clone(), b.clone(), minus.clone()],
+            vec![a.clone(), big.clone(), minus.clone(), b.clone()],
+            vec![
+                big.clone(),
+                a.clone(),
+                minus.clone(),
+                b.clone(),
+                big.clone(),
+            ],
+        ];
+        for (i, parts) in orders.iter().enumerate() {
+            let want = reference::dequantize_sum(parts);
+            for isa in isas() {
+                assert_eq!(
+                    bits(&dequantize_sum(isa, parts)),
+                    bits(&want),
+                    "{format:?} order {i} {isa:?}"
+                );
+            }
+        }
+    }
+}
