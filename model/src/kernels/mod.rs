@@ -17,6 +17,8 @@ mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod bf16;
+#[cfg(feature = "cubecl")]
+mod flash;
 mod linear;
 mod product;
 mod rows;
@@ -39,6 +41,8 @@ use rayon::prelude::*;
 use attention::Dims;
 use bf16::Precision;
 pub use bf16::{BF16_DOT_PAYS_FROM, bf16_dot_pays, has_bf16_dot};
+#[cfg(feature = "cubecl")]
+pub use flash::FlashOps;
 
 /// The fused operations, as a Burn backend extension.
 #[backend_extension(Flex, Autodiff)]
@@ -161,6 +165,27 @@ pub fn causal_attention(qkv: Tensor<3>, n_head: usize) -> Tensor<3> {
             n_head,
         ));
     }
+    #[cfg(feature = "cubecl")]
+    if uses_flash_kernels(&qkv) {
+        return Tensor::from_dispatch(Dispatch::flash_attention(qkv.into_dispatch(), n_head));
+    }
+    composed_causal_attention(qkv, n_head)
+}
+
+/// Whether attention on `x` takes the CubeCL kernels of `flash`: a float tensor on a CubeCL
+/// device (wgpu, CUDA, ROCm).
+#[cfg(feature = "cubecl")]
+pub fn uses_flash_kernels<const D: usize>(x: &Tensor<D>) -> bool {
+    matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && matches!(
+            x.device().inner().as_dispatch(),
+            burn::backend::DispatchDevice::Cube(_)
+        )
+}
+
+/// [`causal_attention`] composed of Burn's ops on any backend: the definition the fused and
+/// flash kernels are tested against.
+pub fn composed_causal_attention(qkv: Tensor<3>, n_head: usize) -> Tensor<3> {
     let [b, t, d3] = qkv.dims();
     let (d, h) = (d3 / 3, n_head);
     let heads = |m: Tensor<3>| m.reshape([b, t, h, d / h]).swap_dims(1, 2); // [B, H, T, hd]

@@ -1,0 +1,512 @@
+//! Causal attention on CubeCL devices (wgpu, CUDA, ROCm) as one kernel forward and two
+//! backward, FlashAttention's way: queries and keys in blocks, the softmax kept online, each
+//! query's log-sum-exp saved for backward, and no `T x T` tensor anywhere.
+//!
+//! - Forward: a cube per (query block, head, sequence), a unit per query. Each block of keys
+//!   and values is staged in shared memory once for the whole cube; every unit folds it into
+//!   its running maximum, sum and output row. Blocks past the diagonal are never read.
+//! - Backward, first kernel: a unit per query computes `D = rowsum(dO * O)` (kept for the
+//!   second kernel) and `dQ`, sweeping the key blocks up to its own.
+//! - Backward, second kernel: a unit per key accumulates `dK` and `dV`, sweeping the query
+//!   blocks from its own on, with their `D` and log-sum-exp staged in shared memory.
+//!
+//! The kernels read the packed `[B, T, 3d]` projection in place (q, k and v of head `h` at
+//! columns `h hd`, `d + h hd`, `2d + h hd`) and write `[B, T, d]` and `[B, T, 3d]` directly:
+//! no split, transpose or concatenation around them. Tensors of any float dtype are read
+//! widened to f32, every sum runs in f32, and results are rounded once to the tensor's dtype.
+//!
+//! Plugged into Burn as the backend extension [`FlashOps`] for CubeCL's backend, its fusion
+//! wrapper (the op is opaque to fusion and runs where it is queued) and autodiff (the backward
+//! pass above).
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, backend_extension};
+use burn::tensor::{DType, Shape};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+/// Causal attention of a packed projection, forward and backward, on CubeCL devices.
+#[backend_extension(Cube, Fusion, Autodiff)]
+pub trait FlashOps: Backend {
+    /// Causal self-attention of a packed `[B, T, 3d]` projection into `[B, T, d]`, with
+    /// `1 / sqrt(d / n_head)` scaling; differentiable where the backend is.
+    #[fusion(default)]
+    fn flash_attention(qkv: FloatTensor<Self>, n_head: usize) -> FloatTensor<Self> {
+        Self::flash_forward(qkv, n_head).0
+    }
+
+    /// The output `[B, T, d]` and each query's log-sum-exp of its scaled scores, `[B, H, T]`
+    /// in f32.
+    #[fusion(meta = forward_meta)]
+    fn flash_forward(
+        qkv: FloatTensor<Self>,
+        n_head: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The gradient of the packed projection, `[B, T, 3d]`, from the forward's output and
+    /// log-sum-exp and the output's gradient.
+    #[fusion(dtype = qkv, shape = qkv)]
+    fn flash_backward(
+        qkv: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        n_head: usize,
+    ) -> FloatTensor<Self>;
+}
+
+/// The forward's outputs, described before it runs.
+fn forward_meta(qkv: &TensorSpec, n_head: &usize) -> (TensorSpec, TensorSpec) {
+    let (b, t, d) = split_dims(&qkv.shape, *n_head);
+    (
+        TensorSpec::new(Shape::new([b, t, d]), qkv.dtype),
+        TensorSpec::new(Shape::new([b, *n_head, t]), DType::F32),
+    )
+}
+
+/// `(B, T, d)` of a packed `[B, T, 3d]` projection split into `n_head` heads.
+fn split_dims(shape: &Shape, n_head: usize) -> (usize, usize, usize) {
+    let [b, t, d3] = shape.dims::<3>();
+    assert!(
+        d3 % 3 == 0 && (d3 / 3) % n_head == 0,
+        "flash attention takes a [B, T, 3d] projection whose d splits into {n_head} heads, \
+         not [{b}, {t}, {d3}]"
+    );
+    (b, t, d3 / 3)
+}
+
+/// Queries (and keys) per block, one unit each: the most, up to 64, whose blocks fit 32 KiB
+/// of shared memory (what lavapipe and Metal allow): the backward's two `block x hd` blocks
+/// of f32 and two statistics per query.
+fn block_for(hd: usize) -> usize {
+    [64, 32, 16, 8]
+        .into_iter()
+        .find(|b| (2 * b * hd + 2 * b) * 4 <= 32 * 1024)
+        .unwrap_or(4)
+}
+
+#[cube(launch)]
+fn forward_kernel<E: Float>(
+    qkv: &Tensor<E>,
+    out: &mut Tensor<E>,
+    lse: &mut Tensor<f32>,
+    seq: usize,
+    scale: f32,
+    #[comptime] hd: usize,
+    #[comptime] heads: usize,
+    #[comptime] block: usize,
+    #[define(E)] _dtype: ElemType,
+) {
+    let d = hd * heads;
+    let row = 3 * d;
+    let qb = CUBE_POS_X as usize;
+    let h = CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let u = UNIT_POS_X as usize;
+    let i = qb * block + u;
+    let valid = i < seq;
+    let base = b * seq * row;
+
+    let mut q = Array::<f32>::new(hd);
+    let mut acc = Array::<f32>::new(hd);
+    for c in 0..hd {
+        q[c] = 0.0;
+        acc[c] = 0.0;
+    }
+    if valid {
+        for c in 0..hd {
+            q[c] = f32::cast_from(qkv[base + i * row + h * hd + c]) * scale;
+        }
+    }
+    let mut ks = Shared::<[f32]>::new_slice(block * hd);
+    let mut vs = Shared::<[f32]>::new_slice(block * hd);
+    let mut s = Array::<f32>::new(block);
+    // A score no real one reaches: masked keys take it, so `exp` of it against any real
+    // maximum is 0 (a finite value: WGSL forbids infinite constants).
+    let mut m = f32::new(-1.0e30);
+    let mut l = f32::new(0.0);
+
+    for kb in 0..qb + 1 {
+        let j = kb * block + u;
+        if j < seq {
+            for c in 0..hd {
+                ks[u * hd + c] = f32::cast_from(qkv[base + j * row + d + h * hd + c]);
+                vs[u * hd + c] = f32::cast_from(qkv[base + j * row + 2 * d + h * hd + c]);
+            }
+        }
+        sync_cube();
+        if valid {
+            let mut top = m;
+            for jj in 0..block {
+                let mut x = f32::new(-1.0e30);
+                if kb * block + jj <= i {
+                    let mut dot = f32::new(0.0);
+                    for c in 0..hd {
+                        dot += q[c] * ks[jj * hd + c];
+                    }
+                    x = dot;
+                }
+                s[jj] = x;
+                top = max(top, x);
+            }
+            let fade = f32::exp(m - top);
+            l *= fade;
+            for c in 0..hd {
+                acc[c] *= fade;
+            }
+            for jj in 0..block {
+                if kb * block + jj <= i {
+                    let p = f32::exp(s[jj] - top);
+                    l += p;
+                    for c in 0..hd {
+                        acc[c] += p * vs[jj * hd + c];
+                    }
+                }
+            }
+            m = top;
+        }
+        sync_cube();
+    }
+    if valid {
+        let inv = f32::new(1.0) / l;
+        for c in 0..hd {
+            out[b * seq * d + i * d + h * hd + c] = E::cast_from(acc[c] * inv);
+        }
+        lse[(b * heads + h) * seq + i] = m + f32::ln(l);
+    }
+}
+
+#[cube(launch)]
+fn backward_dq_kernel<E: Float>(
+    qkv: &Tensor<E>,
+    out: &Tensor<E>,
+    dout: &Tensor<E>,
+    lse: &Tensor<f32>,
+    delta: &mut Tensor<f32>,
+    dqkv: &mut Tensor<E>,
+    seq: usize,
+    scale: f32,
+    #[comptime] hd: usize,
+    #[comptime] heads: usize,
+    #[comptime] block: usize,
+    #[define(E)] _dtype: ElemType,
+) {
+    let d = hd * heads;
+    let row = 3 * d;
+    let qb = CUBE_POS_X as usize;
+    let h = CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let u = UNIT_POS_X as usize;
+    let i = qb * block + u;
+    let valid = i < seq;
+    let base = b * seq * row;
+    let obase = b * seq * d + i * d + h * hd;
+
+    let mut q = Array::<f32>::new(hd);
+    let mut g = Array::<f32>::new(hd);
+    let mut dq = Array::<f32>::new(hd);
+    let mut dd = f32::new(0.0);
+    let mut li = f32::new(0.0);
+    for c in 0..hd {
+        q[c] = 0.0;
+        g[c] = 0.0;
+        dq[c] = 0.0;
+    }
+    if valid {
+        for c in 0..hd {
+            q[c] = f32::cast_from(qkv[base + i * row + h * hd + c]) * scale;
+            g[c] = f32::cast_from(dout[obase + c]);
+            dd += g[c] * f32::cast_from(out[obase + c]);
+        }
+        li = lse[(b * heads + h) * seq + i];
+        delta[(b * heads + h) * seq + i] = dd;
+    }
+    let mut ks = Shared::<[f32]>::new_slice(block * hd);
+    let mut vs = Shared::<[f32]>::new_slice(block * hd);
+
+    for kb in 0..qb + 1 {
+        let j = kb * block + u;
+        if j < seq {
+            for c in 0..hd {
+                ks[u * hd + c] = f32::cast_from(qkv[base + j * row + d + h * hd + c]);
+                vs[u * hd + c] = f32::cast_from(qkv[base + j * row + 2 * d + h * hd + c]);
+            }
+        }
+        sync_cube();
+        if valid {
+            for jj in 0..block {
+                if kb * block + jj <= i {
+                    let mut sc = f32::new(0.0);
+                    let mut dp = f32::new(0.0);
+                    for c in 0..hd {
+                        sc += q[c] * ks[jj * hd + c];
+                        dp += g[c] * vs[jj * hd + c];
+                    }
+                    let ds = f32::exp(sc - li) * (dp - dd);
+                    for c in 0..hd {
+                        dq[c] += ds * ks[jj * hd + c];
+                    }
+                }
+            }
+        }
+        sync_cube();
+    }
+    if valid {
+        for c in 0..hd {
+            dqkv[base + i * row + h * hd + c] = E::cast_from(dq[c] * scale);
+        }
+    }
+}
+
+#[cube(launch)]
+fn backward_dkdv_kernel<E: Float>(
+    qkv: &Tensor<E>,
+    dout: &Tensor<E>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dqkv: &mut Tensor<E>,
+    seq: usize,
+    scale: f32,
+    #[comptime] hd: usize,
+    #[comptime] heads: usize,
+    #[comptime] block: usize,
+    #[define(E)] _dtype: ElemType,
+) {
+    let d = hd * heads;
+    let row = 3 * d;
+    let kb = CUBE_POS_X as usize;
+    let h = CUBE_POS_Y as usize;
+    let b = CUBE_POS_Z as usize;
+    let u = UNIT_POS_X as usize;
+    let j = kb * block + u;
+    let valid = j < seq;
+    let base = b * seq * row;
+    let stats = (b * heads + h) * seq;
+
+    let mut k = Array::<f32>::new(hd);
+    let mut v = Array::<f32>::new(hd);
+    let mut dk = Array::<f32>::new(hd);
+    let mut dv = Array::<f32>::new(hd);
+    for c in 0..hd {
+        k[c] = 0.0;
+        v[c] = 0.0;
+        dk[c] = 0.0;
+        dv[c] = 0.0;
+    }
+    if valid {
+        for c in 0..hd {
+            k[c] = f32::cast_from(qkv[base + j * row + d + h * hd + c]);
+            v[c] = f32::cast_from(qkv[base + j * row + 2 * d + h * hd + c]);
+        }
+    }
+    let mut qs = Shared::<[f32]>::new_slice(block * hd);
+    let mut gs = Shared::<[f32]>::new_slice(block * hd);
+    let mut ls = Shared::<[f32]>::new_slice(block);
+    let mut dels = Shared::<[f32]>::new_slice(block);
+    let blocks = seq.div_ceil(block);
+
+    for qb in kb..blocks {
+        let i = qb * block + u;
+        if i < seq {
+            for c in 0..hd {
+                qs[u * hd + c] = f32::cast_from(qkv[base + i * row + h * hd + c]) * scale;
+                gs[u * hd + c] = f32::cast_from(dout[b * seq * d + i * d + h * hd + c]);
+            }
+            ls[u] = lse[stats + i];
+            dels[u] = delta[stats + i];
+        }
+        sync_cube();
+        if valid {
+            for ii in 0..block {
+                let i = qb * block + ii;
+                if i >= j && i < seq {
+                    let mut sc = f32::new(0.0);
+                    let mut dp = f32::new(0.0);
+                    for c in 0..hd {
+                        sc += qs[ii * hd + c] * k[c];
+                        dp += gs[ii * hd + c] * v[c];
+                    }
+                    let p = f32::exp(sc - ls[ii]);
+                    let ds = p * (dp - dels[ii]);
+                    for c in 0..hd {
+                        dv[c] += p * gs[ii * hd + c];
+                        dk[c] += ds * qs[ii * hd + c];
+                    }
+                }
+            }
+        }
+        sync_cube();
+    }
+    if valid {
+        for c in 0..hd {
+            dqkv[base + j * row + d + h * hd + c] = E::cast_from(dk[c]);
+            dqkv[base + j * row + 2 * d + h * hd + c] = E::cast_from(dv[c]);
+        }
+    }
+}
+
+/// The launch geometry of a packed projection: `(B, T, d, hd, block, cubes)`.
+fn geometry(qkv: &CubeTensor, n_head: usize) -> (usize, usize, usize, usize, usize, CubeCount) {
+    let (b, t, d) = split_dims(&qkv.shape(), n_head);
+    let hd = d / n_head;
+    let block = block_for(hd);
+    let cubes = CubeCount::Static(t.div_ceil(block) as u32, n_head as u32, b as u32);
+    (b, t, d, hd, block, cubes)
+}
+
+fn storage(dtype: DType) -> ElemType {
+    burn::backend::cubecl::dtype_to_storage_type(dtype)
+}
+
+impl FlashOps for CubeBackend {
+    fn flash_forward(qkv: CubeTensor, n_head: usize) -> (CubeTensor, CubeTensor) {
+        let qkv = into_contiguous(qkv);
+        let (b, t, d, hd, block, cubes) = geometry(&qkv, n_head);
+        let (client, device, dtype) = (qkv.client.clone(), qkv.device.clone(), qkv.dtype);
+        let out = empty_device_dtype(client.clone(), device.clone(), Shape::new([b, t, d]), dtype);
+        let lse = empty_device_dtype(
+            client.clone(),
+            device,
+            Shape::new([b, n_head, t]),
+            DType::F32,
+        );
+        forward_kernel::launch(
+            &client,
+            cubes,
+            CubeDim::new_1d(block as u32),
+            qkv.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            t,
+            (hd as f32).sqrt().recip(),
+            hd,
+            n_head,
+            block,
+            storage(dtype),
+        );
+        (out, lse)
+    }
+
+    fn flash_backward(
+        qkv: CubeTensor,
+        out: CubeTensor,
+        lse: CubeTensor,
+        dout: CubeTensor,
+        n_head: usize,
+    ) -> CubeTensor {
+        let qkv = into_contiguous(qkv);
+        let out = into_contiguous(out);
+        let lse = into_contiguous(lse);
+        let dout = into_contiguous(dout);
+        let (b, t, d, hd, block, cubes) = geometry(&qkv, n_head);
+        let (client, device, dtype) = (qkv.client.clone(), qkv.device.clone(), qkv.dtype);
+        let scale = (hd as f32).sqrt().recip();
+        let delta = empty_device_dtype(
+            client.clone(),
+            device.clone(),
+            Shape::new([b, n_head, t]),
+            DType::F32,
+        );
+        let dqkv = empty_device_dtype(client.clone(), device, Shape::new([b, t, 3 * d]), dtype);
+        backward_dq_kernel::launch(
+            &client,
+            cubes.clone(),
+            CubeDim::new_1d(block as u32),
+            qkv.clone().into_tensor_arg(),
+            out.into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            dqkv.clone().into_tensor_arg(),
+            t,
+            scale,
+            hd,
+            n_head,
+            block,
+            storage(dtype),
+        );
+        backward_dkdv_kernel::launch(
+            &client,
+            cubes,
+            CubeDim::new_1d(block as u32),
+            qkv.into_tensor_arg(),
+            dout.into_tensor_arg(),
+            lse.into_tensor_arg(),
+            delta.into_tensor_arg(),
+            dqkv.clone().into_tensor_arg(),
+            t,
+            scale,
+            hd,
+            n_head,
+            block,
+            storage(dtype),
+        );
+        dqkv
+    }
+}
+
+#[derive(Debug)]
+struct FlashBackward;
+
+impl<B: FlashOps> Backward<B, 1> for FlashBackward {
+    /// The projection, the output, each query's log-sum-exp, and the head count.
+    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, usize);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let dout = grads.consume::<B>(&ops.node);
+        if let Some(parent) = parent {
+            let (qkv, out, lse, n_head) = ops.state;
+            grads.register::<B>(parent.id, B::flash_backward(qkv, out, lse, dout, n_head));
+        }
+    }
+}
+
+impl<B: FlashOps, C: CheckpointStrategy> FlashOps for Autodiff<B, C> {
+    fn flash_attention(qkv: FloatTensor<Self>, n_head: usize) -> FloatTensor<Self> {
+        let input = qkv.primitive().clone();
+        let prep = FlashBackward
+            .prepare::<C>([qkv.node()])
+            .compute_bound()
+            .stateful();
+        let (out, lse) = B::flash_forward(input.clone(), n_head);
+        match prep {
+            OpsKind::Tracked(prep) => prep.finish((input, out.clone(), lse, n_head), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    /// Untracked: only [`FlashOps::flash_attention`] has a gradient.
+    fn flash_forward(
+        qkv: FloatTensor<Self>,
+        n_head: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (out, lse) = B::flash_forward(qkv.primitive().clone(), n_head);
+        (Self::from_inner(out), Self::from_inner(lse))
+    }
+
+    /// Untracked, as the forward.
+    fn flash_backward(
+        qkv: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        n_head: usize,
+    ) -> FloatTensor<Self> {
+        Self::from_inner(B::flash_backward(
+            qkv.primitive().clone(),
+            out.primitive().clone(),
+            lse.primitive().clone(),
+            dout.primitive().clone(),
+            n_head,
+        ))
+    }
+}
