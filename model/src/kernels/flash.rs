@@ -94,7 +94,7 @@ fn block_for(hd: usize) -> usize {
 }
 
 #[cube(launch)]
-fn forward_kernel<E: Float>(
+fn flash_forward_kernel<E: Float>(
     qkv: &Tensor<E>,
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
@@ -185,7 +185,7 @@ fn forward_kernel<E: Float>(
 }
 
 #[cube(launch)]
-fn backward_dq_kernel<E: Float>(
+fn flash_backward_dq_kernel<E: Float>(
     qkv: &Tensor<E>,
     out: &Tensor<E>,
     dout: &Tensor<E>,
@@ -267,7 +267,7 @@ fn backward_dq_kernel<E: Float>(
 }
 
 #[cube(launch)]
-fn backward_dkdv_kernel<E: Float>(
+fn flash_backward_dkdv_kernel<E: Float>(
     qkv: &Tensor<E>,
     dout: &Tensor<E>,
     lse: &Tensor<f32>,
@@ -378,7 +378,7 @@ impl FlashOps for CubeBackend {
             Shape::new([b, n_head, t]),
             DType::F32,
         );
-        forward_kernel::launch(
+        flash_forward_kernel::launch(
             &client,
             cubes,
             CubeDim::new_1d(block as u32),
@@ -416,7 +416,7 @@ impl FlashOps for CubeBackend {
             DType::F32,
         );
         let dqkv = empty_device_dtype(client.clone(), device, Shape::new([b, t, 3 * d]), dtype);
-        backward_dq_kernel::launch(
+        flash_backward_dq_kernel::launch(
             &client,
             cubes.clone(),
             CubeDim::new_1d(block as u32),
@@ -433,7 +433,7 @@ impl FlashOps for CubeBackend {
             block,
             storage(dtype),
         );
-        backward_dkdv_kernel::launch(
+        flash_backward_dkdv_kernel::launch(
             &client,
             cubes,
             CubeDim::new_1d(block as u32),

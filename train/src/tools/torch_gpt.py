@@ -61,6 +61,33 @@ class Gpt(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def write_kernels(path, step, device, steps=3):
+    """Each kernel's launches and device seconds per step over `steps` profiled steps: on a GPU
+    the device kernels torch.profiler saw, on the CPU the operators without children."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+    kernels = {}
+    for e in prof.key_averages():
+        if on_gpu:
+            if e.device_type != DeviceType.CUDA:
+                continue
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = e.self_cuda_time_total
+        else:
+            us = e.self_cpu_time_total
+        if us > 0:
+            kernels[e.key] = {"launches": e.count / steps, "seconds": us * 1e-6 / steps}
+    with open(path, "w") as f:
+        json.dump({"device": str(device), "steps": steps, "kernels": kernels}, f)
+
+
 def main():
     a = argparse.ArgumentParser(description=__doc__)
     for flag in ["n-layer", "n-head", "n-embd", "block-size", "batch-size", "vocab-size"]:
@@ -84,6 +111,12 @@ def main():
         "--profile",
         action="store_true",
         help="after the timed steps, profile 3 more with torch.profiler and print its table",
+    )
+    a.add_argument(
+        "--kernels",
+        metavar="FILE",
+        help="after the timed steps, profile 3 more and write FILE: one JSON object of each "
+        "device kernel's launches and seconds per step (CUDA), or each operator's (CPU)",
     )
     args = a.parse_args()
     if args.threads > 0:
@@ -131,6 +164,8 @@ def main():
             for _ in range(3):
                 step()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    if args.kernels:
+        write_kernels(args.kernels, step, device)
     median = statistics.median(times)
     print(
         json.dumps(
