@@ -18,6 +18,8 @@ mod attention;
 mod avx512;
 mod bf16;
 #[cfg(feature = "cubecl")]
+mod cube_cross_entropy;
+#[cfg(feature = "cubecl")]
 mod flash;
 mod linear;
 mod product;
@@ -41,6 +43,8 @@ use rayon::prelude::*;
 use attention::Dims;
 use bf16::Precision;
 pub use bf16::{BF16_DOT_PAYS_FROM, bf16_dot_pays, has_bf16_dot};
+#[cfg(feature = "cubecl")]
+pub use cube_cross_entropy::CubeCrossEntropyOps;
 #[cfg(feature = "cubecl")]
 pub use flash::FlashOps;
 
@@ -166,16 +170,16 @@ pub fn causal_attention(qkv: Tensor<3>, n_head: usize) -> Tensor<3> {
         ));
     }
     #[cfg(feature = "cubecl")]
-    if uses_flash_kernels(&qkv) {
+    if uses_cube_kernels(&qkv) {
         return Tensor::from_dispatch(Dispatch::flash_attention(qkv.into_dispatch(), n_head));
     }
     composed_causal_attention(qkv, n_head)
 }
 
-/// Whether attention on `x` takes the CubeCL kernels of `flash`: a float tensor on a CubeCL
-/// device (wgpu, CUDA, ROCm).
+/// Whether ops on `x` take ember's CubeCL kernels (attention in `flash.rs`, cross-entropy in
+/// `cube_cross_entropy.rs`): a float tensor on a CubeCL device (wgpu, CUDA, ROCm).
 #[cfg(feature = "cubecl")]
-pub fn uses_flash_kernels<const D: usize>(x: &Tensor<D>) -> bool {
+pub fn uses_cube_kernels<const D: usize>(x: &Tensor<D>) -> bool {
     matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && matches!(
             x.device().inner().as_dispatch(),
@@ -215,6 +219,21 @@ pub fn softmax_cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tens
             targets.into_dispatch(),
         ));
     }
+    #[cfg(feature = "cubecl")]
+    if uses_cube_kernels(&logits) {
+        let dtype = logits.dtype();
+        let rows = Tensor::<1>::from_dispatch(Dispatch::cross_entropy_rows(
+            logits.into_dispatch(),
+            targets.into_dispatch(),
+        ));
+        return rows.mean().cast(dtype);
+    }
+    composed_softmax_cross_entropy(logits, targets)
+}
+
+/// [`softmax_cross_entropy`] composed of Burn's ops on any backend: the definition the fused
+/// and CubeCL kernels are tested against.
+pub fn composed_softmax_cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
     let [n, _] = logits.dims();
     let logp = log_softmax(logits, 1); // [N, V]
     logp.gather(1, targets.reshape([n, 1])).mean().neg()

@@ -1,15 +1,32 @@
-//! The CubeCL flash attention on wgpu (Mesa's lavapipe where there is no GPU) against the
-//! attention composed of Burn's ops in f64 on flex: the output and the gradient of the packed
-//! projection, in f32 and bf16, at sequence lengths that are not multiples of the kernels'
-//! block and at head sizes on both sides of 64; and the memory an autodiff graph keeps after
-//! the forward, which for the composed op includes every head's `T x T` probabilities.
+//! ember's CubeCL kernels on wgpu (Mesa's lavapipe where there is no GPU) against the ops
+//! composed of Burn's in f64 on flex:
+//!
+//! - flash attention: the output and the gradient of the packed projection, in f32 and half
+//!   precision, at sequence lengths that are not multiples of the kernels' block and at head
+//!   sizes on both sides of 64; and the memory an autodiff graph keeps after the forward, which
+//!   for the composed op includes every head's `T x T` probabilities;
+//! - softmax cross-entropy: the loss and the logits' gradient at vocabularies below and above
+//!   one cube's units, and the memory kept after the forward (the composed op keeps the
+//!   `[N, V]` log-probabilities).
 #![cfg(feature = "wgpu")]
 
+use burn::tensor::Int;
 use burn::tensor::{DType, Device, DeviceKind, Tensor, TensorCreationOptions, TensorData};
-use ember_model::kernels::{causal_attention, composed_causal_attention, uses_flash_kernels};
+use ember_model::kernels::{
+    causal_attention, composed_causal_attention, composed_softmax_cross_entropy,
+    softmax_cross_entropy, uses_cube_kernels,
+};
 
 fn wgpu() -> Device {
     Device::wgpu(DeviceKind::DefaultDevice)
+}
+
+/// One test on the device at a time: the memory tests read the device's whole pool, which
+/// another test's tensors would change.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn device_lock() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Deterministic values in [-scale, scale).
@@ -55,7 +72,7 @@ fn run(
     flash: bool,
 ) -> (Vec<f64>, Vec<f64>) {
     let x = leaf(qkv, [b, t, d3], device.clone(), dtype);
-    assert_eq!(uses_flash_kernels(&x), flash);
+    assert_eq!(uses_cube_kernels(&x), flash);
     let y = if flash {
         causal_attention(x.clone(), heads)
     } else {
@@ -112,6 +129,7 @@ fn check(b: usize, t: usize, heads: usize, hd: usize, dtype: DType, tol: f64) {
 /// f32 roundings of sums over up to `T` keys.
 #[test]
 fn flash_attention_matches_the_composed_op_in_f32() {
+    let _device = device_lock();
     check(2, 70, 3, 16, DType::F32, 1e-5);
     check(1, 129, 2, 64, DType::F32, 1e-5);
     check(1, 40, 1, 80, DType::F32, 1e-5);
@@ -122,6 +140,7 @@ fn flash_attention_matches_the_composed_op_in_f32() {
 /// bf16, 2^-10 for f16) of the f64 reference.
 #[test]
 fn flash_attention_matches_the_composed_op_in_half_precision() {
+    let _device = device_lock();
     let mut ran = 0;
     for (dtype, tol) in [(DType::BF16, 2f64.powi(-7)), (DType::F16, 2f64.powi(-10))] {
         if !wgpu().supports_dtype(dtype) {
@@ -140,6 +159,7 @@ fn flash_attention_matches_the_composed_op_in_half_precision() {
 /// composed op also each head's `T x T` probabilities (4 MiB in f32).
 #[test]
 fn flash_attention_keeps_no_t_by_t_tensor_for_backward() {
+    let _device = device_lock();
     let (t, hd) = (1024, 64);
     let device = wgpu();
     let kept = |flash: bool| {
@@ -170,5 +190,94 @@ fn flash_attention_keeps_no_t_by_t_tensor_for_backward() {
     assert!(
         composed >= scores,
         "the composed op keeps {composed} B: the check would not see T x T"
+    );
+}
+
+/// Loss and logits' gradient of the mean cross-entropy of `[n, v]` logits.
+fn cross_entropy(
+    logits: &[f64],
+    targets: &[i64],
+    [n, v]: [usize; 2],
+    device: Device,
+    dtype: DType,
+    cube: bool,
+) -> (f64, Vec<f64>) {
+    let x = leaf(logits, [n, v], device.clone(), dtype);
+    let t = Tensor::<1, Int>::from_data(TensorData::new(targets.to_vec(), [n]), &device.autodiff());
+    assert_eq!(uses_cube_kernels(&x), cube);
+    let loss = if cube {
+        softmax_cross_entropy(x.clone(), t)
+    } else {
+        composed_softmax_cross_entropy(x.clone(), t)
+    };
+    assert_eq!((loss.dims(), loss.dtype()), ([1], dtype));
+    let grads = loss.clone().backward();
+    let g = to_f64(x.grad(&grads).expect("the logits get a gradient"));
+    (to_f64(loss.detach())[0], g)
+}
+
+fn check_cross_entropy(n: usize, v: usize, dtype: DType, tol: f64) {
+    let logits = rounded(&values(n * v, 3 + v as u64, 4.0), dtype);
+    let targets: Vec<i64> = (0..n).map(|i| ((i * 7919 + 13) % v) as i64).collect();
+    let (loss, g) = cross_entropy(&logits, &targets, [n, v], wgpu(), dtype, true);
+    let (want, want_g) =
+        cross_entropy(&logits, &targets, [n, v], Device::flex(), DType::F64, false);
+    let (el, eg) = ((loss - want).abs() / want.abs(), rel_err(&g, &want_g));
+    eprintln!("N {n} V {v} {dtype:?}: loss {el:.2e}, gradient {eg:.2e}");
+    assert!(el < tol, "{dtype:?} N {n} V {v}: loss differs by {el:e}");
+    assert!(
+        eg < tol,
+        "{dtype:?} N {n} V {v}: gradient differs by {eg:e}"
+    );
+}
+
+/// f32 within 1e-5 of the f64 reference (the loss relative to itself, the gradient to its
+/// largest element); f16, where the device has it, within 2^-10.
+#[test]
+fn cross_entropy_matches_the_composed_op() {
+    let _device = device_lock();
+    check_cross_entropy(37, 300, DType::F32, 1e-5);
+    check_cross_entropy(5, 50, DType::F32, 1e-5);
+    if wgpu().supports_dtype(DType::F16) {
+        check_cross_entropy(37, 300, DType::F16, 2f64.powi(-10));
+    }
+}
+
+/// What the autodiff graph keeps between forward and backward for 512 rows of 2048 logits: the
+/// CubeCL op one f32 per row (its input aside); the composed op also the `[N, V]`
+/// log-probabilities (4 MiB in f32).
+#[test]
+fn cross_entropy_keeps_no_row_of_probabilities_for_backward() {
+    let _device = device_lock();
+    let (n, v) = (512, 2048);
+    let device = wgpu();
+    let targets: Vec<i64> = (0..n).map(|i| (i * 31 % v) as i64).collect();
+    let kept = |cube: bool| {
+        let x = leaf(&values(n * v, 9, 2.0), [n, v], device.clone(), DType::F32);
+        let t = Tensor::<1, Int>::from_data(TensorData::new(targets.clone(), [n]), &device);
+        device.sync().unwrap();
+        let before = device
+            .memory_pool_usage()
+            .expect("wgpu reports its memory")
+            .bytes_in_use;
+        let loss = if cube {
+            softmax_cross_entropy(x.clone(), t)
+        } else {
+            composed_softmax_cross_entropy(x.clone(), t)
+        };
+        device.sync().unwrap();
+        let after = device.memory_pool_usage().unwrap().bytes_in_use;
+        let grads = loss.backward();
+        assert!(x.grad(&grads).is_some());
+        after.saturating_sub(before)
+    };
+    let rows = (n * v * 4) as u64;
+    let cube = kept(true);
+    let composed = kept(false);
+    eprintln!("kept after the forward: CubeCL {cube} B, composed {composed} B, N x V {rows} B");
+    assert!(cube < rows / 4, "the CubeCL op keeps {cube} B");
+    assert!(
+        composed >= rows,
+        "the composed op keeps {composed} B: the check would not see N x V"
     );
 }
