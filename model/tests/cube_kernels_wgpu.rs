@@ -7,13 +7,15 @@
 //!   for the composed op includes every head's `T x T` probabilities;
 //! - softmax cross-entropy: the loss and the logits' gradient at vocabularies below and above
 //!   one cube's units, and the memory kept after the forward (the composed op keeps the
-//!   `[N, V]` log-probabilities).
+//!   `[N, V]` log-probabilities);
+//! - LayerNorm: the output and the gradients of the input, weight and bias, at widths below and
+//!   above one cube's units.
 #![cfg(feature = "wgpu")]
 
 use burn::tensor::Int;
 use burn::tensor::{DType, Device, DeviceKind, Tensor, TensorCreationOptions, TensorData};
 use ember_model::kernels::{
-    causal_attention, composed_causal_attention, composed_softmax_cross_entropy,
+    causal_attention, composed_causal_attention, composed_softmax_cross_entropy, layer_norm,
     softmax_cross_entropy, uses_cube_kernels,
 };
 
@@ -280,4 +282,73 @@ fn cross_entropy_keeps_no_row_of_probabilities_for_backward() {
         composed >= rows,
         "the composed op keeps {composed} B: the check would not see N x V"
     );
+}
+
+/// Output and the input's, weight's and bias's gradients of `sum(layer_norm(x) * w)`.
+fn run_layer_norm(
+    vals: &[Vec<f64>; 4],
+    [rows, d]: [usize; 2],
+    device: Device,
+    dtype: DType,
+) -> Vec<Vec<f64>> {
+    let x = leaf(&vals[0], [rows, d], device.clone(), dtype);
+    let weight = leaf(&vals[1], [d], device.clone(), dtype);
+    let bias = leaf(&vals[2], [d], device.clone(), dtype);
+    assert_eq!(uses_cube_kernels(&x), device != Device::flex());
+    let y = layer_norm(x.clone(), weight.clone(), bias.clone(), 1e-5);
+    let w = leaf(&vals[3], [rows, d], device, dtype).detach();
+    let grads = (y.clone() * w).sum().backward();
+    let some = "every input gets a gradient";
+    vec![
+        to_f64(y.detach()),
+        to_f64(x.grad(&grads).expect(some)),
+        to_f64(weight.grad(&grads).expect(some)),
+        to_f64(bias.grad(&grads).expect(some)),
+    ]
+}
+
+fn check_layer_norm(rows: usize, d: usize, dtype: DType, tol: f64) {
+    let vals = [
+        rounded(&values(rows * d, 21 + d as u64, 3.0), dtype),
+        rounded(
+            &values(d, 22, 1.0)
+                .iter()
+                .map(|v| 1.0 + v)
+                .collect::<Vec<_>>(),
+            dtype,
+        ),
+        rounded(&values(d, 23, 0.5), dtype),
+        rounded(&values(rows * d, 24, 1.0), dtype),
+    ];
+    let got = run_layer_norm(&vals, [rows, d], wgpu(), dtype);
+    let want = run_layer_norm(&vals, [rows, d], Device::flex(), DType::F64);
+    for (what, (g, w)) in [
+        "output",
+        "input gradient",
+        "weight gradient",
+        "bias gradient",
+    ]
+    .iter()
+    .zip(got.iter().zip(&want))
+    {
+        let e = rel_err(g, w);
+        eprintln!("LayerNorm {rows} x {d} {dtype:?}: {what} {e:.2e}");
+        assert!(
+            e < tol,
+            "LayerNorm {rows} x {d} {dtype:?}: {what} differs by {e:e}"
+        );
+    }
+}
+
+/// f32 within 1e-5 of the f64 reference, relative to each result's largest element; f16,
+/// where the device has it, within 2^-9 (its gradients sum over every row in f32 and round
+/// once, but the inputs' rounding reaches them through the normalisation).
+#[test]
+fn layer_norm_matches_the_composed_op() {
+    let _device = device_lock();
+    check_layer_norm(15, 300, DType::F32, 1e-5);
+    check_layer_norm(4, 48, DType::F32, 1e-5);
+    if wgpu().supports_dtype(DType::F16) {
+        check_layer_norm(15, 300, DType::F16, 2f64.powi(-9));
+    }
 }

@@ -20,6 +20,8 @@ mod bf16;
 #[cfg(feature = "cubecl")]
 mod cube_cross_entropy;
 #[cfg(feature = "cubecl")]
+mod cube_layer_norm;
+#[cfg(feature = "cubecl")]
 mod flash;
 mod linear;
 mod product;
@@ -45,6 +47,8 @@ use bf16::Precision;
 pub use bf16::{BF16_DOT_PAYS_FROM, bf16_dot_pays, has_bf16_dot};
 #[cfg(feature = "cubecl")]
 pub use cube_cross_entropy::CubeCrossEntropyOps;
+#[cfg(feature = "cubecl")]
+pub use cube_layer_norm::CubeLayerNormOps;
 #[cfg(feature = "cubecl")]
 pub use flash::FlashOps;
 
@@ -147,6 +151,15 @@ pub fn layer_norm<const D: usize>(
 ) -> Tensor<D> {
     if uses_fused_kernels(&x) {
         return Tensor::from_dispatch(Dispatch::fused_layer_norm(
+            x.into_dispatch(),
+            weight.into_dispatch(),
+            bias.into_dispatch(),
+            eps,
+        ));
+    }
+    #[cfg(feature = "cubecl")]
+    if uses_cube_kernels(&x) && weight.dtype() == x.dtype() && bias.dtype() == x.dtype() {
+        return Tensor::from_dispatch(Dispatch::cube_layer_norm(
             x.into_dispatch(),
             weight.into_dispatch(),
             bias.into_dispatch(),

@@ -1,0 +1,442 @@
+//! LayerNorm on CubeCL devices as three kernels: forward, a cube per row reducing its mean and
+//! variance in shared memory (two passes, for accuracy) and writing the normalised, scaled and
+//! shifted row, with each row's mean and reciprocal deviation kept for backward; backward, a
+//! cube per row for the input's gradient (two row reductions), and a unit per feature for the
+//! weight's and bias's (a sum over the rows).
+//!
+//! Composed of Burn's ops, LayerNorm is a dozen kernels each way and keeps its intermediate
+//! rows for backward; here it keeps two f32 per row. Plugged in as the backend extension
+//! [`CubeLayerNormOps`] for CubeCL's backend, its fusion wrapper and autodiff.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, backend_extension};
+use burn::tensor::{DType, Shape};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+/// LayerNorm over the last dimension, forward and backward, on CubeCL devices.
+#[backend_extension(Cube, Fusion, Autodiff)]
+pub trait CubeLayerNormOps: Backend {
+    /// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dimension; differentiable
+    /// where the backend is.
+    #[fusion(default)]
+    fn cube_layer_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        Self::cube_layer_norm_forward(x, weight, bias, eps).0
+    }
+
+    /// The output and each row's mean and reciprocal deviation (f32, one per row).
+    #[fusion(meta = forward_meta)]
+    fn cube_layer_norm_forward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The gradients of the input, the weight and the bias.
+    #[fusion(meta = backward_meta)]
+    fn cube_layer_norm_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+}
+
+fn rows_of(shape: &Shape) -> usize {
+    let d = shape[shape.num_dims() - 1];
+    shape.num_elements() / d.max(1)
+}
+
+fn forward_meta(
+    x: &TensorSpec,
+    _w: &TensorSpec,
+    _b: &TensorSpec,
+    _eps: &f64,
+) -> (TensorSpec, TensorSpec, TensorSpec) {
+    let rows = Shape::new([rows_of(&x.shape)]);
+    (
+        x.clone(),
+        TensorSpec::new(rows.clone(), DType::F32),
+        TensorSpec::new(rows, DType::F32),
+    )
+}
+
+fn backward_meta(
+    x: &TensorSpec,
+    w: &TensorSpec,
+    _mean: &TensorSpec,
+    _rstd: &TensorSpec,
+    _dy: &TensorSpec,
+) -> (TensorSpec, TensorSpec, TensorSpec) {
+    (x.clone(), w.clone(), w.clone())
+}
+
+/// Units per row: they stride over the row, then reduce in shared memory.
+const UNITS: usize = 256;
+
+#[cube]
+fn grid_row() -> usize {
+    (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
+}
+
+/// The sum of every unit's `value` over the cube, in every unit (`units_now` is `units` at run
+/// time, so the halving stride is a run-time variable).
+#[cube]
+fn cube_sum(value: f32, shared: &mut Shared<[f32]>, units_now: usize) -> f32 {
+    let u = UNIT_POS_X as usize;
+    shared[u] = value;
+    sync_cube();
+    let mut step = units_now / 2;
+    while step > 0 {
+        if u < step {
+            shared[u] += shared[u + step];
+        }
+        sync_cube();
+        step /= 2;
+    }
+    let total = shared[0];
+    sync_cube();
+    total
+}
+
+#[cube(launch)]
+fn layer_norm_forward_kernel<E: Float>(
+    x: &Tensor<E>,
+    w: &Tensor<E>,
+    b: &Tensor<E>,
+    y: &mut Tensor<E>,
+    mean: &mut Tensor<f32>,
+    rstd: &mut Tensor<f32>,
+    rows: usize,
+    d: usize,
+    eps: f32,
+    units_now: usize,
+    #[comptime] units: usize,
+    #[define(E)] _dtype: ElemType,
+) {
+    let r = grid_row();
+    let u = UNIT_POS_X as usize;
+    let live = r < rows;
+    let base = r * d;
+    let mut shared = Shared::<[f32]>::new_slice(units);
+
+    let mut s = f32::new(0.0);
+    if live {
+        let mut j = u;
+        while j < d {
+            s += f32::cast_from(x[base + j]);
+            j += units_now;
+        }
+    }
+    let mu = cube_sum(s, &mut shared, units_now) / f32::cast_from(d as u32);
+    let mut q = f32::new(0.0);
+    if live {
+        let mut j = u;
+        while j < d {
+            let c = f32::cast_from(x[base + j]) - mu;
+            q += c * c;
+            j += units_now;
+        }
+    }
+    let var = cube_sum(q, &mut shared, units_now) / f32::cast_from(d as u32);
+    let inv = f32::new(1.0) / f32::sqrt(var + eps);
+    if live {
+        let mut j = u;
+        while j < d {
+            let xhat = (f32::cast_from(x[base + j]) - mu) * inv;
+            y[base + j] = E::cast_from(xhat * f32::cast_from(w[j]) + f32::cast_from(b[j]));
+            j += units_now;
+        }
+        if u == 0 {
+            mean[r] = mu;
+            rstd[r] = inv;
+        }
+    }
+}
+
+#[cube(launch)]
+fn layer_norm_backward_dx_kernel<E: Float>(
+    x: &Tensor<E>,
+    w: &Tensor<E>,
+    mean: &Tensor<f32>,
+    rstd: &Tensor<f32>,
+    dy: &Tensor<E>,
+    dx: &mut Tensor<E>,
+    rows: usize,
+    d: usize,
+    units_now: usize,
+    #[comptime] units: usize,
+    #[define(E)] _dtype: ElemType,
+) {
+    let r = grid_row();
+    let u = UNIT_POS_X as usize;
+    let live = r < rows;
+    let base = r * d;
+    let mut shared = Shared::<[f32]>::new_slice(units);
+    let mut mu = f32::new(0.0);
+    let mut inv = f32::new(0.0);
+    if live {
+        mu = mean[r];
+        inv = rstd[r];
+    }
+    let mut a = f32::new(0.0);
+    let mut bx = f32::new(0.0);
+    if live {
+        let mut j = u;
+        while j < d {
+            let g = f32::cast_from(dy[base + j]) * f32::cast_from(w[j]);
+            a += g;
+            bx += g * (f32::cast_from(x[base + j]) - mu) * inv;
+            j += units_now;
+        }
+    }
+    let n = f32::cast_from(d as u32);
+    let a = cube_sum(a, &mut shared, units_now) / n;
+    let bx = cube_sum(bx, &mut shared, units_now) / n;
+    if live {
+        let mut j = u;
+        while j < d {
+            let g = f32::cast_from(dy[base + j]) * f32::cast_from(w[j]);
+            let xhat = (f32::cast_from(x[base + j]) - mu) * inv;
+            dx[base + j] = E::cast_from(inv * (g - a - xhat * bx));
+            j += units_now;
+        }
+    }
+}
+
+#[cube(launch)]
+fn layer_norm_backward_dwdb_kernel<E: Float>(
+    x: &Tensor<E>,
+    mean: &Tensor<f32>,
+    rstd: &Tensor<f32>,
+    dy: &Tensor<E>,
+    dw: &mut Tensor<E>,
+    db: &mut Tensor<E>,
+    rows: usize,
+    d: usize,
+    #[define(E)] _dtype: ElemType,
+) {
+    let j = ABSOLUTE_POS;
+    if j < d {
+        let mut gw = f32::new(0.0);
+        let mut gb = f32::new(0.0);
+        for r in 0..rows {
+            let g = f32::cast_from(dy[r * d + j]);
+            gw += g * (f32::cast_from(x[r * d + j]) - mean[r]) * rstd[r];
+            gb += g;
+        }
+        dw[j] = E::cast_from(gw);
+        db[j] = E::cast_from(gb);
+    }
+}
+
+fn storage(dtype: DType) -> ElemType {
+    burn::backend::cubecl::dtype_to_storage_type(dtype)
+}
+
+/// A grid of `rows` cubes, at most 65535 along x.
+fn row_cubes(rows: usize) -> CubeCount {
+    let x = rows.clamp(1, 65_535) as u32;
+    CubeCount::Static(x, (rows as u32).div_ceil(x).max(1), 1)
+}
+
+impl CubeLayerNormOps for CubeBackend {
+    fn cube_layer_norm_forward(
+        x: CubeTensor,
+        weight: CubeTensor,
+        bias: CubeTensor,
+        eps: f64,
+    ) -> (CubeTensor, CubeTensor, CubeTensor) {
+        let x = into_contiguous(x);
+        let (w, b) = (into_contiguous(weight), into_contiguous(bias));
+        let shape = x.shape();
+        let (rows, d) = (rows_of(&shape), shape[shape.num_dims() - 1]);
+        let (client, device, dtype) = (x.client.clone(), x.device.clone(), x.dtype);
+        let y = empty_device_dtype(client.clone(), device.clone(), shape, dtype);
+        let mean = empty_device_dtype(
+            client.clone(),
+            device.clone(),
+            Shape::new([rows]),
+            DType::F32,
+        );
+        let rstd = empty_device_dtype(client.clone(), device, Shape::new([rows]), DType::F32);
+        layer_norm_forward_kernel::launch(
+            &client,
+            row_cubes(rows),
+            CubeDim::new_1d(UNITS as u32),
+            x.into_tensor_arg(),
+            w.into_tensor_arg(),
+            b.into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            mean.clone().into_tensor_arg(),
+            rstd.clone().into_tensor_arg(),
+            rows,
+            d,
+            eps as f32,
+            UNITS,
+            UNITS,
+            storage(dtype),
+        );
+        (y, mean, rstd)
+    }
+
+    fn cube_layer_norm_backward(
+        x: CubeTensor,
+        weight: CubeTensor,
+        mean: CubeTensor,
+        rstd: CubeTensor,
+        dy: CubeTensor,
+    ) -> (CubeTensor, CubeTensor, CubeTensor) {
+        let x = into_contiguous(x);
+        let w = into_contiguous(weight);
+        let (mean, rstd, dy) = (
+            into_contiguous(mean),
+            into_contiguous(rstd),
+            into_contiguous(dy),
+        );
+        let shape = x.shape();
+        let (rows, d) = (rows_of(&shape), shape[shape.num_dims() - 1]);
+        let (client, device, dtype) = (x.client.clone(), x.device.clone(), x.dtype);
+        let dx = empty_device_dtype(client.clone(), device.clone(), shape, dtype);
+        let dw = empty_device_dtype(client.clone(), device.clone(), w.shape(), w.dtype);
+        let db = empty_device_dtype(client.clone(), device, w.shape(), w.dtype);
+        layer_norm_backward_dx_kernel::launch(
+            &client,
+            row_cubes(rows),
+            CubeDim::new_1d(UNITS as u32),
+            x.clone().into_tensor_arg(),
+            w.into_tensor_arg(),
+            mean.clone().into_tensor_arg(),
+            rstd.clone().into_tensor_arg(),
+            dy.clone().into_tensor_arg(),
+            dx.clone().into_tensor_arg(),
+            rows,
+            d,
+            UNITS,
+            UNITS,
+            storage(dtype),
+        );
+        let cube_dim = CubeDim::new_1d(64);
+        layer_norm_backward_dwdb_kernel::launch(
+            &client,
+            CubeCount::Static(d.div_ceil(64) as u32, 1, 1),
+            cube_dim,
+            x.into_tensor_arg(),
+            mean.into_tensor_arg(),
+            rstd.into_tensor_arg(),
+            dy.into_tensor_arg(),
+            dw.clone().into_tensor_arg(),
+            db.clone().into_tensor_arg(),
+            rows,
+            d,
+            storage(dtype),
+        );
+        (dx, dw, db)
+    }
+}
+
+#[derive(Debug)]
+struct LayerNormBackward;
+
+impl<B: CubeLayerNormOps> Backward<B, 3> for LayerNormBackward {
+    /// The input, the weight, and each row's mean and reciprocal deviation.
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [px, pw, pb] = ops.parents;
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, w, mean, rstd) = ops.state;
+        let (dx, dw, db) = B::cube_layer_norm_backward(x, w, mean, rstd, dy);
+        for (parent, g) in [(px, dx), (pw, dw), (pb, db)] {
+            if let Some(parent) = parent {
+                grads.register::<B>(parent.id, g);
+            }
+        }
+    }
+}
+
+impl<B: CubeLayerNormOps, C: CheckpointStrategy> CubeLayerNormOps for Autodiff<B, C> {
+    fn cube_layer_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        let (xp, wp, bp) = (
+            x.primitive().clone(),
+            weight.primitive().clone(),
+            bias.primitive().clone(),
+        );
+        let prep = LayerNormBackward
+            .prepare::<C>([x.node(), weight.node(), bias.node()])
+            .compute_bound()
+            .stateful();
+        let (y, mean, rstd) = B::cube_layer_norm_forward(xp.clone(), wp.clone(), bp, eps);
+        match prep {
+            OpsKind::Tracked(prep) => prep.finish((xp, wp, mean, rstd), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    /// Untracked: only [`CubeLayerNormOps::cube_layer_norm`] has a gradient.
+    fn cube_layer_norm_forward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (y, mean, rstd) = B::cube_layer_norm_forward(
+            x.primitive().clone(),
+            weight.primitive().clone(),
+            bias.primitive().clone(),
+            eps,
+        );
+        (
+            Self::from_inner(y),
+            Self::from_inner(mean),
+            Self::from_inner(rstd),
+        )
+    }
+
+    /// Untracked, as the forward.
+    fn cube_layer_norm_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dw, db) = B::cube_layer_norm_backward(
+            x.primitive().clone(),
+            weight.primitive().clone(),
+            mean.primitive().clone(),
+            rstd.primitive().clone(),
+            dy.primitive().clone(),
+        );
+        (
+            Self::from_inner(dx),
+            Self::from_inner(dw),
+            Self::from_inner(db),
+        )
+    }
+}
