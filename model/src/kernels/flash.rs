@@ -310,7 +310,7 @@ fn flash_backward_dkdv_kernel<E: Float>(
     let mut qs = Shared::<[f32]>::new_slice(block * hd);
     let mut gs = Shared::<[f32]>::new_slice(block * hd);
     let mut ls = Shared::<[f32]>::new_slice(block);
-    let mut dels = Shared::<[f32]>::new_slice(block);
+    let mut deltas = Shared::<[f32]>::new_slice(block);
     let blocks = seq.div_ceil(block);
 
     for qb in kb..blocks {
@@ -321,7 +321,7 @@ fn flash_backward_dkdv_kernel<E: Float>(
                 gs[u * hd + c] = f32::cast_from(dout[b * seq * d + i * d + h * hd + c]);
             }
             ls[u] = lse[stats + i];
-            dels[u] = delta[stats + i];
+            deltas[u] = delta[stats + i];
         }
         sync_cube();
         if valid {
@@ -335,7 +335,7 @@ fn flash_backward_dkdv_kernel<E: Float>(
                         dp += gs[ii * hd + c] * v[c];
                     }
                     let p = f32::exp(sc - ls[ii]);
-                    let ds = p * (dp - dels[ii]);
+                    let ds = p * (dp - deltas[ii]);
                     for c in 0..hd {
                         dv[c] += p * gs[ii * hd + c];
                         dk[c] += ds * qs[ii * hd + c];
