@@ -6,8 +6,11 @@
 //! each a pass over memory and a node of the graph. Here each is one Burn backend extension
 //! ([`FusedOps`]) implemented for `Flex` and, with a hand-written backward, for
 //! `Autodiff<Flex>`. The functions below take the fused path on a `flex` device with f32 or
-//! bf16 tensors and compose Burn's ops everywhere else (wgpu, ndarray, f64, f16), so the
-//! op definitions are the same on every backend.
+//! bf16 tensors. With the `cubecl` feature, attention, cross-entropy and LayerNorm on a CubeCL
+//! device (wgpu, CUDA, ROCm) take ember's CubeCL kernels instead (`flash.rs`,
+//! `cube_cross_entropy.rs`, `cube_layer_norm.rs`, each its own backend extension). Everything
+//! else composes Burn's ops (ndarray, f64, and the other ops on CubeCL devices), so the op
+//! definitions are the same on every backend.
 //!
 //! A bf16 tensor is widened to f32 on entry and each result rounded back to bf16
 //! ([`bf16`]); the linear layers multiply in bf16 with f32 sums, on the CPU's bf16
@@ -190,7 +193,8 @@ pub fn causal_attention(qkv: Tensor<3>, n_head: usize) -> Tensor<3> {
 }
 
 /// Whether ops on `x` take ember's CubeCL kernels (attention in `flash.rs`, cross-entropy in
-/// `cube_cross_entropy.rs`): a float tensor on a CubeCL device (wgpu, CUDA, ROCm).
+/// `cube_cross_entropy.rs`, LayerNorm in `cube_layer_norm.rs`): a float tensor on a CubeCL
+/// device (wgpu, CUDA, ROCm).
 #[cfg(feature = "cubecl")]
 pub fn uses_cube_kernels<const D: usize>(x: &Tensor<D>) -> bool {
     matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
