@@ -12,8 +12,10 @@
 //!   above one cube's units.
 #![cfg(feature = "wgpu")]
 
-use burn::tensor::Int;
-use burn::tensor::{DType, Device, DeviceKind, Tensor, TensorCreationOptions, TensorData};
+mod common;
+
+use burn::tensor::{DType, Device, DeviceKind, Int, Tensor, TensorData};
+use common::{leaf, rel_err, to_f64, values};
 use ember_model::kernels::{
     causal_attention, composed_causal_attention, composed_softmax_cross_entropy, layer_norm,
     softmax_cross_entropy, uses_cube_kernels,
@@ -31,36 +33,27 @@ fn device_lock() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Deterministic values in [-scale, scale).
-fn values(n: usize, seed: u64, scale: f64) -> Vec<f64> {
-    let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            z ^= z << 13;
-            z ^= z >> 7;
-            z ^= z << 17;
-            ((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-fn leaf<const D: usize>(v: &[f64], shape: [usize; D], device: Device, dtype: DType) -> Tensor<D> {
-    let options = TensorCreationOptions::new(device.autodiff()).with_dtype(dtype);
-    Tensor::<D>::from_data(TensorData::new(v.to_vec(), shape), options).require_grad()
-}
-
-fn to_f64<const D: usize>(t: Tensor<D>) -> Vec<f64> {
-    t.into_data().convert::<f64>().try_to_vec::<f64>().unwrap()
-}
-
-/// Largest `|a - b|` relative to the largest `|b|`.
-fn rel_err(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-30);
-    a.iter()
-        .zip(b)
-        .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
-        / scale
+/// Bytes of `device`'s memory that `loss`'s autodiff graph holds between its forward and its
+/// backward, beside the input `x` (which exists before the count starts); the backward then
+/// gives `x` a gradient.
+fn bytes_kept_by_forward<const D: usize>(
+    device: &Device,
+    x: Tensor<D>,
+    loss: impl FnOnce(Tensor<D>) -> Tensor<1>,
+) -> u64 {
+    let in_use = || {
+        device.sync().unwrap();
+        device
+            .memory_pool_usage()
+            .expect("wgpu reports its memory")
+            .bytes_in_use
+    };
+    let before = in_use();
+    let loss = loss(x.clone());
+    let after = in_use();
+    let grads = loss.backward();
+    assert!(x.grad(&grads).is_some());
+    after.saturating_sub(before)
 }
 
 /// Output and projection gradient of `sum(attention(qkv) * w)`.
@@ -164,25 +157,16 @@ fn flash_attention_keeps_no_t_by_t_tensor_for_backward() {
     let _device = device_lock();
     let (t, hd) = (1024, 64);
     let device = wgpu();
+    let qkv = values(t * 3 * hd, 5, 1.0);
     let kept = |flash: bool| {
-        let qkv = values(t * 3 * hd, 5, 1.0);
         let x = leaf(&qkv, [1, t, 3 * hd], device.clone(), DType::F32);
-        device.sync().unwrap();
-        let before = device
-            .memory_pool_usage()
-            .expect("wgpu reports its memory")
-            .bytes_in_use;
-        let y = if flash {
-            causal_attention(x.clone(), 1)
-        } else {
-            composed_causal_attention(x.clone(), 1)
-        };
-        let loss = y.sum();
-        device.sync().unwrap();
-        let after = device.memory_pool_usage().unwrap().bytes_in_use;
-        let grads = loss.backward();
-        assert!(x.grad(&grads).is_some());
-        after.saturating_sub(before)
+        bytes_kept_by_forward(&device, x, |x| {
+            if flash {
+                causal_attention(x, 1).sum()
+            } else {
+                composed_causal_attention(x, 1).sum()
+            }
+        })
     };
     let scores = (t * t * 4) as u64;
     let flash = kept(true);
@@ -257,21 +241,13 @@ fn cross_entropy_keeps_no_row_of_probabilities_for_backward() {
     let kept = |cube: bool| {
         let x = leaf(&values(n * v, 9, 2.0), [n, v], device.clone(), DType::F32);
         let t = Tensor::<1, Int>::from_data(TensorData::new(targets.clone(), [n]), &device);
-        device.sync().unwrap();
-        let before = device
-            .memory_pool_usage()
-            .expect("wgpu reports its memory")
-            .bytes_in_use;
-        let loss = if cube {
-            softmax_cross_entropy(x.clone(), t)
-        } else {
-            composed_softmax_cross_entropy(x.clone(), t)
-        };
-        device.sync().unwrap();
-        let after = device.memory_pool_usage().unwrap().bytes_in_use;
-        let grads = loss.backward();
-        assert!(x.grad(&grads).is_some());
-        after.saturating_sub(before)
+        bytes_kept_by_forward(&device, x, |x| {
+            if cube {
+                softmax_cross_entropy(x, t)
+            } else {
+                composed_softmax_cross_entropy(x, t)
+            }
+        })
     };
     let rows = (n * v * 4) as u64;
     let cube = kept(true);

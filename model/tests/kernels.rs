@@ -2,43 +2,13 @@
 //! every input's gradient) agrees with the same op composed from Burn's ops in f64, which
 //! the model's finite-difference test checks.
 
-use burn::tensor::{DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
+mod common;
+
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use common::{leaf, rel_err, to_f64, values};
 use ember_model::kernels::{
     causal_attention, gelu_tanh, layer_norm, linear, softmax_cross_entropy, uses_fused_kernels,
 };
-
-/// Deterministic values in [-scale, scale).
-fn values(n: usize, seed: u64, scale: f64) -> Vec<f64> {
-    let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            z ^= z << 13;
-            z ^= z >> 7;
-            z ^= z << 17;
-            ((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
-/// A trainable leaf of `shape` in `dtype` on flex with autodiff.
-fn leaf<const D: usize>(v: &[f64], shape: [usize; D], dtype: DType) -> Tensor<D> {
-    let options = TensorCreationOptions::new(Device::flex().autodiff()).with_dtype(dtype);
-    Tensor::<D>::from_data(TensorData::new(v.to_vec(), shape), options).require_grad()
-}
-
-fn to_f64<const D: usize>(t: Tensor<D>) -> Vec<f64> {
-    t.into_data().convert::<f64>().try_to_vec::<f64>().unwrap()
-}
-
-/// Largest `|a - b|` relative to the largest `|b|`.
-fn rel_err(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-30);
-    a.iter()
-        .zip(b)
-        .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
-        / scale
-}
 
 /// Runs `op` on f32 leaves (the fused path) and on f64 leaves (Burn's composed ops), takes
 /// the gradient of `sum(op(inputs) * w)`, and checks output and gradients within `tol`.
@@ -51,12 +21,15 @@ fn check<const D: usize, const E: usize>(
 ) {
     let w = values(out_shape.iter().product(), 99, 1.0);
     let run = |dtype: DType| {
-        let leaves: Vec<Tensor<D>> = inputs.iter().map(|(v, s)| leaf(v, *s, dtype)).collect();
+        let leaves: Vec<Tensor<D>> = inputs
+            .iter()
+            .map(|(v, s)| leaf(v, *s, Device::flex(), dtype))
+            .collect();
         assert_eq!(uses_fused_kernels(&leaves[0]), dtype == DType::F32);
         let out = op(&leaves);
         assert_eq!(out.dims(), out_shape, "{name}: output shape");
         assert_eq!(out.dtype(), dtype, "{name}: output dtype");
-        let weights = leaf(&w, out_shape, dtype).detach();
+        let weights = leaf(&w, out_shape, Device::flex(), dtype).detach();
         let grads = (out.clone() * weights).sum().backward();
         let grads: Vec<Vec<f64>> = leaves
             .iter()

@@ -22,6 +22,8 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
+use super::cube::{ROW_UNITS, cube_max, cube_sum, elem_type, grid_row, row_cubes};
+
 /// Per-row softmax cross-entropy, forward and backward, on CubeCL devices.
 #[backend_extension(Cube, Fusion, Autodiff)]
 pub trait CubeCrossEntropyOps: Backend {
@@ -60,16 +62,6 @@ fn forward_meta(logits: &TensorSpec, _targets: &TensorSpec) -> (TensorSpec, Tens
     )
 }
 
-/// Units per row of the forward: they stride over the row, then reduce in shared memory.
-const UNITS: usize = 256;
-
-/// Row `r` of a grid laid out as `CUBE_COUNT_X` cubes per grid row (so more than 65535 rows
-/// fit one launch).
-#[cube]
-fn grid_row() -> usize {
-    (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
-}
-
 #[cube(launch)]
 fn cross_entropy_forward_kernel<E: Float, I: Int>(
     logits: &Tensor<E>,
@@ -96,20 +88,7 @@ fn cross_entropy_forward_kernel<E: Float, I: Int>(
             j += units;
         }
     }
-    shared[u] = m;
-    sync_cube();
-    // Halving strides over the cube: `units_now` is `units`, at run time, so the loop
-    // variable is a run-time one.
-    let mut step = units_now / 2;
-    while step > 0 {
-        if u < step {
-            shared[u] = max(shared[u], shared[u + step]);
-        }
-        sync_cube();
-        step /= 2;
-    }
-    let top = shared[0];
-    sync_cube();
+    let top = cube_max(m, &mut shared, units_now);
 
     let mut sum = f32::new(0.0);
     if live {
@@ -119,18 +98,9 @@ fn cross_entropy_forward_kernel<E: Float, I: Int>(
             j += units;
         }
     }
-    shared[u] = sum;
-    sync_cube();
-    let mut step = units_now / 2;
-    while step > 0 {
-        if u < step {
-            shared[u] += shared[u + step];
-        }
-        sync_cube();
-        step /= 2;
-    }
+    let total = cube_sum(sum, &mut shared, units_now);
     if live && u == 0 {
-        let l = top + f32::ln(shared[0]);
+        let l = top + f32::ln(total);
         let t = u32::cast_from(targets[r]) as usize;
         let mut picked = f32::new(0.0);
         if t < v {
@@ -163,19 +133,6 @@ fn cross_entropy_backward_kernel<E: Float, I: Int>(
     }
 }
 
-fn dtypes(a: DType, b: DType) -> [ElemType; 2] {
-    [
-        burn::backend::cubecl::dtype_to_storage_type(a),
-        burn::backend::cubecl::dtype_to_storage_type(b),
-    ]
-}
-
-/// A grid of `rows` cubes, at most 65535 along x.
-fn row_cubes(rows: usize) -> CubeCount {
-    let x = rows.clamp(1, 65_535) as u32;
-    CubeCount::Static(x, (rows as u32).div_ceil(x).max(1), 1)
-}
-
 impl CubeCrossEntropyOps for CubeBackend {
     fn cross_entropy_forward(logits: CubeTensor, targets: CubeTensor) -> (CubeTensor, CubeTensor) {
         let logits = into_contiguous(logits);
@@ -184,19 +141,19 @@ impl CubeCrossEntropyOps for CubeBackend {
         let (client, device) = (logits.client.clone(), logits.device.clone());
         let loss = empty_device_dtype(client.clone(), device.clone(), Shape::new([n]), DType::F32);
         let lse = empty_device_dtype(client.clone(), device, Shape::new([n]), DType::F32);
-        let types = dtypes(logits.dtype, targets.dtype);
+        let types = [elem_type(logits.dtype), elem_type(targets.dtype)];
         cross_entropy_forward_kernel::launch(
             &client,
             row_cubes(n),
-            CubeDim::new_1d(UNITS as u32),
+            CubeDim::new_1d(ROW_UNITS as u32),
             logits.into_tensor_arg(),
             targets.into_tensor_arg(),
             loss.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             n,
             v,
-            UNITS,
-            UNITS,
+            ROW_UNITS,
+            ROW_UNITS,
             types,
         );
         (loss, lse)
@@ -215,7 +172,7 @@ impl CubeCrossEntropyOps for CubeBackend {
         let [n, v] = logits.shape().dims::<2>();
         let (client, device, dtype) = (logits.client.clone(), logits.device.clone(), logits.dtype);
         let dlogits = empty_device_dtype(client.clone(), device, Shape::new([n, v]), dtype);
-        let types = dtypes(dtype, targets.dtype);
+        let types = [elem_type(dtype), elem_type(targets.dtype)];
         let cube_dim = CubeDim::new_1d(256);
         let cubes = calculate_cube_count_elemwise(&client, n * v, cube_dim);
         cross_entropy_backward_kernel::launch(

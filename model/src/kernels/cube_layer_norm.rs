@@ -22,6 +22,8 @@ use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::cube::{ROW_UNITS, cube_sum, elem_type, grid_row, row_cubes};
+
 /// LayerNorm over the last dimension, forward and backward, on CubeCL devices.
 #[backend_extension(Cube, Fusion, Autodiff)]
 pub trait CubeLayerNormOps: Backend {
@@ -84,34 +86,6 @@ fn backward_meta(
     _dy: &TensorSpec,
 ) -> (TensorSpec, TensorSpec, TensorSpec) {
     (x.clone(), w.clone(), w.clone())
-}
-
-/// Units per row: they stride over the row, then reduce in shared memory.
-const UNITS: usize = 256;
-
-#[cube]
-fn grid_row() -> usize {
-    (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
-}
-
-/// The sum of every unit's `value` over the cube, in every unit (`units_now` is `units` at run
-/// time, so the halving stride is a run-time variable).
-#[cube]
-fn cube_sum(value: f32, shared: &mut Shared<[f32]>, units_now: usize) -> f32 {
-    let u = UNIT_POS_X as usize;
-    shared[u] = value;
-    sync_cube();
-    let mut step = units_now / 2;
-    while step > 0 {
-        if u < step {
-            shared[u] += shared[u + step];
-        }
-        sync_cube();
-        step /= 2;
-    }
-    let total = shared[0];
-    sync_cube();
-    total
 }
 
 #[cube(launch)]
@@ -245,16 +219,6 @@ fn layer_norm_backward_dwdb_kernel<E: Float>(
     }
 }
 
-fn storage(dtype: DType) -> ElemType {
-    burn::backend::cubecl::dtype_to_storage_type(dtype)
-}
-
-/// A grid of `rows` cubes, at most 65535 along x.
-fn row_cubes(rows: usize) -> CubeCount {
-    let x = rows.clamp(1, 65_535) as u32;
-    CubeCount::Static(x, (rows as u32).div_ceil(x).max(1), 1)
-}
-
 impl CubeLayerNormOps for CubeBackend {
     fn cube_layer_norm_forward(
         x: CubeTensor,
@@ -278,7 +242,7 @@ impl CubeLayerNormOps for CubeBackend {
         layer_norm_forward_kernel::launch(
             &client,
             row_cubes(rows),
-            CubeDim::new_1d(UNITS as u32),
+            CubeDim::new_1d(ROW_UNITS as u32),
             x.into_tensor_arg(),
             w.into_tensor_arg(),
             b.into_tensor_arg(),
@@ -288,9 +252,9 @@ impl CubeLayerNormOps for CubeBackend {
             rows,
             d,
             eps as f32,
-            UNITS,
-            UNITS,
-            storage(dtype),
+            ROW_UNITS,
+            ROW_UNITS,
+            elem_type(dtype),
         );
         (y, mean, rstd)
     }
@@ -318,7 +282,7 @@ impl CubeLayerNormOps for CubeBackend {
         layer_norm_backward_dx_kernel::launch(
             &client,
             row_cubes(rows),
-            CubeDim::new_1d(UNITS as u32),
+            CubeDim::new_1d(ROW_UNITS as u32),
             x.clone().into_tensor_arg(),
             w.into_tensor_arg(),
             mean.clone().into_tensor_arg(),
@@ -327,9 +291,9 @@ impl CubeLayerNormOps for CubeBackend {
             dx.clone().into_tensor_arg(),
             rows,
             d,
-            UNITS,
-            UNITS,
-            storage(dtype),
+            ROW_UNITS,
+            ROW_UNITS,
+            elem_type(dtype),
         );
         let cube_dim = CubeDim::new_1d(64);
         layer_norm_backward_dwdb_kernel::launch(
@@ -344,7 +308,7 @@ impl CubeLayerNormOps for CubeBackend {
             db.clone().into_tensor_arg(),
             rows,
             d,
-            storage(dtype),
+            elem_type(dtype),
         );
         (dx, dw, db)
     }

@@ -33,6 +33,8 @@ use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::cube::elem_type;
+
 /// Causal attention of a packed projection, forward and backward, on CubeCL devices.
 #[backend_extension(Cube, Fusion, Autodiff)]
 pub trait FlashOps: Backend {
@@ -93,6 +95,28 @@ fn block_for(hd: usize) -> usize {
         .unwrap_or(4)
 }
 
+/// This unit's key and value rows of one head (the columns `d` and `2d` past `at` in the
+/// packed projection), widened to f32, into its slot of the cube's key and value blocks;
+/// nothing for a row past the sequence.
+#[cube]
+fn stage_key<E: Float>(
+    qkv: &Tensor<E>,
+    ks: &mut Shared<[f32]>,
+    vs: &mut Shared<[f32]>,
+    at: usize,
+    d: usize,
+    live: bool,
+    #[comptime] hd: usize,
+) {
+    if live {
+        let slot = UNIT_POS_X as usize * hd;
+        for c in 0..hd {
+            ks[slot + c] = f32::cast_from(qkv[at + d + c]);
+            vs[slot + c] = f32::cast_from(qkv[at + 2 * d + c]);
+        }
+    }
+}
+
 #[cube(launch)]
 fn flash_forward_kernel<E: Float>(
     qkv: &Tensor<E>,
@@ -136,12 +160,15 @@ fn flash_forward_kernel<E: Float>(
 
     for kb in 0..qb + 1 {
         let j = kb * block + u;
-        if j < seq {
-            for c in 0..hd {
-                ks[u * hd + c] = f32::cast_from(qkv[base + j * row + d + h * hd + c]);
-                vs[u * hd + c] = f32::cast_from(qkv[base + j * row + 2 * d + h * hd + c]);
-            }
-        }
+        stage_key::<E>(
+            qkv,
+            &mut ks,
+            &mut vs,
+            base + j * row + h * hd,
+            d,
+            j < seq,
+            hd,
+        );
         sync_cube();
         if valid {
             let mut top = m;
@@ -234,12 +261,15 @@ fn flash_backward_dq_kernel<E: Float>(
 
     for kb in 0..qb + 1 {
         let j = kb * block + u;
-        if j < seq {
-            for c in 0..hd {
-                ks[u * hd + c] = f32::cast_from(qkv[base + j * row + d + h * hd + c]);
-                vs[u * hd + c] = f32::cast_from(qkv[base + j * row + 2 * d + h * hd + c]);
-            }
-        }
+        stage_key::<E>(
+            qkv,
+            &mut ks,
+            &mut vs,
+            base + j * row + h * hd,
+            d,
+            j < seq,
+            hd,
+        );
         sync_cube();
         if valid {
             for jj in 0..block {
@@ -362,10 +392,6 @@ fn geometry(qkv: &CubeTensor, n_head: usize) -> (usize, usize, usize, usize, usi
     (b, t, d, hd, block, cubes)
 }
 
-fn storage(dtype: DType) -> ElemType {
-    burn::backend::cubecl::dtype_to_storage_type(dtype)
-}
-
 impl FlashOps for CubeBackend {
     fn flash_forward(qkv: CubeTensor, n_head: usize) -> (CubeTensor, CubeTensor) {
         let qkv = into_contiguous(qkv);
@@ -390,7 +416,7 @@ impl FlashOps for CubeBackend {
             hd,
             n_head,
             block,
-            storage(dtype),
+            elem_type(dtype),
         );
         (out, lse)
     }
@@ -431,7 +457,7 @@ impl FlashOps for CubeBackend {
             hd,
             n_head,
             block,
-            storage(dtype),
+            elem_type(dtype),
         );
         flash_backward_dkdv_kernel::launch(
             &client,
@@ -447,7 +473,7 @@ impl FlashOps for CubeBackend {
             hd,
             n_head,
             block,
-            storage(dtype),
+            elem_type(dtype),
         );
         dqkv
     }

@@ -21,6 +21,8 @@ mod attention;
 mod avx512;
 mod bf16;
 #[cfg(feature = "cubecl")]
+mod cube;
+#[cfg(feature = "cubecl")]
 mod cube_cross_entropy;
 #[cfg(feature = "cubecl")]
 mod cube_layer_norm;

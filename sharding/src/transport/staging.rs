@@ -16,17 +16,12 @@ use serde::{Deserialize, Serialize};
 /// the tensor it reads, since reading a device tensor waits for them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Staging {
-    /// Seconds spent inside crossings (threads overlapping each other count twice).
-    pub seconds: f64,
     /// Seconds of the crossings from the device to the host.
-    #[serde(default)]
     pub to_host_seconds: f64,
     /// Seconds of the crossings from the host to the device.
-    #[serde(default)]
     pub to_device_seconds: f64,
     /// Seconds of the crossings made on the thread that called [`Staging::take`] (the
     /// training thread, for a step's report): the part of its time they hold up directly.
-    #[serde(default)]
     pub this_thread_seconds: f64,
     /// Bytes read back from the device.
     pub to_host_bytes: u64,
@@ -47,16 +42,19 @@ thread_local! {
 impl Staging {
     /// The crossings since the last call, process-wide; the counters restart at zero.
     pub fn take() -> Self {
-        let to_host_seconds = TO_HOST_NANOS.swap(0, Ordering::Relaxed) as f64 * 1e-9;
-        let to_device_seconds = TO_DEVICE_NANOS.swap(0, Ordering::Relaxed) as f64 * 1e-9;
         Self {
-            seconds: to_host_seconds + to_device_seconds,
-            to_host_seconds,
-            to_device_seconds,
+            to_host_seconds: TO_HOST_NANOS.swap(0, Ordering::Relaxed) as f64 * 1e-9,
+            to_device_seconds: TO_DEVICE_NANOS.swap(0, Ordering::Relaxed) as f64 * 1e-9,
             this_thread_seconds: THIS_THREAD_NANOS.with(|n| n.replace(0)) as f64 * 1e-9,
             to_host_bytes: TO_HOST.swap(0, Ordering::Relaxed),
             to_device_bytes: TO_DEVICE.swap(0, Ordering::Relaxed),
         }
+    }
+
+    /// Seconds spent inside crossings either way (threads overlapping each other count
+    /// twice).
+    pub fn seconds(&self) -> f64 {
+        self.to_host_seconds + self.to_device_seconds
     }
 
     /// Bytes per second from the device to the host (`None` where nothing crossed).

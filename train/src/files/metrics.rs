@@ -146,7 +146,6 @@ impl StepSplit {
     pub fn from_words(w: &[[u8; 8]; Self::WORDS]) -> Self {
         let f = |i: usize| f64::from_le_bytes(w[i]);
         let staging = ember_sharding::Staging {
-            seconds: f(3) + f(5),
             to_host_seconds: f(3),
             to_device_seconds: f(5),
             this_thread_seconds: f(2),
@@ -356,7 +355,6 @@ mod tests {
     #[test]
     fn a_step_split_crosses_ranks_whole_and_leaves_compute_what_the_rest_leave() {
         let staging = ember_sharding::Staging {
-            seconds: 0.5,
             to_host_seconds: 0.2,
             to_device_seconds: 0.3,
             this_thread_seconds: 0.25,

@@ -279,8 +279,8 @@ impl Trainee for GptRun<'_, '_> {
             m.comm_bytes = Some(traffic_by_name(comm, &r.traffic));
             m.comm_wait_frac = Some(r.comm_wait_s / r.step_s.max(1e-9));
             m.plan_bytes = Some(self.plan_bytes);
-            m.staging_s = Some(r.staging.seconds);
-            m.staging_frac = Some(r.staging.seconds / r.step_s.max(1e-9));
+            m.staging_s = Some(r.staging.seconds());
+            m.staging_frac = Some(r.staging.seconds() / r.step_s.max(1e-9));
             m.staging_bytes = Some(r.staging.to_host_bytes + r.staging.to_device_bytes);
             let off = r.traffic.off_gpu();
             let split = StepSplit::new(r.step_s, r.comm_wait_s, &r.staging);
