@@ -782,3 +782,62 @@ fn launch_refuses_what_a_restart_would_not_fix() {
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0]["event"], "gave_up");
 }
+
+/// A GPU run keeps autotune's choices in the kernel cache (`--kernel-cache DIR`), and the next
+/// run of the same shapes starts from them and says so; `off` keeps nothing; a file where the
+/// folder should be is refused before anything runs.
+#[test]
+fn the_kernel_cache_carries_autotune_from_one_run_to_the_next() {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    refused(
+        &["--kernel-cache", path(file.path()), "bench", "train"],
+        2,
+        "not a folder",
+    );
+    if !cfg!(feature = "wgpu") {
+        eprintln!("the kernel cache is CubeCL's: this build has no CubeCL device to run it on");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("kernels");
+    let bench = |cache: &str| {
+        let out = ok(&[
+            "--kernel-cache",
+            cache,
+            "bench",
+            "train",
+            "--device",
+            "wgpu",
+            "--presets",
+            "tiny",
+            "--batch-size",
+            "2",
+            "--block-size",
+            "32",
+            "--vocab-size",
+            "512",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--json",
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (stderr, json["kernel_cache"].clone())
+    };
+    let (log, first) = bench(path(&cache));
+    assert!(log.contains("is empty: this run tunes"), "{log}");
+    assert_eq!(first["tuned"], 0, "{first}");
+    assert!(cache.is_dir(), "{}", cache.display());
+    let (log, second) = bench(path(&cache));
+    let tuned = second["tuned"].as_u64().unwrap();
+    assert!(
+        tuned > 0,
+        "the second run found nothing the first kept: {second}"
+    );
+    assert!(log.contains(&format!("{tuned} autotune results")), "{log}");
+    let (log, off) = bench("off");
+    assert!(log.contains("kernel cache off"), "{log}");
+    assert_eq!(off["dir"], serde_json::Value::Null, "{off}");
+}

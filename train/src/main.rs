@@ -16,11 +16,16 @@ use cli::launch::LaunchArgs;
 use cli::layout::{PlanArgs, ReshardArgs};
 use cli::selftest::SelftestArgs;
 use cli::train::TrainArgs;
+use ember_train::run::kernel_cache::KernelCache;
 
 /// Train GPT models in Rust, single-process or sharded (see README.md).
 #[derive(Debug, Parser)]
 #[command(name = "ember", version, about, long_about = None)]
 struct Cli {
+    /// Where GPU runs keep autotune's choices and compiled kernels between runs (a folder, or
+    /// `off`); default `EMBER_KERNEL_CACHE`, else `kernels` in ember's cache folder
+    #[arg(long, global = true, value_name = "DIR|off")]
+    kernel_cache: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -90,24 +95,9 @@ fn main() -> ExitCode {
             default(info);
         }));
     }
-    let result = match cli.command {
-        Command::Train(args) => cli::train::run(args),
-        Command::Generate(args) => cli::inspect::generate_cmd(args),
-        Command::Eval(args) => cli::inspect::eval_cmd(args),
-        Command::Prepare(args) => cli::inspect::prepare(args),
-        Command::Plan(args) => cli::layout::plan_cmd(args),
-        Command::Reshard(args) => cli::layout::reshard_cmd(args),
-        Command::Export(args) => cli::inspect::export_cmd(args),
-        Command::Bench(BenchCommand::Train(args)) => bench::bench_train(args),
-        Command::Bench(BenchCommand::Comm(args)) => bench::bench_comm(args),
-        Command::Bench(BenchCommand::Shard(args)) => bench::bench_shard(args),
-        Command::Cluster(command) => cli::cluster::run(command),
-        Command::Selftest(args) => cli::selftest::run(args),
-        Command::Launch(args) => cli::launch::run(args),
-        Command::ProbeBack { addr, port, token } => {
-            ember_train::run::launch::probe_back(&addr, port, &token).map_err(Into::into)
-        }
-    };
+    let result = KernelCache::resolve(cli.kernel_cache.as_deref())
+        .map(KernelCache::choose)
+        .and_then(|()| run(cli.command));
     match result {
         Ok(()) => {
             if let Some(r) = records {
@@ -130,6 +120,28 @@ fn main() -> ExitCode {
                 std::thread::sleep(REPORT_GRACE);
             }
             ExitCode::from(e.exit_code() as u8)
+        }
+    }
+}
+
+/// Runs one command.
+fn run(command: Command) -> ember_train::error::CliResult<()> {
+    match command {
+        Command::Train(args) => cli::train::run(args),
+        Command::Generate(args) => cli::inspect::generate_cmd(args),
+        Command::Eval(args) => cli::inspect::eval_cmd(args),
+        Command::Prepare(args) => cli::inspect::prepare(args),
+        Command::Plan(args) => cli::layout::plan_cmd(args),
+        Command::Reshard(args) => cli::layout::reshard_cmd(args),
+        Command::Export(args) => cli::inspect::export_cmd(args),
+        Command::Bench(BenchCommand::Train(args)) => bench::bench_train(args),
+        Command::Bench(BenchCommand::Comm(args)) => bench::bench_comm(args),
+        Command::Bench(BenchCommand::Shard(args)) => bench::bench_shard(args),
+        Command::Cluster(command) => cli::cluster::run(command),
+        Command::Selftest(args) => cli::selftest::run(args),
+        Command::Launch(args) => cli::launch::run(args),
+        Command::ProbeBack { addr, port, token } => {
+            ember_train::run::launch::probe_back(&addr, port, &token).map_err(Into::into)
         }
     }
 }

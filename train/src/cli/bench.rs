@@ -396,7 +396,7 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
         } else {
             println!(
                 "{:<10} {:>6} {:>4}{} {:>8.2}M params  batch {} x {}  {} threads  {:>8.1} ms/step  \
-                 {:>8.0} tok/s  {:>6.1} GFLOP/s  MFU {}",
+                 {:>8.0} tok/s  {:>6.1} GFLOP/s  MFU {}  first step {:.1} ms",
                 r.preset,
                 r.device,
                 r.dtype,
@@ -413,6 +413,7 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
                 r.tokens_per_s,
                 r.gflops,
                 r.mfu.map_or("n/a".into(), |m| format!("{:.1}%", m * 100.0)),
+                r.first_step_ms,
             );
         }
     }

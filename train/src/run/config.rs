@@ -66,6 +66,13 @@ pub enum DeviceKind {
     Rocm(Option<usize>),
 }
 
+impl DeviceKind {
+    /// Whether the device is one of CubeCL's (its memory the device's own).
+    pub fn is_cubecl(self) -> bool {
+        matches!(self, Self::Wgpu | Self::Cuda(_) | Self::Rocm(_))
+    }
+}
+
 impl std::str::FromStr for DeviceKind {
     type Err = String;
 

@@ -7,8 +7,13 @@ use crate::error::{CliResult, usage};
 use crate::run::config::DeviceKind;
 
 /// The (non-autodiff) device for `kind`, or a usage error saying how to build it in, or that
-/// this machine has no such GPU.
+/// this machine has no such GPU. A CubeCL device starts with the chosen kernel cache
+/// ([`crate::run::kernel_cache`]).
 pub fn device(kind: DeviceKind) -> CliResult<Device> {
+    #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
+    if kind.is_cubecl() {
+        crate::run::kernel_cache::configure(kind);
+    }
     let missing = |feature: &str| {
         usage(format!(
             "--device {feature} needs a binary built with it: \

@@ -226,6 +226,17 @@ impl RunSetup {
         let rank = comm.rank();
         let (mut config, resume, init) = Self::layered(comm, args)?;
         let device = device::device(config.device)?;
+        #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
+        if config.device.is_cubecl() {
+            static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                log0!(
+                    rank,
+                    "{}",
+                    crate::run::kernel_cache::configure(config.device).line()
+                );
+            }
+        }
         if config.dtype == Dtype::Bf16 && !device.supports_dtype(burn::tensor::DType::BF16) {
             return Err(usage(format!(
                 "--dtype bf16 is not supported by --device {:?}; use --dtype f32",

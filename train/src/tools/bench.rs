@@ -53,6 +53,11 @@ pub struct TrainBench {
     pub peak_gflops: Option<f64>,
     /// Model FLOPs utilisation.
     pub mfu: Option<f64>,
+    /// The first step, ms: on a GPU, the step that compiles and autotunes what the cache
+    /// (`kernel_cache`) did not hold.
+    pub first_step_ms: f64,
+    /// What the kernel cache held when the process started its device (CubeCL devices).
+    pub kernel_cache: Option<crate::run::kernel_cache::Warmth>,
     /// The model's shape.
     #[serde(skip)]
     pub model: ember_model::GptConfig,
@@ -81,11 +86,9 @@ pub fn bench_train(
         let arithmetic = plan.module_dtype;
         let mut run = GptRun::start(comm, &mut setup, plan)?;
         let (stepped, _) = run_loop::run(&mut run, &config, 0, 0, Output::Quiet)?;
-        out.push(summarise(
-            &config,
-            arithmetic,
-            step_times(&stepped, warmup),
-        )?);
+        let mut bench = summarise(&config, arithmetic, step_times(&stepped, warmup))?;
+        bench.first_step_ms = stepped.first().map_or(f64::NAN, |s| s.step_s * 1e3);
+        out.push(bench);
     }
     Ok(out)
 }
@@ -143,8 +146,22 @@ fn summarise(
         arithmetic: arithmetic.to_string(),
         peak_gflops: peak.map(|p| p / 1e9),
         mfu: peak.map(|p| flops / p),
+        first_step_ms: f64::NAN,
+        kernel_cache: kernel_cache(config.device),
         model: config.model.clone(),
     })
+}
+
+/// What the kernel cache held at the start, on a CubeCL device.
+fn kernel_cache(
+    device: crate::run::config::DeviceKind,
+) -> Option<crate::run::kernel_cache::Warmth> {
+    #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
+    if device.is_cubecl() {
+        return Some(crate::run::kernel_cache::configure(device).clone());
+    }
+    let _ = device;
+    None
 }
 
 /// One preset of `ember bench shard`, as rank 0 measured it.
