@@ -9,7 +9,7 @@ use burn::tensor::Tensor;
 use crate::config::GptConfig;
 use crate::dropout::{DropoutKey, dropout};
 pub use crate::kernels::gelu_tanh;
-use crate::kernels::{causal_attention, layer_norm, linear as fused_linear};
+use crate::kernels::{causal_attention, layer_norm, linear as fused_linear, linear_gelu};
 use crate::layout::Params;
 
 /// GPT-2's LayerNorm epsilon (`layer_norm_epsilon = 1e-5`).
@@ -109,7 +109,7 @@ impl Mlp {
     /// - x: `[B, T, d]`
     /// - output: `[B, T, d]`
     pub fn forward(&self, x: Tensor<3>, key: Option<&DropoutKey>, site: u64) -> Tensor<3> {
-        let x = gelu_tanh(fused_linear(x, &self.c_fc)); // [B, T, 4d]
+        let x = linear_gelu(x, &self.c_fc); // [B, T, 4d]
         dropout(fused_linear(x, &self.c_proj), self.dropout, key, site)
     }
 }

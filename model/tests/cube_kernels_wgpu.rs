@@ -9,16 +9,22 @@
 //!   one cube's units, and the memory kept after the forward (the composed op keeps the
 //!   `[N, V]` log-probabilities);
 //! - LayerNorm: the output and the gradients of the input, weight and bias, at widths below and
-//!   above one cube's units.
+//!   above one cube's units;
+//! - the MLP's expansion with its bias and GELU: the output and the gradients of the input,
+//!   weight and bias, and the memory kept after the forward (the composed op keeps four
+//!   tensors of the output's size).
 #![cfg(feature = "wgpu")]
 
 mod common;
 
+use burn::module::Param;
+use burn::nn::Linear;
 use burn::tensor::{DType, Device, DeviceKind, Int, Tensor, TensorData};
 use common::{leaf, rel_err, to_f64, values};
 use ember_model::kernels::{
-    causal_attention, composed_causal_attention, composed_softmax_cross_entropy, layer_norm,
-    softmax_cross_entropy, uses_cube_kernels,
+    causal_attention, composed_causal_attention, composed_linear_gelu,
+    composed_softmax_cross_entropy, layer_norm, linear_gelu, softmax_cross_entropy,
+    uses_cube_kernels,
 };
 
 fn wgpu() -> Device {
@@ -327,4 +333,128 @@ fn layer_norm_matches_the_composed_op() {
     if wgpu().supports_dtype(DType::F16) {
         check_layer_norm(15, 300, DType::F16, 2f64.powi(-9));
     }
+}
+
+/// Output and the input's, weight's and bias's gradients of `sum(linear_gelu(x) * w)`, through
+/// ember's op (`cube`) or the composed one.
+fn run_linear_gelu(
+    vals: &[Vec<f64>; 4],
+    [b, t, d_in, d_out]: [usize; 4],
+    device: Device,
+    dtype: DType,
+    cube: bool,
+) -> Vec<Vec<f64>> {
+    let x = leaf(&vals[0], [b, t, d_in], device.clone(), dtype);
+    let weight = leaf(&vals[1], [d_in, d_out], device.clone(), dtype);
+    let bias = leaf(&vals[2], [d_out], device.clone(), dtype);
+    let layer = Linear {
+        weight: Param::from_tensor(weight.clone()),
+        bias: Some(Param::from_tensor(bias.clone())),
+    };
+    let y = if cube {
+        assert!(uses_cube_kernels(&x));
+        linear_gelu(x.clone(), &layer)
+    } else {
+        composed_linear_gelu(x.clone(), &layer)
+    };
+    let w = leaf(&vals[3], [b, t, d_out], device, dtype).detach();
+    let grads = (y.clone() * w).sum().backward();
+    let some = "every input gets a gradient";
+    vec![
+        to_f64(y.detach()),
+        to_f64(x.grad(&grads).expect(some)),
+        to_f64(weight.grad(&grads).expect(some)),
+        to_f64(bias.grad(&grads).expect(some)),
+    ]
+}
+
+fn check_linear_gelu(dims: [usize; 4], dtype: DType, tol: f64) {
+    let [b, t, d_in, d_out] = dims;
+    let vals = [
+        rounded(&values(b * t * d_in, 31 + d_out as u64, 2.0), dtype),
+        rounded(&values(d_in * d_out, 32, 0.5), dtype),
+        rounded(&values(d_out, 33, 1.0), dtype),
+        rounded(&values(b * t * d_out, 34, 1.0), dtype),
+    ];
+    let got = run_linear_gelu(&vals, dims, wgpu(), dtype, true);
+    let want = run_linear_gelu(&vals, dims, Device::flex(), DType::F64, false);
+    for (what, (g, w)) in [
+        "output",
+        "input gradient",
+        "weight gradient",
+        "bias gradient",
+    ]
+    .iter()
+    .zip(got.iter().zip(&want))
+    {
+        let e = rel_err(g, w);
+        eprintln!("linear + GELU {dims:?} {dtype:?}: {what} {e:.2e}");
+        assert!(
+            e < tol,
+            "linear + GELU {dims:?} {dtype:?}: {what} differs by {e:e}"
+        );
+    }
+}
+
+/// f32 within 1e-5 of the f64 reference, relative to each result's largest element (measured
+/// at most 5.7e-7); f16, where the device has it, within 2^-9 (measured at most 6.3e-4: the
+/// product before the bias is Burn's, rounded to f16 once, and the weight's and bias's
+/// gradients are sums over the rows).
+#[test]
+fn linear_gelu_matches_the_composed_op() {
+    let _device = device_lock();
+    check_linear_gelu([2, 7, 24, 96], DType::F32, 1e-5);
+    check_linear_gelu([1, 33, 64, 40], DType::F32, 1e-5);
+    if wgpu().supports_dtype(DType::F16) {
+        check_linear_gelu([2, 7, 24, 96], DType::F16, 2f64.powi(-9));
+    }
+}
+
+/// The CubeCL op keeps the product before the bias for backward (beside the input and the
+/// weight, which exist before the forward); the composed op keeps four tensors of the output's
+/// size (measured on lavapipe), its biased output, its square and its sigmoid among them.
+#[test]
+fn linear_gelu_keeps_one_tensor_of_its_output_for_backward() {
+    let _device = device_lock();
+    let (rows, d_in, d_out) = (256, 64, 1024);
+    let device = wgpu();
+    let out = (rows * d_out * 4) as u64;
+    let kept = |cube: bool| {
+        let x = leaf(
+            &values(rows * d_in, 41, 1.0),
+            [1, rows, d_in],
+            device.clone(),
+            DType::F32,
+        );
+        let layer = Linear {
+            weight: Param::from_tensor(leaf(
+                &values(d_in * d_out, 42, 0.2),
+                [d_in, d_out],
+                device.clone(),
+                DType::F32,
+            )),
+            bias: Some(Param::from_tensor(leaf(
+                &values(d_out, 43, 0.2),
+                [d_out],
+                device.clone(),
+                DType::F32,
+            ))),
+        };
+        bytes_kept_by_forward(&device, x, |x| {
+            let y = if cube {
+                linear_gelu(x, &layer)
+            } else {
+                composed_linear_gelu(x, &layer)
+            };
+            y.sum().reshape([1])
+        })
+    };
+    let cube = kept(true);
+    let composed = kept(false);
+    eprintln!("kept after the forward: CubeCL {cube} B, composed {composed} B, output {out} B");
+    assert!(cube < 2 * out, "the CubeCL op keeps {cube} B");
+    assert!(
+        composed >= 3 * out,
+        "the composed op keeps {composed} B: the check would not see its three tensors"
+    );
 }

@@ -8,7 +8,8 @@
 //! `Autodiff<Flex>`. The functions below take the fused path on a `flex` device with f32 or
 //! bf16 tensors. With the `cubecl` feature, attention, cross-entropy and LayerNorm on a CubeCL
 //! device (wgpu, CUDA, ROCm) take ember's CubeCL kernels instead (`flash.rs`,
-//! `cube_cross_entropy.rs`, `cube_layer_norm.rs`, each its own backend extension). Everything
+//! `cube_cross_entropy.rs`, `cube_layer_norm.rs`, each its own backend extension), and so do
+//! the MLP's bias and GELU (`cube_gelu.rs`). Everything
 //! else composes Burn's ops (ndarray, f64, and the other ops on CubeCL devices), so the op
 //! definitions are the same on every backend.
 //!
@@ -24,6 +25,8 @@ mod bf16;
 mod cube;
 #[cfg(feature = "cubecl")]
 mod cube_cross_entropy;
+#[cfg(feature = "cubecl")]
+mod cube_gelu;
 #[cfg(feature = "cubecl")]
 mod cube_layer_norm;
 #[cfg(feature = "cubecl")]
@@ -52,6 +55,8 @@ use bf16::Precision;
 pub use bf16::{BF16_DOT_PAYS_FROM, bf16_dot_pays, has_bf16_dot};
 #[cfg(feature = "cubecl")]
 pub use cube_cross_entropy::CubeCrossEntropyOps;
+#[cfg(feature = "cubecl")]
+pub use cube_gelu::CubeGeluOps;
 #[cfg(feature = "cubecl")]
 pub use cube_layer_norm::CubeLayerNormOps;
 #[cfg(feature = "cubecl")]
@@ -137,10 +142,43 @@ pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     if uses_fused_kernels(&x) {
         return Tensor::from_dispatch(Dispatch::fused_gelu_tanh(x.into_dispatch()));
     }
+    composed_gelu_tanh(x)
+}
+
+/// [`gelu_tanh`] composed of Burn's ops on any backend.
+fn composed_gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
     let cube = x.clone() * x.clone() * x.clone();
     let u2 = (x.clone() + cube * 0.044715) * (2.0 * SQRT_2_OVER_PI);
     x * sigmoid(u2)
+}
+
+/// `gelu_tanh(linear(x, layer))`: the MLP's expansion. On a CubeCL device the product is
+/// Burn's and the bias and GELU one kernel each way (`cube_gelu.rs`), keeping only the product
+/// for backward; elsewhere [`linear`] then [`gelu_tanh`].
+///
+/// # Shapes
+/// - x: `[..., d_in]`
+/// - output: `[..., d_out]`
+pub fn linear_gelu<const D: usize>(x: Tensor<D>, layer: &Linear) -> Tensor<D> {
+    #[cfg(feature = "cubecl")]
+    if let Some(bias) = &layer.bias
+        && uses_cube_kernels(&x)
+        && bias.val().dtype() == x.dtype()
+    {
+        let h = burn::tensor::module::linear(x, layer.weight.val(), None);
+        return Tensor::from_dispatch(Dispatch::cube_bias_gelu(
+            h.into_dispatch(),
+            bias.val().into_dispatch(),
+        ));
+    }
+    gelu_tanh(linear(x, layer))
+}
+
+/// [`linear_gelu`] composed of Burn's ops on any backend: the definition the CubeCL kernels
+/// are tested against.
+pub fn composed_linear_gelu<const D: usize>(x: Tensor<D>, layer: &Linear) -> Tensor<D> {
+    composed_gelu_tanh(layer.forward(x))
 }
 
 /// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * weight + bias`.
@@ -195,8 +233,8 @@ pub fn causal_attention(qkv: Tensor<3>, n_head: usize) -> Tensor<3> {
 }
 
 /// Whether ops on `x` take ember's CubeCL kernels (attention in `flash.rs`, cross-entropy in
-/// `cube_cross_entropy.rs`, LayerNorm in `cube_layer_norm.rs`): a float tensor on a CubeCL
-/// device (wgpu, CUDA, ROCm).
+/// `cube_cross_entropy.rs`, LayerNorm in `cube_layer_norm.rs`, the MLP's bias and GELU in
+/// `cube_gelu.rs`): a float tensor on a CubeCL device (wgpu, CUDA, ROCm).
 #[cfg(feature = "cubecl")]
 pub fn uses_cube_kernels<const D: usize>(x: &Tensor<D>) -> bool {
     matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
