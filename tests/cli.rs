@@ -841,3 +841,61 @@ fn the_kernel_cache_carries_autotune_from_one_run_to_the_next() {
     assert!(log.contains("kernel cache off"), "{log}");
     assert_eq!(off["dir"], serde_json::Value::Null, "{off}");
 }
+
+/// `ember bench matmul` times every product of a step (three per linear layer, the head's
+/// once, the blocks' once per layer) on each device this build has, and refuses a preset it
+/// does not know.
+#[test]
+fn bench_matmul_times_every_product_of_a_step() {
+    refused(
+        &["bench", "matmul", "--preset", "gpt5"],
+        2,
+        "--preset gpt5: no such preset",
+    );
+    let mut devices = vec!["flex"];
+    if cfg!(feature = "wgpu") {
+        devices.push("wgpu");
+    }
+    for device in devices {
+        let out = ok(&[
+            "bench",
+            "matmul",
+            "--device",
+            device,
+            "--preset",
+            "tiny",
+            "--batch-size",
+            "2",
+            "--block-size",
+            "32",
+            "--vocab-size",
+            "300",
+            "--rounds",
+            "2",
+            "--per-round",
+            "2",
+            "--json",
+        ]);
+        let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 15, "{device}: {rows:?}");
+        let layers = ember_model::GptConfig::preset("tiny").unwrap().n_layer as u64;
+        for r in &rows {
+            let name = r["name"].as_str().unwrap();
+            let per_step = if name.starts_with("lm_head") {
+                1
+            } else {
+                layers
+            };
+            assert_eq!(r["per_step"], per_step, "{device}: {r}");
+            let dims = ["m", "k", "n"].map(|k| r[k].as_f64().unwrap());
+            let (ms, tflops) = (r["ms"].as_f64().unwrap(), r["tflops"].as_f64().unwrap());
+            assert!(ms > 0.0 && ms.is_finite(), "{device}: {r}");
+            let want = 2.0 * dims.iter().product::<f64>() / (ms * 1e-3) / 1e12;
+            assert!((tflops - want).abs() <= 1e-9 * want, "{device}: {r}");
+            assert!(dims.contains(&64.0), "tiny's width is 64: {r}");
+        }
+    }
+}

@@ -137,6 +137,7 @@ fn run(command: Command) -> ember_train::error::CliResult<()> {
         Command::Bench(BenchCommand::Train(args)) => bench::bench_train(args),
         Command::Bench(BenchCommand::Comm(args)) => bench::bench_comm(args),
         Command::Bench(BenchCommand::Shard(args)) => bench::bench_shard(args),
+        Command::Bench(BenchCommand::Matmul(args)) => bench::bench_matmul(args),
         Command::Cluster(command) => cli::cluster::run(command),
         Command::Selftest(args) => cli::selftest::run(args),
         Command::Launch(args) => cli::launch::run(args),

@@ -4,7 +4,7 @@
 use clap::{Args, Subcommand};
 
 use ember_train::error::{CliResult, usage};
-use ember_train::run::config::TrainOverrides;
+use ember_train::run::config::{DeviceKind, Dtype, TrainOverrides};
 use ember_train::run::shard_args::ShardArgs;
 use ember_train::tools::bench;
 use ember_train::tools::planning::load_profile;
@@ -24,6 +24,41 @@ pub enum BenchCommand {
     /// `ember plan`'s predictions (run under mpirun; rank 0 prints)
     #[command(allow_negative_numbers = true)]
     Shard(BenchShardArgs),
+    /// The matrix products of one training step, each timed alone as Burn's matmul (what a
+    /// GPU step runs; on flex the step's linear layers run ember's own products instead), with
+    /// its TFLOP/s
+    Matmul(BenchMatmulArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchMatmulArgs {
+    /// The device: flex, wgpu, cuda[:I] or rocm[:I] (those this binary was built with)
+    #[arg(long, default_value = "flex")]
+    pub device: DeviceKind,
+    /// Floating-point type of the operands
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: Dtype,
+    /// Model preset whose step's products are timed
+    #[arg(long, default_value = "gpt2")]
+    pub preset: String,
+    /// Sequences per step
+    #[arg(long, default_value_t = 8)]
+    pub batch_size: usize,
+    /// Tokens per sequence
+    #[arg(long, default_value_t = 1024)]
+    pub block_size: usize,
+    /// Vocabulary size of the head [default: the preset's]
+    #[arg(long)]
+    pub vocab_size: Option<usize>,
+    /// Timed rounds per product (the median is reported)
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Products back to back per round
+    #[arg(long, default_value_t = 10)]
+    pub per_round: usize,
+    /// One JSON object per line instead of a table
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -416,6 +451,72 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
                 r.first_step_ms,
             );
         }
+    }
+    Ok(())
+}
+
+pub fn bench_matmul(args: BenchMatmulArgs) -> CliResult<()> {
+    use ember_train::tools::products::{bench_products, step_products};
+    let model = ember_model::GptConfig::preset(&args.preset).ok_or_else(|| {
+        usage(format!(
+            "--preset {}: no such preset; use one of {}",
+            args.preset,
+            ember_model::PRESETS.join(", ")
+        ))
+    })?;
+    if args.batch_size == 0 || args.block_size == 0 || args.vocab_size == Some(0) {
+        return Err(usage(
+            "--batch-size, --block-size and --vocab-size must be at least 1",
+        ));
+    }
+    let products = step_products(
+        model.n_embd,
+        model.n_layer,
+        args.vocab_size.unwrap_or(model.vocab_size),
+        args.batch_size * args.block_size,
+    );
+    let results = bench_products(
+        args.device,
+        args.dtype,
+        &products,
+        args.rounds,
+        args.per_round,
+    )?;
+    let step_ms: f64 = results
+        .iter()
+        .map(|r| r.ms * r.product.per_step as f64)
+        .sum();
+    for r in &results {
+        if args.json {
+            println!("{}", serde_json::to_string(r).map_err(anyhow::Error::new)?);
+            continue;
+        }
+        let p = &r.product;
+        println!(
+            "{:<28} {:>6} x {:>6} x {:>6} {:<6} x{:<3} {:>9.3} ms {:>8.2} TFLOP/s  (first {:.1} ms)",
+            p.name,
+            p.m,
+            p.k,
+            p.n,
+            match (p.lhs_transposed, p.rhs_transposed) {
+                (true, _) => "lhs^T",
+                (_, true) => "rhs^T",
+                _ => "",
+            },
+            p.per_step,
+            r.ms,
+            r.tflops,
+            r.first_ms
+        );
+    }
+    if !args.json {
+        println!(
+            "{} {} products per step: {step_ms:.2} ms on {} in {:?}",
+            args.preset,
+            results.iter().map(|r| r.product.per_step).sum::<usize>(),
+            args.device,
+            args.dtype
+        );
     }
     Ok(())
 }
