@@ -1,5 +1,5 @@
 //! The `ember` command line: `train`, `generate`, `eval`, `prepare`, `plan`, `reshard`,
-//! `export`, `bench {train,comm,shard}`, `cluster`, `launch` and `selftest`. Each command parses its flags (clap) and runs
+//! `export`, `bench {train,comm,shard,matmul}`, `cluster`, `launch` and `selftest`. Each command parses its flags (clap) and runs
 //! (`cli/`); errors print one line and exit 2 (usage) or 1 (runtime), as `error.rs`
 //! classifies them.
 

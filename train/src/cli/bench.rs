@@ -1,5 +1,6 @@
-//! `ember bench train`, `ember bench comm` and `ember bench shard`: throughput, collectives
-//! and sharding presets measured, printed as tables or JSON lines.
+//! `ember bench train`, `ember bench comm`, `ember bench shard` and `ember bench matmul`:
+//! throughput, collectives, sharding presets and a step's products measured, printed as tables
+//! or JSON lines.
 
 use clap::{Args, Subcommand};
 
