@@ -899,3 +899,37 @@ fn bench_matmul_times_every_product_of_a_step() {
         }
     }
 }
+
+/// `ember bench staging` measures each kind of crossing at each size on each device this build
+/// has, and refuses a size it cannot read.
+#[test]
+fn bench_staging_measures_every_crossing() {
+    refused(&["bench", "staging", "--sizes", "12Q"], 2, "--sizes 12Q");
+    let mut devices = vec!["flex"];
+    if cfg!(feature = "wgpu") {
+        devices.push("wgpu");
+    }
+    for device in devices {
+        let out = ok(&[
+            "bench", "staging", "--device", device, "--sizes", "4K,1M", "--rounds", "2", "--json",
+        ]);
+        let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 2, "{device}: {rows:?}");
+        assert_eq!(rows[0]["bytes"], 4096, "{device}");
+        assert_eq!(rows[1]["bytes"], 1 << 20, "{device}");
+        for r in &rows {
+            for k in [
+                "to_host_f32",
+                "to_device_f32",
+                "to_host_bf16",
+                "to_device_bf16",
+            ] {
+                let rate = r[k].as_f64().unwrap();
+                assert!(rate > 0.0 && rate.is_finite(), "{device} {k}: {r}");
+            }
+        }
+    }
+}

@@ -21,6 +21,11 @@ pub mod kernels {
     pub use crate::transport::kernels::DeviceKernels;
 }
 
+/// The crossings between device and host memory an MPI call makes, measured alone.
+pub mod staging {
+    pub use crate::transport::staging::{CrossingRates, crossing_rates};
+}
+
 /// Collective helpers the binary shares with the engine.
 pub mod engine {
     pub use crate::engine::all_ranks_sum;

@@ -1,5 +1,5 @@
 //! The `ember` command line: `train`, `generate`, `eval`, `prepare`, `plan`, `reshard`,
-//! `export`, `bench {train,comm,shard,matmul}`, `cluster`, `launch` and `selftest`. Each command parses its flags (clap) and runs
+//! `export`, `bench {train,comm,shard,matmul,staging}`, `cluster`, `launch` and `selftest`. Each command parses its flags (clap) and runs
 //! (`cli/`); errors print one line and exit 2 (usage) or 1 (runtime), as `error.rs`
 //! classifies them.
 
@@ -138,6 +138,7 @@ fn run(command: Command) -> ember_train::error::CliResult<()> {
         Command::Bench(BenchCommand::Comm(args)) => bench::bench_comm(args),
         Command::Bench(BenchCommand::Shard(args)) => bench::bench_shard(args),
         Command::Bench(BenchCommand::Matmul(args)) => bench::bench_matmul(args),
+        Command::Bench(BenchCommand::Staging(args)) => bench::bench_staging(args),
         Command::Cluster(command) => cli::cluster::run(command),
         Command::Selftest(args) => cli::selftest::run(args),
         Command::Launch(args) => cli::launch::run(args),

@@ -1,6 +1,6 @@
-//! `ember bench train`, `ember bench comm`, `ember bench shard` and `ember bench matmul`:
-//! throughput, collectives, sharding presets and a step's products measured, printed as tables
-//! or JSON lines.
+//! `ember bench train`, `ember bench comm`, `ember bench shard`, `ember bench matmul` and
+//! `ember bench staging`: throughput, collectives, sharding presets, a step's products and the
+//! crossings between device and host measured, printed as tables or JSON lines.
 
 use clap::{Args, Subcommand};
 
@@ -29,6 +29,25 @@ pub enum BenchCommand {
     /// GPU step runs; on flex the step's linear layers run ember's own products instead), with
     /// its TFLOP/s
     Matmul(BenchMatmulArgs),
+    /// The crossings between device and host memory an MPI call makes (f32 and bf16, each
+    /// way), measured alone through the functions the sharded step stages with, in GB/s
+    Staging(BenchStagingArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchStagingArgs {
+    /// The device: flex, wgpu, cuda[:I] or rocm[:I] (those this binary was built with)
+    #[arg(long, default_value = "flex")]
+    pub device: DeviceKind,
+    /// Bytes per crossing, comma-separated, with K, M or G suffixes
+    #[arg(long, value_delimiter = ',', default_value = "1M,16M,64M,256M")]
+    pub sizes: Vec<String>,
+    /// Crossings per size and kind (the median is reported)
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// One JSON object per line instead of a table
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -518,6 +537,58 @@ pub fn bench_matmul(args: BenchMatmulArgs) -> CliResult<()> {
             args.device,
             args.dtype
         );
+    }
+    Ok(())
+}
+
+pub fn bench_staging(args: BenchStagingArgs) -> CliResult<()> {
+    use ember_sharding::plumbing::staging::crossing_rates;
+    let mut sizes = Vec::new();
+    for s in &args.sizes {
+        match parse_size(s) {
+            Some(b) if b >= 4 => sizes.push(b as usize),
+            _ => {
+                return Err(usage(format!(
+                    "--sizes {s}: write a size of at least 4 bytes such as 1M or 256M"
+                )));
+            }
+        }
+    }
+    if args.rounds == 0 {
+        return Err(usage("--rounds must be at least 1"));
+    }
+    let device = ember_train::run::device::device(args.device)?;
+    // As a run on the device allocates its staging buffers.
+    if args.device.is_cubecl() {
+        ember_train::run::host_memory::set_allocator_for_device_staging();
+    }
+    if !args.json {
+        println!(
+            "{:>12}  {:>12} {:>12} {:>12} {:>12}   GB/s on {}",
+            "bytes", "f32 to host", "to device", "bf16 to host", "to device", args.device
+        );
+    }
+    for bytes in sizes {
+        let r = crossing_rates(&device, bytes, args.rounds).map_err(|e| {
+            ember_train::error::CliError::Runtime(anyhow::anyhow!(
+                "--device {} --sizes {bytes}: {e}; give smaller --sizes",
+                args.device
+            ))
+        })?;
+        if args.json {
+            let mut v = serde_json::to_value(r).map_err(anyhow::Error::new)?;
+            v["device"] = args.device.to_string().into();
+            println!("{v}");
+        } else {
+            println!(
+                "{:>12}  {:>12.2} {:>12.2} {:>12.2} {:>12.2}",
+                r.bytes,
+                r.to_host_f32 / 1e9,
+                r.to_device_f32 / 1e9,
+                r.to_host_bf16 / 1e9,
+                r.to_device_bf16 / 1e9
+            );
+        }
     }
     Ok(())
 }

@@ -66,8 +66,8 @@ impl<'c, 'd> GptRun<'c, 'd> {
     pub fn start(comm: &'c Comm, setup: &'d mut RunSetup, plan: Plan) -> Result<Self> {
         let rank = comm.rank();
         let world = comm.topology().world_size();
-        set_allocator_for_training(world);
         let c = setup.config.clone();
+        set_allocator_for_training(world, c.device.is_cubecl());
         let memory = plan.memory(c.grad_accum);
         let checkpoint = match &setup.resume {
             Some(r) => Some(Checkpoint::open(comm, &r.dir)?),
