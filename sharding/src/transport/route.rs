@@ -66,11 +66,15 @@ impl Secondary {
 }
 
 /// A copy of `t` that shares no buffer with it (a slice of a gathered unit must not keep the
-/// whole unit alive).
+/// whole unit alive): on flex its values read out, elsewhere a product by one written on the
+/// device (the same bits: `x * 1` is exact), not a round trip through host memory.
 fn detached(t: Tensor<1>) -> Tensor<1> {
-    let dtype = t.dtype();
     let device = t.device();
-    Tensor::from_data(t.into_data(), (&device, dtype))
+    if device == Device::flex() {
+        let dtype = t.dtype();
+        return Tensor::from_data(t.into_data(), (&device, dtype));
+    }
+    t * 1.0
 }
 
 /// An unquantized all-gather over `path` in the tensor's dtype (f32 or bf16).
