@@ -95,9 +95,12 @@ fn main() -> ExitCode {
             default(info);
         }));
     }
-    let result = KernelCache::resolve(cli.kernel_cache.as_deref())
-        .map(KernelCache::choose)
-        .and_then(|()| run(cli.command));
+    // `--kernel-cache` is checked here; `EMBER_KERNEL_CACHE` only where a GPU run reads it.
+    let result = match cli.kernel_cache.as_deref() {
+        Some(flag) => KernelCache::resolve(Some(flag)).map(KernelCache::choose),
+        None => Ok(()),
+    }
+    .and_then(|()| run(cli.command));
     match result {
         Ok(()) => {
             if let Some(r) = records {

@@ -31,6 +31,10 @@ use super::cube::elem_type;
 pub trait CubeGeluOps: Backend {
     /// `gelu(x + bias)`, GELU's tanh approximation, `bias` broadcast over the rows of `x`;
     /// differentiable where the backend is.
+    ///
+    /// # Shapes
+    /// - x: `[..., d]`, bias: `[d]`
+    /// - output: `[..., d]`
     #[fusion(default)]
     fn cube_bias_gelu(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::cube_bias_gelu_forward(x, bias)
@@ -70,6 +74,7 @@ fn gelu_grad_of(x: f32, dy: f32) -> f32 {
     dy * (s + x * s * (f32::new(1.0) - s) * du2)
 }
 
+/// One unit per element: reads `x` and its column's bias, writes `gelu(x + bias)`.
 #[cube(launch)]
 fn bias_gelu_forward_kernel<E: Float>(
     x: &Tensor<E>,
@@ -85,6 +90,8 @@ fn bias_gelu_forward_kernel<E: Float>(
     }
 }
 
+/// One unit per element: reads `x`, its column's bias and `dy`, writes the gradient of
+/// `x + bias`.
 #[cube(launch)]
 fn bias_gelu_backward_kernel<E: Float>(
     x: &Tensor<E>,
@@ -111,6 +118,9 @@ impl CubeGeluOps for CubeBackend {
         let (n, d) = (shape.num_elements(), shape[shape.num_dims() - 1]);
         let (client, device, dtype) = (x.client.clone(), x.device.clone(), x.dtype);
         let y = empty_device_dtype(client.clone(), device, shape, dtype);
+        if n == 0 {
+            return y;
+        }
         let cube_dim = CubeDim::new_1d(UNITS);
         bias_gelu_forward_kernel::launch(
             &client,
@@ -135,6 +145,9 @@ impl CubeGeluOps for CubeBackend {
         let (n, d) = (shape.num_elements(), shape[shape.num_dims() - 1]);
         let (client, device, dtype) = (x.client.clone(), x.device.clone(), x.dtype);
         let dx = empty_device_dtype(client.clone(), device, shape, dtype);
+        if n == 0 {
+            return dx;
+        }
         let cube_dim = CubeDim::new_1d(UNITS);
         bias_gelu_backward_kernel::launch(
             &client,

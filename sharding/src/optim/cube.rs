@@ -23,11 +23,7 @@ use super::{Coefficients, FlatState};
 
 /// The CubeCL tensor behind `t`, contiguous; `None` off CubeCL.
 fn resolve(t: BurnTensor<1>) -> Option<CubeTensor> {
-    let fused = t.try_into_primitive::<Cube>().ok()?;
-    let client = fused.client.clone();
-    Some(burn_cubecl::kernel::into_contiguous(
-        client.resolve_tensor_float::<CubeBackend>(fused),
-    ))
+    crate::transport::cube::primitive(&t).map(|(p, _)| p)
 }
 
 /// [`resolve`] for an integer tensor.
@@ -39,6 +35,8 @@ fn resolve_int(t: BurnTensor<1, IntKind>) -> Option<CubeTensor> {
     ))
 }
 
+/// One unit per element: reads the master, both moments and the gradient (16 bytes) and the
+/// decayed ranges' bounds, writes the new master and moments (12 bytes).
 #[cube(launch)]
 fn adamw_kernel<I: Int>(
     p: &Tensor<f32>,
@@ -91,7 +89,7 @@ fn adamw_kernel<I: Int>(
 
 /// AdamW's step on `state` (master and two moments, f32 on a CubeCL device) for `grad` scaled
 /// by each of `factors` in turn, with `k`'s decay on `decayed`. `None` (and `state` untouched)
-/// where the buffers are not CubeCL's.
+/// where the buffers are not CubeCL's or not all f32.
 pub(super) fn adamw(
     k: &Coefficients,
     [beta1, beta2, eps]: [f64; 3],
@@ -100,6 +98,13 @@ pub(super) fn adamw(
     factors: &[f64],
     decayed: &[Range<usize>],
 ) -> Option<()> {
+    if state.slots.len() != 2 {
+        return None;
+    }
+    let buffers = [&state.master, &state.slots[0], &state.slots[1], grad];
+    if buffers.iter().any(|t| t.dtype() != DType::F32) {
+        return None;
+    }
     let n = state.len();
     let device = state.master.device();
     let p = resolve(state.master.clone())?;

@@ -533,8 +533,8 @@ mod tests {
         }
     }
 
-    /// The one-kernel step on a wgpu device against the host pass: every element of the
-    /// master and moments after six steps (decay on ranges that start and end anywhere, the
+    /// The one-kernel step on a wgpu device (called directly and through `update_scaled`)
+    /// against the host pass: every element of the master and moments after six steps (decay on ranges that start and end anywhere, the
     /// gradient's factors none, one or two) within 4 units in the last place of the host's
     /// value (measured: 0 on lavapipe), and a buffer that is not CubeCL's declined untouched.
     #[cfg(feature = "wgpu")]
@@ -560,10 +560,15 @@ mod tests {
             let k = Coefficients::new(0.9, 0.95, c.weight_decay, step, 3e-3);
             let f = factors[step as usize % 3];
             c.update_on_host(&k, &mut host, on(&g, &Device::flex()), f);
-            let decayed = device.decay_ranges(c.decay_on);
-            let betas = [c.beta1, c.beta2, c.eps];
-            cube::adamw(&k, betas, &mut device, &on(&g, &wgpu), f, &decayed)
-                .expect("a wgpu buffer takes the kernel");
+            if step % 2 == 0 {
+                // The optimizer's own entry point, which takes the kernel on a CubeCL device.
+                c.update_scaled(step, 3e-3, &mut device, on(&g, &wgpu), f);
+            } else {
+                let decayed = device.decay_ranges(c.decay_on);
+                let betas = [c.beta1, c.beta2, c.eps];
+                cube::adamw(&k, betas, &mut device, &on(&g, &wgpu), f, &decayed)
+                    .expect("a wgpu buffer takes the kernel");
+            }
         }
         let mut worst = 0u32;
         for (a, b) in [

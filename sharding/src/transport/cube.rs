@@ -22,7 +22,7 @@ fn resolve(t: Tensor<1>) -> Option<CubeTensor> {
 }
 
 /// `t`'s CubeCL tensor, contiguous, and its element count; `None` off CubeCL.
-fn primitive(t: &Tensor<1>) -> Option<(CubeTensor, usize)> {
+pub(crate) fn primitive(t: &Tensor<1>) -> Option<(CubeTensor, usize)> {
     let n = t.dims()[0];
     let p = resolve(t.clone())?;
     Some((burn_cubecl::kernel::into_contiguous(p), n))

@@ -67,14 +67,21 @@ impl Secondary {
 
 /// A copy of `t` that shares no buffer with it (a slice of a gathered unit must not keep the
 /// whole unit alive): on flex its values read out, elsewhere a product by one written on the
-/// device (the same bits: `x * 1` is exact), not a round trip through host memory.
+/// device (the same bits: `x * 1` is exact), not a round trip through host memory. On a
+/// CubeCL device the product runs at once, while the unit `t` is a view of is alive: run
+/// later, after the unit's last handle had gone, it could be written in place into the unit's
+/// buffer.
 fn detached(t: Tensor<1>) -> Tensor<1> {
     let device = t.device();
     if device == Device::flex() {
         let dtype = t.dtype();
         return Tensor::from_data(t.into_data(), (&device, dtype));
     }
-    t * 1.0
+    let copy = t.clone() * 1.0;
+    #[cfg(feature = "cubecl")]
+    let _ = crate::transport::cube::primitive(&copy);
+    drop(t);
+    copy
 }
 
 /// An unquantized all-gather over `path` in the tensor's dtype (f32 or bf16).
@@ -794,4 +801,31 @@ fn check_len(plan: &Plan, u: usize, len: usize) -> Result<(), ShardError> {
         )));
     }
     Ok(())
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use super::*;
+
+    /// A detached slice of a large tensor on wgpu lets the large tensor's memory go.
+    #[test]
+    fn a_detached_slice_keeps_nothing_of_the_unit() {
+        let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        let in_use = || {
+            device.sync().unwrap();
+            crate::transport::memory::device_bytes_in_use(&device).unwrap()
+        };
+        let n = 4 << 20;
+        let unit = staging::from_f32((0..n).map(|i| i as f32).collect(), &device);
+        let before = in_use();
+        let slice = detached(unit.clone().slice(1000..2000));
+        drop(unit);
+        let after = in_use();
+        assert!(
+            after + (n as u64 * 4) / 2 < before,
+            "{before} B in use with the unit, {after} B after it went"
+        );
+        let want: Vec<f32> = (1000..2000).map(|i| i as f32).collect();
+        assert_eq!(staging::to_f32(slice), want);
+    }
 }

@@ -211,12 +211,6 @@ pub fn crossing_rates(
     rounds: usize,
 ) -> Result<CrossingRates, String> {
     let n = (bytes / 4).max(1);
-    let f32s: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 0.25).collect();
-    let bf16s: Vec<Bf16> = (0..2 * n)
-        .map(|i| Bf16::from_f32((i % 1000) as f32))
-        .collect();
-    // One crossing each way that reports a failure instead of panicking, as the engine's do.
-    let probe = Tensor::<1>::from_data(TensorData::new(f32s.clone(), [n]), (device, DType::F32));
     let cannot = |e: &dyn std::fmt::Debug| {
         // The innermost cause: the last line of the report that is not its scaffolding.
         let report = format!("{e:?}");
@@ -233,46 +227,64 @@ pub fn crossing_rates(
             .to_string();
         format!("the device cannot hold a tensor of {} bytes: {why}", n * 4)
     };
-    device.sync().map_err(|e| cannot(&e))?;
+    let sync = || device.sync().map_err(|e| cannot(&e));
+    // One crossing that reports a failure instead of panicking, as the engine's do, before
+    // anything of the size is made on the host.
+    let probe = Tensor::<1>::zeros([n], (device, DType::F32));
+    sync()?;
     probe.try_into_data().map_err(|e| cannot(&e))?;
-    let sync = || device.sync().expect("the device syncs");
+    let f32s: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 0.25).collect();
+    let bf16s: Vec<Bf16> = (0..2 * n)
+        .map(|i| Bf16::from_f32((i % 1000) as f32))
+        .collect();
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let timed = |f: &mut dyn FnMut() -> f64| median((0..rounds.max(1)).map(|_| f()).collect());
-    let rate = |seconds: f64| (n * 4) as f64 / seconds;
+    let rounds = rounds.max(1);
+    let timed = |f: &mut dyn FnMut() -> Result<f64, String>| {
+        (0..rounds)
+            .map(|_| f())
+            .collect::<Result<Vec<_>, _>>()
+            .map(median)
+    };
+    // Each crossing's result is let go after the clock is read: freeing it is not the crossing.
     let to_device_f32 = timed(&mut || {
         let values = f32s.clone();
         let start = Instant::now();
         let t = from_f32(values, device);
-        sync();
+        sync()?;
         let s = start.elapsed().as_secs_f64();
         drop(t);
-        s
-    });
+        Ok(s)
+    })?;
     let to_host_f32 = timed(&mut || {
         let t = from_f32(f32s.clone(), device);
-        sync();
+        sync()?;
         let start = Instant::now();
-        std::hint::black_box(to_f32(t));
-        start.elapsed().as_secs_f64()
-    });
+        let values = to_f32(t);
+        let s = start.elapsed().as_secs_f64();
+        drop(std::hint::black_box(values));
+        Ok(s)
+    })?;
     let to_device_bf16 = timed(&mut || {
         let start = Instant::now();
         let t = from_bf16(&bf16s, device);
-        sync();
+        sync()?;
         let s = start.elapsed().as_secs_f64();
         drop(t);
-        s
-    });
+        Ok(s)
+    })?;
     let to_host_bf16 = timed(&mut || {
         let t = from_bf16(&bf16s, device);
-        sync();
+        sync()?;
         let start = Instant::now();
-        std::hint::black_box(to_bf16(t));
-        start.elapsed().as_secs_f64()
-    });
+        let values = to_bf16(t);
+        let s = start.elapsed().as_secs_f64();
+        drop(std::hint::black_box(values));
+        Ok(s)
+    })?;
+    let rate = |seconds: f64| (n * 4) as f64 / seconds;
     Ok(CrossingRates {
         bytes: (n * 4) as u64,
         to_host_f32: rate(to_host_f32),

@@ -476,7 +476,7 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
 }
 
 pub fn bench_matmul(args: BenchMatmulArgs) -> CliResult<()> {
-    use ember_train::tools::products::{bench_products, step_products};
+    use ember_train::tools::products::{Layout, bench_products, step_products};
     let model = ember_model::GptConfig::preset(&args.preset).ok_or_else(|| {
         usage(format!(
             "--preset {}: no such preset; use one of {}",
@@ -493,7 +493,8 @@ pub fn bench_matmul(args: BenchMatmulArgs) -> CliResult<()> {
         model.n_embd,
         model.n_layer,
         args.vocab_size.unwrap_or(model.vocab_size),
-        args.batch_size * args.block_size,
+        args.batch_size,
+        args.block_size,
     );
     let results = bench_products(
         args.device,
@@ -518,9 +519,9 @@ pub fn bench_matmul(args: BenchMatmulArgs) -> CliResult<()> {
             p.m,
             p.k,
             p.n,
-            match (p.lhs_transposed, p.rhs_transposed) {
-                (true, _) => "lhs^T",
-                (_, true) => "rhs^T",
+            match (p.lhs, p.rhs) {
+                (Layout::Transposed, _) => "lhs^T",
+                (_, Layout::Transposed) => "rhs^T",
                 _ => "",
             },
             p.per_step,

@@ -243,8 +243,11 @@ pub fn run(a: LaunchArgs) -> CliResult<()> {
         }
         cmd.args(&a.mpi)
             .arg("-x")
-            .arg(format!("{LAUNCH_DIR_ENV}={}", dir.display()))
-            .arg(&exe)
+            .arg(format!("{LAUNCH_DIR_ENV}={}", dir.display()));
+        if let Some(cache) = ember_train::run::kernel_cache::for_ranks() {
+            cmd.args(["-x", &cache]);
+        }
+        cmd.arg(&exe)
             .arg("train")
             .args(&args)
             .stderr(Stdio::piped())

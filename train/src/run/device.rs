@@ -10,10 +10,6 @@ use crate::run::config::DeviceKind;
 /// this machine has no such GPU. A CubeCL device starts with the chosen kernel cache
 /// ([`crate::run::kernel_cache`]).
 pub fn device(kind: DeviceKind) -> CliResult<Device> {
-    #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
-    if kind.is_cubecl() {
-        crate::run::kernel_cache::configure(kind);
-    }
     let missing = |feature: &str| {
         usage(format!(
             "--device {feature} needs a binary built with it: \
@@ -28,7 +24,10 @@ pub fn device(kind: DeviceKind) -> CliResult<Device> {
         #[cfg(not(feature = "ndarray"))]
         DeviceKind::Ndarray => Err(missing("ndarray")),
         #[cfg(feature = "wgpu")]
-        DeviceKind::Wgpu => Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+        DeviceKind::Wgpu => {
+            crate::run::kernel_cache::configure(kind)?;
+            Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice))
+        }
         #[cfg(not(feature = "wgpu"))]
         DeviceKind::Wgpu => Err(missing("wgpu")),
         #[cfg(feature = "cuda")]
@@ -37,12 +36,16 @@ pub fn device(kind: DeviceKind) -> CliResult<Device> {
             // Asked first: Burn's CUDA device panics inside the driver loader without one.
             ember_comm::quant::cube::cuda_device(index)
                 .map_err(|e| usage(format!("--device {kind}: {e}")))?;
+            crate::run::kernel_cache::configure(kind)?;
             Ok(Device::cuda(index))
         }
         #[cfg(not(feature = "cuda"))]
         DeviceKind::Cuda(_) => Err(missing("cuda")),
         #[cfg(feature = "rocm")]
-        DeviceKind::Rocm(index) => Ok(Device::rocm(index.unwrap_or_else(local_rank))),
+        DeviceKind::Rocm(index) => {
+            crate::run::kernel_cache::configure(kind)?;
+            Ok(Device::rocm(index.unwrap_or_else(local_rank)))
+        }
         #[cfg(not(feature = "rocm"))]
         DeviceKind::Rocm(_) => Err(missing("rocm")),
     }

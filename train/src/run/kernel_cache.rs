@@ -11,7 +11,7 @@
 //! as CubeCL reads it. Ranks of a job share the folder: CubeCL writes it as one database that
 //! several processes may open.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use serde::Serialize;
@@ -36,9 +36,14 @@ static CHOSEN: OnceLock<KernelCache> = OnceLock::new();
 impl KernelCache {
     /// `--kernel-cache`'s value (`flag`), else [`ENV`]'s, else the user's cache folder.
     pub fn resolve(flag: Option<&str>) -> CliResult<Self> {
+        Self::resolve_from(flag, std::env::var(ENV).ok())
+    }
+
+    /// [`KernelCache::resolve`] with [`ENV`]'s value given.
+    fn resolve_from(flag: Option<&str>, env: Option<String>) -> CliResult<Self> {
         let (what, value) = match flag {
             Some(v) => ("--kernel-cache", Some(v.to_string())),
-            None => (ENV, std::env::var(ENV).ok().filter(|v| !v.is_empty())),
+            None => (ENV, env.filter(|v| !v.is_empty())),
         };
         match value.as_deref() {
             Some("off") => Ok(Self::Off),
@@ -56,16 +61,48 @@ impl KernelCache {
         }
     }
 
-    /// Makes `self` the process's choice; the first call wins (the binary makes it once, at
-    /// start).
+    /// Makes `self` the process's choice (the binary makes it at start from
+    /// `--kernel-cache`); the first call wins.
     pub fn choose(self) {
         let _ = CHOSEN.set(self);
     }
 
-    /// The process's choice: what [`KernelCache::choose`] was given, else the default.
-    pub fn chosen() -> &'static Self {
-        CHOSEN.get_or_init(|| Self::resolve(None).unwrap_or(Self::Dir(default_dir())))
+    /// The process's choice: what [`KernelCache::choose`] was given, else [`ENV`]'s or the
+    /// default, read when a CubeCL device first needs it (so a command that starts none
+    /// never reads it).
+    pub fn chosen() -> CliResult<&'static Self> {
+        if let Some(c) = CHOSEN.get() {
+            return Ok(c);
+        }
+        let c = Self::resolve(None)?;
+        Ok(CHOSEN.get_or_init(|| c))
     }
+}
+
+/// `ENV=VALUE` for the ranks a launcher starts, which may run on other hosts: the choice of
+/// `--kernel-cache` (a folder made absolute) or of [`ENV`], where one was made.
+pub fn for_ranks() -> Option<String> {
+    let value = match CHOSEN.get() {
+        Some(KernelCache::Off) => "off".to_string(),
+        Some(KernelCache::Dir(dir)) => std::path::absolute(dir)
+            .unwrap_or_else(|_| dir.clone())
+            .display()
+            .to_string(),
+        None => std::env::var(ENV).ok().filter(|v| !v.is_empty())?,
+    };
+    Some(format!("{ENV}={value}"))
+}
+
+/// A file made and removed in `dir`: whether CubeCL can write its database there.
+#[cfg_attr(
+    not(any(feature = "wgpu", feature = "cuda", feature = "rocm")),
+    allow(dead_code)
+)]
+fn writable(dir: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let probe = dir.join(format!(".ember-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")?;
+    std::fs::remove_file(&probe)
 }
 
 /// `kernels` in ember's cache folder ([`crate::run::data::cache_root`]).
@@ -115,50 +152,64 @@ impl Warmth {
 }
 
 /// Hands the chosen cache to CubeCL before its first device (of kind `device`) starts, once
-/// per process, and returns what the cache held then. Later calls return the first call's
-/// answer. Compiled kernels are kept only for CUDA and ROCm, whose compiler's output CubeCL
+/// per process, and returns what the cache held then (later calls return the first call's
+/// answer). Compiled kernels are kept only for CUDA and ROCm, whose compiler's output CubeCL
 /// can store (on wgpu the driver compiles WGSL itself, and keeping CubeCL's records of it
-/// doubled the first step on lavapipe for nothing).
+/// doubled the first step on lavapipe for nothing). A folder that cannot be written is said,
+/// and the run keeps everything in memory. Fails where [`ENV`] names a file.
 #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
-pub fn configure(device: crate::run::config::DeviceKind) -> &'static Warmth {
+pub fn configure(device: crate::run::config::DeviceKind) -> CliResult<&'static Warmth> {
+    use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
     static WARMTH: OnceLock<Warmth> = OnceLock::new();
-    WARMTH.get_or_init(|| {
-        use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
-        let chosen = KernelCache::chosen();
-        let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
-        let mut warmth = Warmth::default();
-        match chosen {
-            KernelCache::Off => {
-                config.autotune.disable_cache = true;
-                config.compilation.cache = false;
-            }
-            KernelCache::Dir(dir) => {
-                warmth.dir = Some(dir.clone());
-                if let Err(e) = std::fs::create_dir_all(dir) {
-                    warmth.error = Some(e.to_string());
-                }
+    if let Some(w) = WARMTH.get() {
+        return Ok(w);
+    }
+    let chosen = KernelCache::chosen()?;
+    let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+    let mut warmth = Warmth::default();
+    if let KernelCache::Dir(dir) = chosen {
+        warmth.dir = Some(dir.clone());
+        match writable(dir) {
+            Ok(()) => {
                 config.environment.path =
                     cubecl::config::cache::CacheConfig::Directory(dir.clone());
                 config.compilation.cache = !matches!(device, crate::run::config::DeviceKind::Wgpu);
             }
+            Err(e) => warmth.error = Some(e.to_string()),
         }
-        // Fails only where a CubeCL client already read its configuration: the binary calls
-        // this before any device starts, so the settings above are the ones in force.
-        let _ = CubeClRuntimeConfig::try_set(config);
-        if warmth.dir.is_some() && warmth.error.is_none() {
-            for ns in cubecl::environment::namespaces() {
-                // Namespaces are `<store>/<cubecl version>/<what>`: autotune's results, the
-                // compilers' stores (`cuda`, `hip`, ...), and CubeCL's own records and
-                // throughput probes, which are neither.
-                match ns.namespace.split('/').next() {
-                    Some("autotune") => warmth.tuned += ns.entries,
-                    Some("records" | "throughput") => {}
-                    _ => warmth.compiled += ns.entries,
-                }
+    }
+    if warmth.dir.is_none() || warmth.error.is_some() {
+        config.autotune.disable_cache = true;
+        config.compilation.cache = false;
+    }
+    // Fails only where a CubeCL client already read its configuration: the binary calls this
+    // before any device starts, so the settings above are the ones in force.
+    let _ = CubeClRuntimeConfig::try_set(config);
+    if warmth.dir.is_some() && warmth.error.is_none() {
+        // Namespaces are `<store>/<cubecl version>/<what>`: autotune's results, the
+        // compilers' stores (`cuda`, `hip`, ...), and CubeCL's own records and throughput
+        // probes, which are neither. Entries of another CubeCL version are never read.
+        let current = cubecl_environment::persistence::Namespace::scoped("autotune", "");
+        let version = current
+            .as_str()
+            .split('/')
+            .nth(1)
+            .unwrap_or_default()
+            .to_string();
+        for ns in cubecl::environment::namespaces() {
+            let mut parts = ns.namespace.split('/');
+            let (store, v) = (parts.next(), parts.next());
+            if v != Some(version.as_str()) {
+                continue;
+            }
+            match store {
+                Some("autotune") => warmth.tuned += ns.entries,
+                Some("records" | "throughput") => {}
+                _ => warmth.compiled += ns.entries,
             }
         }
-        warmth
-    })
+    }
+    Ok(WARMTH.get_or_init(|| warmth))
 }
 
 #[cfg(test)]
@@ -167,7 +218,23 @@ mod tests {
 
     #[test]
     fn the_flag_wins_and_off_turns_it_off() {
-        assert_eq!(KernelCache::resolve(Some("off")).unwrap(), KernelCache::Off);
+        let env = || Some("/from/env".to_string());
+        assert_eq!(
+            KernelCache::resolve_from(None, env()).unwrap(),
+            KernelCache::Dir(PathBuf::from("/from/env"))
+        );
+        assert_eq!(
+            KernelCache::resolve_from(Some("/from/flag"), env()).unwrap(),
+            KernelCache::Dir(PathBuf::from("/from/flag"))
+        );
+        assert_eq!(
+            KernelCache::resolve_from(None, None).unwrap(),
+            KernelCache::Dir(default_dir())
+        );
+        assert_eq!(
+            KernelCache::resolve_from(Some("off"), env()).unwrap(),
+            KernelCache::Off
+        );
         assert_eq!(
             KernelCache::resolve(Some("/x/y")).unwrap(),
             KernelCache::Dir(PathBuf::from("/x/y"))
@@ -180,6 +247,10 @@ mod tests {
             err.contains("--kernel-cache") && err.contains("not a folder"),
             "{err}"
         );
+        let err = KernelCache::resolve_from(None, Some(file.path().to_str().unwrap().into()))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(ENV) && err.contains("not a folder"), "{err}");
     }
 
     #[test]

@@ -233,7 +233,7 @@ impl RunSetup {
                 log0!(
                     rank,
                     "{}",
-                    crate::run::kernel_cache::configure(config.device).line()
+                    crate::run::kernel_cache::configure(config.device)?.line()
                 );
             }
         }

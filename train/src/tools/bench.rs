@@ -158,7 +158,7 @@ fn kernel_cache(
 ) -> Option<crate::run::kernel_cache::Warmth> {
     #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
     if device.is_cubecl() {
-        return Some(crate::run::kernel_cache::configure(device).clone());
+        return crate::run::kernel_cache::configure(device).ok().cloned();
     }
     let _ = device;
     None
