@@ -72,13 +72,22 @@ pub(crate) fn dequantize_concat(parts: &[Quantized], device: &Device) -> Option<
 
 /// Bytes in use on `device`'s memory, as its CubeCL client reports them; `None` off CubeCL.
 pub(crate) fn device_bytes_in_use(device: &Device) -> Option<u64> {
+    device_usage(device).map(|u| u.bytes_in_use)
+}
+
+/// Bytes `device`'s CubeCL memory pools hold from the driver (in use or not): what the driver
+/// counts against the process, short of its context; `None` off CubeCL.
+pub(crate) fn device_bytes_reserved(device: &Device) -> Option<u64> {
+    device_usage(device).map(|u| u.bytes_reserved)
+}
+
+fn device_usage(device: &Device) -> Option<burn_cubecl::cubecl::MemoryUsage> {
     let (_, probe) = output(1, device)?;
     Some(
         probe
             .client
             .memory_report(burn_cubecl::cubecl::MemoryScope::Device)
-            .usage()
-            .bytes_in_use,
+            .usage(),
     )
 }
 
@@ -122,7 +131,9 @@ mod tests {
                 "{format:?}"
             );
         }
-        assert!(device_bytes_in_use(&device).is_some_and(|b| b > 0));
+        let in_use = device_bytes_in_use(&device).expect("wgpu reports its memory");
+        assert!(in_use > 0);
+        assert!(device_bytes_reserved(&device).is_some_and(|r| r >= in_use));
         // Fusion is on: the tensor is a fusion handle, not a bare CubeCL tensor.
         assert!(x.clone().try_into_primitive::<Cube>().is_ok());
         // A tensor fusion has only queued (2x + 1, exact in f32), and a dequantized tensor

@@ -59,6 +59,17 @@ pub fn device_bytes_in_use(device: &burn::tensor::Device) -> Option<u64> {
     None
 }
 
+/// Bytes `device`'s memory pools hold from the driver, in use or kept for reuse, where its
+/// backend reports them (CubeCL devices, with the `cubecl` feature); `None` elsewhere.
+pub fn device_bytes_reserved(device: &burn::tensor::Device) -> Option<u64> {
+    #[cfg(feature = "cubecl")]
+    if let Some(b) = crate::transport::cube::device_bytes_reserved(device) {
+        return Some(b);
+    }
+    let _ = device;
+    None
+}
+
 /// Parses `"   12345 kB"` into bytes.
 fn kib(rest: &str) -> Option<u64> {
     let mut parts = rest.split_whitespace();

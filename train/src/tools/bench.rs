@@ -58,6 +58,9 @@ pub struct TrainBench {
     pub first_step_ms: f64,
     /// What the kernel cache held when the process started its device (CubeCL devices).
     pub kernel_cache: Option<crate::run::kernel_cache::Warmth>,
+    /// Bytes the device's memory pools held from the driver after the last step, in use or
+    /// kept for reuse (CubeCL devices).
+    pub device_reserved_bytes: Option<u64>,
     /// The model's shape.
     #[serde(skip)]
     pub model: ember_model::GptConfig,
@@ -84,10 +87,13 @@ pub fn bench_train(
         let config = setup.config.clone();
         let plan = setup.plan(comm, shard, true)?;
         let arithmetic = plan.module_dtype;
+        let device = setup.device.clone();
         let mut run = GptRun::start(comm, &mut setup, plan)?;
         let (stepped, _) = run_loop::run(&mut run, &config, 0, 0, Output::Quiet)?;
         let mut bench = summarise(&config, arithmetic, step_times(&stepped, warmup))?;
         bench.first_step_ms = stepped.first().map_or(f64::NAN, |s| s.step_s * 1e3);
+        bench.device_reserved_bytes =
+            ember_sharding::plumbing::memory::device_bytes_reserved(&device);
         out.push(bench);
     }
     Ok(out)
@@ -148,6 +154,7 @@ fn summarise(
         mfu: peak.map(|p| flops / p),
         first_step_ms: f64::NAN,
         kernel_cache: kernel_cache(config.device),
+        device_reserved_bytes: None,
         model: config.model.clone(),
     })
 }
