@@ -50,6 +50,23 @@ fn ok(args: &[&str]) -> Output {
     out
 }
 
+/// The devices this build runs: flex, and wgpu in a wgpu build.
+fn devices() -> Vec<&'static str> {
+    let mut devices = vec!["flex"];
+    if cfg!(feature = "wgpu") {
+        devices.push("wgpu");
+    }
+    devices
+}
+
+/// Each line of `out`'s standard output, parsed as JSON.
+fn json_lines(out: &Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 fn path(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -642,11 +659,7 @@ fn a_kill_during_training_never_damages_saved_checkpoints() {
 /// on the runtime's client and on the device's Burn tensors, the path a training step takes.
 #[test]
 fn selftest_checks_every_kernel_path_of_the_device() {
-    let mut devices = vec!["flex"];
-    if cfg!(feature = "wgpu") {
-        devices.push("wgpu");
-    }
-    for device in devices {
+    for device in devices() {
         let out = ok(&["selftest", "--device", device, "--json"]);
         let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(report["passed"], true, "{device}: {report}");
@@ -852,11 +865,7 @@ fn bench_matmul_times_every_product_of_a_step() {
         2,
         "--preset gpt5: no such preset",
     );
-    let mut devices = vec!["flex"];
-    if cfg!(feature = "wgpu") {
-        devices.push("wgpu");
-    }
-    for device in devices {
+    for device in devices() {
         let out = ok(&[
             "bench",
             "matmul",
@@ -876,10 +885,7 @@ fn bench_matmul_times_every_product_of_a_step() {
             "2",
             "--json",
         ]);
-        let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        let rows = json_lines(&out);
         assert_eq!(rows.len(), 15, "{device}: {rows:?}");
         let layers = ember_model::GptConfig::preset("tiny").unwrap().n_layer as u64;
         for r in &rows {
@@ -905,18 +911,11 @@ fn bench_matmul_times_every_product_of_a_step() {
 #[test]
 fn bench_staging_measures_every_crossing() {
     refused(&["bench", "staging", "--sizes", "12Q"], 2, "--sizes 12Q");
-    let mut devices = vec!["flex"];
-    if cfg!(feature = "wgpu") {
-        devices.push("wgpu");
-    }
-    for device in devices {
+    for device in devices() {
         let out = ok(&[
             "bench", "staging", "--device", device, "--sizes", "4K,1M", "--rounds", "2", "--json",
         ]);
-        let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        let rows = json_lines(&out);
         assert_eq!(rows.len(), 2, "{device}: {rows:?}");
         assert_eq!(rows[0]["bytes"], 4096, "{device}");
         assert_eq!(rows[1]["bytes"], 1 << 20, "{device}");

@@ -304,21 +304,27 @@ fn check_layer_norm(rows: usize, d: usize, dtype: DType, tol: f64) {
     ];
     let got = run_layer_norm(&vals, [rows, d], wgpu(), dtype);
     let want = run_layer_norm(&vals, [rows, d], Device::flex(), DType::F64);
-    for (what, (g, w)) in [
+    within(
+        &format!("LayerNorm {rows} x {d} {dtype:?}"),
+        &got,
+        &want,
+        tol,
+    );
+}
+
+/// Each of an op's output and its input's, weight's and bias's gradients (`got`) within `tol`
+/// of the reference's (`want`), relative to the reference's largest element.
+fn within(op: &str, got: &[Vec<f64>], want: &[Vec<f64>], tol: f64) {
+    let names = [
         "output",
         "input gradient",
         "weight gradient",
         "bias gradient",
-    ]
-    .iter()
-    .zip(got.iter().zip(&want))
-    {
+    ];
+    for (what, (g, w)) in names.iter().zip(got.iter().zip(want)) {
         let e = rel_err(g, w);
-        eprintln!("LayerNorm {rows} x {d} {dtype:?}: {what} {e:.2e}");
-        assert!(
-            e < tol,
-            "LayerNorm {rows} x {d} {dtype:?}: {what} differs by {e:e}"
-        );
+        eprintln!("{op}: {what} {e:.2e}");
+        assert!(e < tol, "{op}: {what} differs by {e:e}");
     }
 }
 
@@ -378,22 +384,12 @@ fn check_linear_gelu(dims: [usize; 4], dtype: DType, tol: f64) {
     ];
     let got = run_linear_gelu(&vals, dims, wgpu(), dtype, true);
     let want = run_linear_gelu(&vals, dims, Device::flex(), DType::F64, false);
-    for (what, (g, w)) in [
-        "output",
-        "input gradient",
-        "weight gradient",
-        "bias gradient",
-    ]
-    .iter()
-    .zip(got.iter().zip(&want))
-    {
-        let e = rel_err(g, w);
-        eprintln!("linear + GELU {dims:?} {dtype:?}: {what} {e:.2e}");
-        assert!(
-            e < tol,
-            "linear + GELU {dims:?} {dtype:?}: {what} differs by {e:e}"
-        );
-    }
+    within(
+        &format!("linear + GELU {dims:?} {dtype:?}"),
+        &got,
+        &want,
+        tol,
+    );
 }
 
 /// f32 within 1e-5 of the f64 reference, relative to each result's largest element (measured
