@@ -1,8 +1,8 @@
 //! LayerNorm on CubeCL devices as three kernels: forward, a cube per row reducing its mean and
 //! variance in shared memory (two passes, for accuracy) and writing the normalised, scaled and
 //! shifted row, with each row's mean and reciprocal deviation kept for backward; backward, a
-//! cube per row for the input's gradient (two row reductions), and a unit per feature for the
-//! weight's and bias's (a sum over the rows).
+//! cube per row for the input's gradient (two row reductions), and a unit per feature and chunk
+//! of 64 rows for the weight's and bias's partial sums, which one Burn reduction adds up.
 //!
 //! Composed of Burn's ops, LayerNorm is a dozen kernels each way and keeps its intermediate
 //! rows for backward; here it keeps two f32 per row. Plugged in as the backend extension
@@ -13,6 +13,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::fusion::custom::TensorSpec;
+use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, backend_extension};
 use burn::tensor::{DType, Shape};
@@ -193,29 +194,43 @@ fn layer_norm_backward_dx_kernel<E: Float>(
     }
 }
 
+/// Rows each unit of [`layer_norm_backward_dwdb_kernel`] sums: its cube's chunk of the rows.
+const ROWS_PER_CHUNK: usize = 64;
+
+/// The weight's and bias's gradients of one chunk of rows: a unit per (feature, chunk) sums
+/// its feature over the chunk's rows (reading `dy`, `x` and the rows' statistics) and writes
+/// two f32 partial sums into the chunk's row of `partials` (the weight's, then the bias's);
+/// the chunks' rows are then summed by Burn's reduction. Spread over
+/// the rows this way, a step of 8192 rows runs a cube per 64 features and 64 rows, where one
+/// unit per feature summing every row would leave most of a GPU idle.
 #[cube(launch)]
 fn layer_norm_backward_dwdb_kernel<E: Float>(
     x: &Tensor<E>,
     mean: &Tensor<f32>,
     rstd: &Tensor<f32>,
     dy: &Tensor<E>,
-    dw: &mut Tensor<E>,
-    db: &mut Tensor<E>,
+    partials: &mut Tensor<f32>,
     rows: usize,
     d: usize,
+    rows_per_chunk: usize,
     #[define(E)] _dtype: ElemType,
 ) {
-    let j = ABSOLUTE_POS;
+    let j = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let chunk = CUBE_POS_Y as usize;
     if j < d {
         let mut gw = f32::new(0.0);
         let mut gb = f32::new(0.0);
-        for r in 0..rows {
+        let start = chunk * rows_per_chunk;
+        let end = min(start + rows_per_chunk, rows);
+        let mut r = start;
+        while r < end {
             let g = f32::cast_from(dy[r * d + j]);
             gw += g * (f32::cast_from(x[r * d + j]) - mean[r]) * rstd[r];
             gb += g;
+            r += 1;
         }
-        dw[j] = E::cast_from(gw);
-        db[j] = E::cast_from(gb);
+        partials[chunk * 2 * d + j] = gw;
+        partials[chunk * 2 * d + d + j] = gb;
     }
 }
 
@@ -277,8 +292,7 @@ impl CubeLayerNormOps for CubeBackend {
         let (rows, d) = (rows_of(&shape), shape[shape.num_dims() - 1]);
         let (client, device, dtype) = (x.client.clone(), x.device.clone(), x.dtype);
         let dx = empty_device_dtype(client.clone(), device.clone(), shape, dtype);
-        let dw = empty_device_dtype(client.clone(), device.clone(), w.shape(), w.dtype);
-        let db = empty_device_dtype(client.clone(), device, w.shape(), w.dtype);
+        let w_dtype = w.dtype;
         layer_norm_backward_dx_kernel::launch(
             &client,
             row_cubes(rows),
@@ -295,21 +309,40 @@ impl CubeLayerNormOps for CubeBackend {
             ROW_UNITS,
             elem_type(dtype),
         );
-        let cube_dim = CubeDim::new_1d(64);
+        let chunks = rows.div_ceil(ROWS_PER_CHUNK).max(1);
+        // Each chunk's row of partial sums: the weight's `d`, then the bias's `d`.
+        let partials = empty_device_dtype(
+            client.clone(),
+            device,
+            Shape::new([chunks, 2 * d]),
+            DType::F32,
+        );
         layer_norm_backward_dwdb_kernel::launch(
             &client,
-            CubeCount::Static(d.div_ceil(64) as u32, 1, 1),
-            cube_dim,
+            CubeCount::Static(d.div_ceil(64) as u32, chunks as u32, 1),
+            CubeDim::new_1d(64),
             x.into_tensor_arg(),
             mean.into_tensor_arg(),
             rstd.into_tensor_arg(),
             dy.into_tensor_arg(),
-            dw.clone().into_tensor_arg(),
-            db.clone().into_tensor_arg(),
+            partials.clone().into_tensor_arg(),
             rows,
             d,
+            ROWS_PER_CHUNK,
             elem_type(dtype),
         );
+        // The chunks' partial sums summed in f32 (one reduction for both), cast to the
+        // weight's dtype, and split.
+        let summed = CubeBackend::float_sum_dim(partials, 0);
+        let summed = CubeBackend::float_reshape(summed, Shape::new([2 * d]));
+        let summed = match w_dtype {
+            DType::F32 => summed,
+            other => CubeBackend::float_cast(summed, other.into()),
+        };
+        let half = |range: std::ops::Range<usize>| {
+            into_contiguous(CubeBackend::float_slice(summed.clone(), &[range.into()]))
+        };
+        let (dw, db) = (half(0..d), half(d..2 * d));
         (dx, dw, db)
     }
 }
