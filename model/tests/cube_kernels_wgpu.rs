@@ -336,8 +336,10 @@ fn layer_norm_matches_the_composed_op() {
     let _device = device_lock();
     check_layer_norm(15, 300, DType::F32, 1e-5);
     check_layer_norm(4, 48, DType::F32, 1e-5);
-    // Rows over several of the weight gradient's chunks of 64, the last one short.
+    // Rows over several of the weight gradient's chunks of 64, the last one short, with
+    // features in one cube of 64 and in several.
     check_layer_norm(200, 40, DType::F32, 1e-5);
+    check_layer_norm(200, 300, DType::F32, 1e-5);
     if wgpu().supports_dtype(DType::F16) {
         check_layer_norm(15, 300, DType::F16, 2f64.powi(-9));
     }

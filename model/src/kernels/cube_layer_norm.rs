@@ -309,7 +309,9 @@ impl CubeLayerNormOps for CubeBackend {
             ROW_UNITS,
             elem_type(dtype),
         );
-        let chunks = rows.div_ceil(ROWS_PER_CHUNK).max(1);
+        // At most 65535 chunks (the grid's limit along y): past that, longer chunks.
+        let chunks = rows.div_ceil(ROWS_PER_CHUNK).clamp(1, 65_535);
+        let rows_per_chunk = rows.div_ceil(chunks).max(1);
         // Each chunk's row of partial sums: the weight's `d`, then the bias's `d`.
         let partials = empty_device_dtype(
             client.clone(),
@@ -328,7 +330,7 @@ impl CubeLayerNormOps for CubeBackend {
             partials.clone().into_tensor_arg(),
             rows,
             d,
-            ROWS_PER_CHUNK,
+            rows_per_chunk,
             elem_type(dtype),
         );
         // The chunks' partial sums summed in f32 (one reduction for both), cast to the
