@@ -82,13 +82,18 @@ impl KernelCache {
 /// `ENV=VALUE` for the ranks a launcher starts, which may run on other hosts: the choice of
 /// `--kernel-cache` (a folder made absolute) or of [`ENV`], where one was made.
 pub fn for_ranks() -> Option<String> {
-    let value = match CHOSEN.get() {
+    for_ranks_of(CHOSEN.get(), std::env::var(ENV).ok())
+}
+
+/// [`for_ranks`] of the choice made (`chosen`) and [`ENV`]'s value (`env`).
+fn for_ranks_of(chosen: Option<&KernelCache>, env: Option<String>) -> Option<String> {
+    let value = match chosen {
         Some(KernelCache::Off) => "off".to_string(),
         Some(KernelCache::Dir(dir)) => std::path::absolute(dir)
             .unwrap_or_else(|_| dir.clone())
             .display()
             .to_string(),
-        None => std::env::var(ENV).ok().filter(|v| !v.is_empty())?,
+        None => env.filter(|v| !v.is_empty())?,
     };
     Some(format!("{ENV}={value}"))
 }
@@ -251,6 +256,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains(ENV) && err.contains("not a folder"), "{err}");
+    }
+
+    #[test]
+    fn ranks_get_the_choice_with_its_folder_made_absolute() {
+        let here = std::env::current_dir().unwrap();
+        let dir = KernelCache::Dir(PathBuf::from("cache"));
+        assert_eq!(
+            for_ranks_of(Some(&dir), None),
+            Some(format!("{ENV}={}", here.join("cache").display()))
+        );
+        assert_eq!(
+            for_ranks_of(Some(&KernelCache::Off), Some("/x".into())),
+            Some(format!("{ENV}=off"))
+        );
+        assert_eq!(
+            for_ranks_of(None, Some("/x".into())),
+            Some(format!("{ENV}=/x"))
+        );
+        assert_eq!(for_ranks_of(None, Some(String::new())), None);
+        assert_eq!(for_ranks_of(None, None), None);
     }
 
     #[test]
