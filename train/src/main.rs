@@ -52,7 +52,7 @@ enum Command {
     Reshard(ReshardArgs),
     /// Write a checkpoint in the Hugging Face GPT-2 layout (offline, no MPI needed)
     Export(ExportArgs),
-    /// Benchmarks (training throughput, collectives)
+    /// Benchmarks (training throughput, collectives, sharding, a step's products, staging)
     #[command(subcommand)]
     Bench(BenchCommand),
     /// An emulated cluster on this machine: network namespaces with shaped links (root)

@@ -25,9 +25,9 @@ pub enum BenchCommand {
     /// `ember plan`'s predictions (run under mpirun; rank 0 prints)
     #[command(allow_negative_numbers = true)]
     Shard(BenchShardArgs),
-    /// The matrix products of one training step, each timed alone as Burn's matmul (what a
-    /// GPU step runs; on flex the step's linear layers run ember's own products instead), with
-    /// its TFLOP/s
+    /// The matrix products of one training step, each timed alone through the op a GPU step
+    /// runs it with (Burn's linear or matmul; on flex the step's linear layers run ember's own
+    /// products instead), with its TFLOP/s
     Matmul(BenchMatmulArgs),
     /// The crossings between device and host memory an MPI call makes (f32 and bf16, each
     /// way), measured alone through the functions the sharded step stages with, in GB/s
