@@ -237,53 +237,11 @@ pub fn crossing_rates(
     let bf16s: Vec<Bf16> = (0..2 * n)
         .map(|i| Bf16::from_f32((i % 1000) as f32))
         .collect();
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let rounds = rounds.max(1);
-    let timed = |f: &mut dyn FnMut() -> Result<f64, String>| {
-        (0..rounds)
-            .map(|_| f())
-            .collect::<Result<Vec<_>, _>>()
-            .map(median)
-    };
-    // Each crossing's result is let go after the clock is read: freeing it is not the crossing.
-    let to_device_f32 = timed(&mut || {
-        let values = f32s.clone();
-        let start = Instant::now();
-        let t = from_f32(values, device);
-        sync()?;
-        let s = start.elapsed().as_secs_f64();
-        drop(t);
-        Ok(s)
-    })?;
-    let to_host_f32 = timed(&mut || {
-        let t = from_f32(f32s.clone(), device);
-        sync()?;
-        let start = Instant::now();
-        let values = to_f32(t);
-        let s = start.elapsed().as_secs_f64();
-        drop(std::hint::black_box(values));
-        Ok(s)
-    })?;
-    let to_device_bf16 = timed(&mut || {
-        let start = Instant::now();
-        let t = from_bf16(&bf16s, device);
-        sync()?;
-        let s = start.elapsed().as_secs_f64();
-        drop(t);
-        Ok(s)
-    })?;
-    let to_host_bf16 = timed(&mut || {
-        let t = from_bf16(&bf16s, device);
-        sync()?;
-        let start = Instant::now();
-        let values = to_bf16(t);
-        let s = start.elapsed().as_secs_f64();
-        drop(std::hint::black_box(values));
-        Ok(s)
-    })?;
+    let to_device_f32 = timed_write(rounds, &sync, || f32s.clone(), |v| from_f32(v, device))?;
+    let to_host_f32 = timed_read(rounds, &sync, || from_f32(f32s.clone(), device), to_f32)?;
+    let to_device_bf16 = timed_write(rounds, &sync, || (), |()| from_bf16(&bf16s, device))?;
+    let to_host_bf16 = timed_read(rounds, &sync, || from_bf16(&bf16s, device), to_bf16)?;
     let rate = |seconds: f64| (n * 4) as f64 / seconds;
     Ok(CrossingRates {
         bytes: (n * 4) as u64,
@@ -292,6 +250,51 @@ pub fn crossing_rates(
         to_host_bf16: rate(to_host_bf16),
         to_device_bf16: rate(to_device_bf16),
     })
+}
+
+/// The median seconds of `rounds` writes: each from its call (`write` of what `prepare` made,
+/// untimed) to the device's having it. The tensor is let go after the clock is read.
+fn timed_write<P>(
+    rounds: usize,
+    sync: &dyn Fn() -> Result<(), String>,
+    prepare: impl Fn() -> P,
+    write: impl Fn(P) -> Tensor<1>,
+) -> Result<f64, String> {
+    median_of(rounds, || {
+        let input = prepare();
+        let start = Instant::now();
+        let t = write(input);
+        sync()?;
+        let s = start.elapsed().as_secs_f64();
+        drop(t);
+        Ok(s)
+    })
+}
+
+/// The median seconds of `rounds` reads of a tensor `make` wrote and the device finished;
+/// the values read are let go after the clock is read.
+fn timed_read<R>(
+    rounds: usize,
+    sync: &dyn Fn() -> Result<(), String>,
+    make: impl Fn() -> Tensor<1>,
+    read: impl Fn(Tensor<1>) -> R,
+) -> Result<f64, String> {
+    median_of(rounds, || {
+        let t = make();
+        sync()?;
+        let start = Instant::now();
+        let values = read(t);
+        let s = start.elapsed().as_secs_f64();
+        drop(std::hint::black_box(values));
+        Ok(s)
+    })
+}
+
+/// The median of `rounds` results of `f`, or its first error.
+fn median_of(rounds: usize, mut f: impl FnMut() -> Result<f64, String>) -> Result<f64, String> {
+    let mut v = (0..rounds).map(|_| f()).collect::<Result<Vec<_>, _>>()?;
+    v.sort_by(f64::total_cmp);
+    Ok(v[v.len() / 2])
 }
 
 #[cfg(test)]
