@@ -1468,6 +1468,21 @@ fn wgpu_sharded_training_matches_flex() {
             device.is_some_and(|b| b.iter().all(|&x| x > 0)),
             "{preset}: the wgpu run reports its device memory"
         );
+        // On flex nothing crosses between device and host memory.
+        for m in &runs[0] {
+            for s in m
+                .step_split
+                .as_ref()
+                .expect("a sharded run splits its steps")
+            {
+                assert_eq!(
+                    (s.to_host_bytes, s.to_device_bytes),
+                    (0, 0),
+                    "{preset} on flex: {s:?}"
+                );
+            }
+        }
+        assert_staging_is_the_plans(preset, &runs[1]);
         // Every rank's step split: the parts add up to the step, and on wgpu bytes cross both
         // ways at the rate their time and bytes give.
         for m in &runs[1] {
@@ -1493,6 +1508,63 @@ fn wgpu_sharded_training_matches_flex() {
                 );
             }
         }
+    }
+}
+
+/// Every rank's crossings between device and host memory, at every step, are the plan's
+/// (`plan_staging`), byte for byte, each way.
+#[cfg(feature = "wgpu")]
+fn assert_staging_is_the_plans(what: &str, run: &[StepMetrics]) {
+    for m in run {
+        let plan = m
+            .plan_staging
+            .unwrap_or_else(|| panic!("{what}: step {} has no plan_staging", m.step));
+        assert!(plan.total() > 0, "{what}: the plan stages nothing");
+        for (rank, s) in m.step_split.as_ref().unwrap().iter().enumerate() {
+            assert_eq!(
+                (s.to_host_bytes, s.to_device_bytes),
+                (plan.to_host, plan.to_device),
+                "{what}: step {} rank {rank}: measured (to host, to device) against the plan's",
+                m.step
+            );
+        }
+    }
+}
+
+/// The crossings of other layouts on wgpu against the plan's: replicated parameters rebuilt
+/// after the update (zero2), replicated optimizer state (ddp), and gradients accumulated
+/// inside the path over two micro-batches, quantized (hier3) and not.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_staged_bytes_are_the_plans() {
+    let tmp = tempfile::tempdir().unwrap();
+    let accumulate = ["--grad-accum", "2", "--batch-size", "16"];
+    let plain = [
+        "--grad-accum",
+        "2",
+        "--batch-size",
+        "16",
+        "--quantize-weights",
+        "off",
+        "--quantize-grads",
+        "off",
+    ];
+    for (name, shard, topology, extra) in [
+        ("zero2", "zero2", "2x1x1", &[][..]),
+        ("ddp", "ddp", "2x1x1", &[][..]),
+        ("hier3 accumulating", "hier3", "2x1x2", &accumulate[..]),
+        (
+            "hier3 unquantized accumulating",
+            "hier3",
+            "2x1x2",
+            &plain[..],
+        ),
+    ] {
+        let out = tmp.path().join(name.replace(' ', "-"));
+        let mut args = vec!["--shard", shard, "--topology", topology, "--device", "wgpu"];
+        args.extend(extra);
+        ok(ranks(topology), &train_args(&out, "2", &args));
+        assert_staging_is_the_plans(name, &metrics(&out));
     }
 }
 

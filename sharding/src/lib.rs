@@ -313,6 +313,7 @@ pub use engine::{
 };
 pub use error::ShardError;
 pub use optim::{Adam, AdamW, DecayOn, FlatState, Optimizer, Sgd};
+pub use plan::crossings::StagedBytes;
 pub use plan::simulate::Interval;
 pub use plan::{Memory, Plan};
 pub use rows::Rows;

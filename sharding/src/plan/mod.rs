@@ -20,6 +20,7 @@
 //! state is not, and two scalar all-reduces (the gradient norm over the optimizer group, the
 //! step loss over the world).
 
+pub mod crossings;
 pub mod network;
 pub mod policy;
 pub mod profile;

@@ -1,7 +1,8 @@
 //! Device tensors to and from the host buffers an MPI call reads and writes. On a backend whose
 //! memory is host memory (flex) a uniquely owned tensor hands its buffer over without a copy;
 //! elsewhere these are the staging copies of the call and live only as long as it does. Every
-//! crossing runs on one process-wide clock ([`Staging`]), which each step's report takes.
+//! crossing runs on one process-wide clock ([`Staging`]), which each step's report takes; on
+//! flex, where nothing crosses, the clock stays at zero.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -79,12 +80,22 @@ pub(crate) enum Way {
     ToDevice,
 }
 
-/// Runs `f`, a crossing of `bytes` bytes the way `way` says, on the staging clock.
-pub(crate) fn timed<T>(way: Way, bytes: usize, f: impl FnOnce() -> T) -> T {
+/// Runs `f`, a crossing of `bytes` bytes the way `way` says between host memory and
+/// `device`'s, on the staging clock. On a device whose memory is host memory (flex) nothing
+/// crosses, and nothing is recorded.
+pub(crate) fn timed<T>(way: Way, device: &Device, bytes: usize, f: impl FnOnce() -> T) -> T {
+    if !has_own_memory(device) {
+        return f();
+    }
     let start = Instant::now();
     let out = f();
     record(way, bytes, start);
     out
+}
+
+/// Whether `device` keeps tensors in memory of its own, which data crosses to reach MPI.
+pub(crate) fn has_own_memory(device: &Device) -> bool {
+    *device != Device::flex()
 }
 
 /// Puts a crossing of `bytes` bytes that began at `start` and ends now on the staging clock.
@@ -102,7 +113,7 @@ pub(crate) fn record(way: Way, bytes: usize, start: Instant) {
 /// The values of an f32 tensor, on the host (cast from any other float dtype).
 pub(crate) fn to_f32(t: Tensor<1>) -> Vec<f32> {
     let bytes = t.dims()[0] * 4;
-    timed(Way::ToHost, bytes, || {
+    timed(Way::ToHost, &t.device(), bytes, || {
         crate::transport::host::cast(t, DType::F32)
             .into_data()
             .try_into_vec::<f32>()
@@ -113,7 +124,7 @@ pub(crate) fn to_f32(t: Tensor<1>) -> Vec<f32> {
 /// An f32 tensor of `values` on `device`.
 pub(crate) fn from_f32(values: Vec<f32>, device: &Device) -> Tensor<1> {
     let n = values.len();
-    timed(Way::ToDevice, n * 4, || {
+    timed(Way::ToDevice, device, n * 4, || {
         Tensor::from_data(TensorData::new(values, [n]), (device, DType::F32))
     })
 }
@@ -125,7 +136,7 @@ pub(crate) fn to_bf16(t: Tensor<1>) -> Vec<Bf16> {
     } else {
         t.cast(DType::BF16)
     };
-    let data = timed(Way::ToHost, t.dims()[0] * 2, || t.into_data());
+    let data = timed(Way::ToHost, &t.device(), t.dims()[0] * 2, || t.into_data());
     bf16_of_burn(
         data.try_into_vec::<bf16>()
             .expect("a bf16 tensor reads back as bf16"),
@@ -136,7 +147,7 @@ pub(crate) fn to_bf16(t: Tensor<1>) -> Vec<Bf16> {
 pub(crate) fn from_bf16(values: &[Bf16], device: &Device) -> Tensor<1> {
     let n = values.len();
     let data = TensorData::new(burn_bf16_of(values), [n]);
-    timed(Way::ToDevice, n * 2, || {
+    timed(Way::ToDevice, device, n * 2, || {
         Tensor::from_data(data, (device, DType::BF16))
     })
 }
@@ -166,14 +177,14 @@ pub(crate) fn bytes_to_device(bytes: &[u8], device: &Device) -> Tensor<1, Int> {
     padded.extend_from_slice(bytes);
     padded.resize(n * 4, 0);
     let data = TensorData::from_bytes_vec(padded, [n], DType::I32);
-    timed(Way::ToDevice, n * 4, || {
+    timed(Way::ToDevice, device, n * 4, || {
         Tensor::from_data(data, (device, DType::I32))
     })
 }
 
 /// The first `len` bytes of words written by [`bytes_to_device`].
 pub(crate) fn bytes_from_device(t: Tensor<1, Int>, len: usize) -> Vec<u8> {
-    let data = timed(Way::ToHost, t.dims()[0] * 4, || t.into_data());
+    let data = timed(Way::ToHost, &t.device(), t.dims()[0] * 4, || t.into_data());
     let mut bytes = data.as_bytes().to_vec();
     bytes.truncate(len);
     bytes

@@ -68,6 +68,11 @@ pub struct StepMetrics {
     /// Sharded runs: bytes rank 0's step moved between device and host memory, both ways.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub staging_bytes: Option<u64>,
+    /// Sharded runs on a device with memory of its own: the plan's prediction of the bytes
+    /// each rank's step moves between device and host memory, each way (what `step_split`
+    /// measures).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub plan_staging: Option<ember_sharding::StagedBytes>,
     /// Sharded runs: the plan's prediction of what one rank holds at its peak, in bytes.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub plan_bytes: Option<u64>,

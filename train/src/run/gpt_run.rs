@@ -282,6 +282,9 @@ impl Trainee for GptRun<'_, '_> {
             m.staging_s = Some(r.staging.seconds());
             m.staging_frac = Some(r.staging.seconds() / r.step_s.max(1e-9));
             m.staging_bytes = Some(r.staging.to_host_bytes + r.staging.to_device_bytes);
+            if self.config.device.is_cubecl() {
+                m.plan_staging = Some(self.sharded.plan().staging(self.config.grad_accum));
+            }
             let off = r.traffic.off_gpu();
             let split = StepSplit::new(r.step_s, r.comm_wait_s, &r.staging);
             let words = 2 + StepSplit::WORDS;

@@ -181,6 +181,7 @@ pub fn run(
                 staging_frac: None,
                 staging_bytes: None,
                 plan_bytes: None,
+                plan_staging: None,
                 stragglers: None,
                 step_split: None,
             };

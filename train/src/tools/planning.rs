@@ -10,7 +10,7 @@ use ember_model::GptConfig;
 use ember_sharding::plan::TrafficTable;
 use ember_sharding::plan::policy::{self, Candidates};
 use ember_sharding::plan::profile::Profile;
-use ember_sharding::{Compute, Memory, Plan, Preset, ShardConfig};
+use ember_sharding::{Compute, Memory, Plan, Preset, ShardConfig, StagedBytes};
 use serde::Serialize;
 
 use crate::error::{CliResult, usage};
@@ -82,6 +82,9 @@ pub struct PlanReport {
     pub memory_total: u64,
     /// Bytes per group and op per step.
     pub traffic: Vec<TrafficRow>,
+    /// Bytes per step between device and host memory, each way, on a device with memory of
+    /// its own (what MPI reads and writes crosses; nothing does on a CPU).
+    pub staging: StagedBytes,
     /// Estimated step time.
     pub estimate: Estimate,
 }
@@ -261,6 +264,7 @@ pub fn report(
         memory_total: memory.total(),
         memory,
         traffic,
+        staging: plan.staging(grad_accum),
         estimate,
     })
 }
@@ -396,6 +400,12 @@ pub fn render(r: &PlanReport, profile: &Profile) -> String {
             gb(t.sent)
         );
     }
+    out += &format!(
+        "  staged between device and host memory on a GPU: {:.4} GB to host, {:.4} GB to \
+         the device (none on a CPU)\n",
+        gb(r.staging.to_host),
+        gb(r.staging.to_device)
+    );
     let e = &r.estimate;
     let links: Vec<String> = (0..profile.level_gbps.len())
         .map(|l| {
