@@ -1483,6 +1483,18 @@ fn wgpu_sharded_training_matches_flex() {
             }
         }
         assert_staging_is_the_plans(preset, &runs[1]);
+        // The device's pools stop growing once the first steps have filled them: each step
+        // reuses the last one's memory (communication threads on streams of their own kept
+        // from step to step, not a fresh stream and fresh pools per step).
+        let reserved = |m: &StepMetrics| m.device_reserved_bytes.clone().unwrap();
+        let (second, last) = (reserved(&runs[1][1]), reserved(runs[1].last().unwrap()));
+        eprintln!("{preset}: reserved device bytes at step 2 {second:?}, at the last {last:?}");
+        for (a, b) in second.iter().zip(&last) {
+            assert!(
+                *b as f64 <= 1.1 * *a as f64,
+                "{preset}: the device's pools grew from {a} bytes at step 2 to {b}"
+            );
+        }
         // Every rank's step split: the parts add up to the step, and on wgpu bytes cross both
         // ways at the rate their time and bytes give.
         for m in &runs[1] {

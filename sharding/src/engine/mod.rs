@@ -150,6 +150,9 @@ pub struct StepReport {
     /// Bytes in use on the device's own memory at the end of the step, where the backend
     /// reports them (CubeCL devices); `None` where the device's memory is host memory.
     pub device_bytes: Option<u64>,
+    /// Bytes the device's memory pools hold from the driver after the step, in use or kept
+    /// for reuse (CubeCL devices); `None` elsewhere.
+    pub device_reserved_bytes: Option<u64>,
     /// Bytes of the secondary copies held during the step.
     pub secondary_bytes: u64,
     /// The step's crossings between device and host memory: the bytes collectives send and
@@ -201,6 +204,8 @@ pub struct ShardedModel<'c, S: Staged<D>, const D: usize> {
     seed: u64,
     /// How the step's loss is formed from its micro-batches'.
     step_loss: StepLoss,
+    /// The device stream of each communication thread, the same every step.
+    comm_streams: crate::transport::worker::CommStreams,
 }
 
 /// What a [`ShardedModel`] is laid out by: a configuration, which it plans from the module's
@@ -340,6 +345,7 @@ impl<'c, S: Staged<D>, const D: usize> ShardedModel<'c, S, D> {
             state_names: moments.map_or_else(Vec::new, |(kinds, _)| kinds.to_vec()),
             updates: 0,
             restored_residuals: false,
+            comm_streams: Default::default(),
             recompute_checked: false,
             record: serde_json::Map::new(),
             seed: source.fingerprint(),

@@ -212,6 +212,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
                 &self.primary,
                 &shared,
                 &self.device,
+                &self.comm_streams,
             );
             let result =
                 self.run_schedule(&schedule, micro_batches, &mut state, &mut worker, &shared);
@@ -323,6 +324,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             traffic: self.comm.take_counters(),
             resident: memory::resident(),
             device_bytes: memory::device_bytes_in_use(&self.device),
+            device_reserved_bytes: memory::device_bytes_reserved(&self.device),
             secondary_bytes: grads.secondary_bytes,
             staging: crate::Staging::take(),
             timeline: grads.timeline,

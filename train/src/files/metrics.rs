@@ -53,6 +53,10 @@ pub struct StepMetrics {
     /// them (wgpu); absent on CPU backends, whose memory is the resident set.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub device_bytes: Option<Vec<u64>>,
+    /// Bytes each rank's device memory pools hold from the driver (rank 0 first), in use or
+    /// kept for reuse, where the backend reports them (CubeCL devices).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub device_reserved_bytes: Option<Vec<u64>>,
     /// Steps that saved a checkpoint: seconds the save held training on rank 0 (the whole
     /// write, or only the copy to host memory of a checkpoint written in the background).
     #[serde(skip_serializing_if = "Option::is_none", default)]

@@ -313,6 +313,9 @@ impl Trainee for GptRun<'_, '_> {
         if let Some(b) = self.last.as_ref().and_then(|r| r.device_bytes) {
             m.device_bytes = Some(gather_u64(comm, b)?);
         }
+        if let Some(b) = self.last.as_ref().and_then(|r| r.device_reserved_bytes) {
+            m.device_reserved_bytes = Some(gather_u64(comm, b)?);
+        }
         Ok(())
     }
 

@@ -176,6 +176,7 @@ pub fn run(
                 comm_wait_frac: None,
                 rss_peak_bytes: None,
                 device_bytes: None,
+                device_reserved_bytes: None,
                 save_blocked_s: saved.as_ref().map(|s| s.blocked_s),
                 staging_s: None,
                 staging_frac: None,
