@@ -284,11 +284,15 @@ impl CubeKernels {
                 width(format),
             );
         }
-        let scales = u32::from_bytes(&client.read_one_unchecked(scales_h))
+        // Both buffers in one read: one wait for the kernels, one copy back.
+        let mut read = client
+            .read(vec![scales_h, out_h])
+            .unwrap_or_else(|e| panic!("reading quantized bytes back from the device: {e:?}"));
+        let mut data = read.pop().expect("two buffers read").to_vec();
+        let scales = u32::from_bytes(&read.pop().expect("two buffers read"))
             .iter()
             .map(|&b| f32::from_bits(b))
             .collect();
-        let mut data = client.read_one_unchecked(out_h).to_vec();
         data.truncate(format.data_bytes(len));
         Quantized {
             format,
