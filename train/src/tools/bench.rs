@@ -226,6 +226,12 @@ pub struct ShardBench {
     pub plan_bytes: u64,
     /// The plan's prediction, by state.
     pub plan_memory: Memory,
+    /// Rank 0's crossings between device and host memory in its last timed step: seconds and
+    /// bytes each way.
+    pub staging: ember_sharding::Staging,
+    /// The plan's prediction of one rank's crossings in a step, on a device with memory of its
+    /// own.
+    pub plan_staging: ember_sharding::StagedBytes,
 }
 
 /// Times `steps` sharded training steps (after `warmup`) of each sharding preset in `shards`
@@ -316,6 +322,8 @@ pub fn bench_shard(
             .map(|d| step_ms / d.step_ms_median);
         let bytes_sent = traffic_by_name(comm, &last.traffic);
         let timeline = last.timeline.clone();
+        let staging = last.staging;
+        let plan_staging = run.sharded().plan().staging(config.grad_accum);
         drop(run);
         out.push(ShardBench {
             shard: shard.clone(),
@@ -353,6 +361,8 @@ pub fn bench_shard(
             rss_peak_bytes: rss_peaks(comm)?,
             plan_bytes: plan_memory.total(),
             plan_memory,
+            staging,
+            plan_staging,
         });
     }
     Ok(out)
