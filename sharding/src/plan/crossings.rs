@@ -12,10 +12,10 @@
 //!   what the group gathered, or moves nothing when the group is one rank of plain values;
 //! - a reduction reads the gradient once and writes the shard once, unquantized; quantized,
 //!   every hop reads its wire form and writes what arrives, plus its own blocks back for the
-//!   error-feedback residual. An all-reduce across replicated optimizer state reads and writes
-//!   the shard once more. Accumulating inside the path
-//!   writes an earlier micro-batch's partial sum, and the last one's hop beyond the span
-//!   writes and reads it back once;
+//!   error-feedback residual. An all-reduce across replicated optimizer state takes the shard
+//!   where the hops left it (read from the device after quantized hops). Accumulating inside
+//!   the path writes an earlier micro-batch's partial sum, and the last one's hop beyond the
+//!   span writes and reads it back once;
 //! - after the update, replicated parameters are rebuilt from the master shards: a read of
 //!   the shard and a write of the unit.
 
@@ -196,12 +196,12 @@ impl Plan {
             lo: cfg.optimizer().0,
             hi: self.topology.depth(),
         };
-        // The shard's mean over the path's group is taken on the device.
-        if on_host {
-            s.write(len * c);
-        }
-        if across.size(&self.topology) > 1 {
+        // A shard the hops left on the host is averaged there and all-reduced as it is; one on
+        // the device crosses for the all-reduce.
+        if across.size(&self.topology) > 1 && !on_host {
             s.read(len * c);
+        }
+        if on_host || across.size(&self.topology) > 1 {
             s.write(len * c);
         }
     }

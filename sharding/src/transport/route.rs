@@ -632,12 +632,33 @@ pub(crate) fn reduce_flow<'e>(
     };
     let leftover = grad;
     if g_across > 1 {
+        let name = plan.units[u].name.clone();
         stages.push((
             across,
-            Box::new(move |c: &Comm, carry: Carry| {
-                let shard = shard_of(carry, leftover);
-                check(&shard)?;
-                all_reduce_carry(c, across, shard, bf16)
+            Box::new(move |c: &Comm, carry: Carry| match (carry, leftover) {
+                // Host values from the path: their mean over the path's group is taken where
+                // they are, and they go on to the all-reduce without a round trip through the
+                // device.
+                (Carry::F32(v), None) => {
+                    check_host_len(&name, v.len(), expect)?;
+                    let g = c.try_group(scope(c, across))?;
+                    let v: Vec<f32> = v.into_iter().map(|x| x / p as f32).collect();
+                    Ok(Carry::F32(g.all_reduce(&v, Reduce::Sum)?))
+                }
+                (Carry::Bf16(v), None) => {
+                    check_host_len(&name, v.len(), expect)?;
+                    let g = c.try_group(scope(c, across))?;
+                    let v: Vec<Bf16> = v
+                        .into_iter()
+                        .map(|x| Bf16::from_f32(x.to_f32() / p as f32))
+                        .collect();
+                    Ok(Carry::Bf16(g.all_reduce(&v, Reduce::Sum)?))
+                }
+                (carry, first) => {
+                    let shard = shard_of(carry, first);
+                    check(&shard)?;
+                    all_reduce_carry(c, across, shard, bf16)
+                }
             }),
         ));
         return Ok(Flow {
@@ -656,6 +677,16 @@ pub(crate) fn reduce_flow<'e>(
             Ok(())
         }),
     })
+}
+
+/// Refuses a reduced shard of `len` elements where `expect` were due.
+fn check_host_len(unit: &str, len: usize, expect: usize) -> Result<(), ShardError> {
+    if len != expect {
+        return Err(ShardError::Units(format!(
+            "unit `{unit}`: reduced shard of {len} elements, expected {expect}"
+        )));
+    }
+    Ok(())
 }
 
 /// Each unit's gradient accumulated inside the gradient path over a step's earlier
