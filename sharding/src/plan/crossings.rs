@@ -14,8 +14,8 @@
 //!   every hop reads its wire form and writes what arrives, plus its own blocks back for the
 //!   error-feedback residual. An all-reduce across replicated optimizer state takes the shard
 //!   where the hops left it (read from the device after quantized hops). Accumulating inside
-//!   the path writes an earlier micro-batch's partial sum, and the last one's hop beyond the
-//!   span writes and reads it back once;
+//!   the path crosses nothing more: the micro-batches' partial sums stay where the hops leave
+//!   them;
 //! - after the update, replicated parameters are rebuilt from the master shards: a read of
 //!   the shard and a write of the unit.
 
@@ -60,14 +60,10 @@ impl Plan {
     /// its own (see the module's notes).
     pub fn staging(&self, grad_accum: usize) -> StagedBytes {
         let mut s = StagedBytes::default();
-        // Units whose partial gradient sum waits, from an earlier micro-batch, for the last.
-        let mut accumulated = vec![false; self.units.len()];
         for event in self.schedule(grad_accum) {
             match event {
                 Event::Gather { unit, source } => self.stage_gather(unit, source, &mut s),
-                Event::Reduce { unit, inner_only } => {
-                    self.stage_reduce(unit, inner_only, &mut accumulated[unit], &mut s)
-                }
+                Event::Reduce { unit, inner_only } => self.stage_reduce(unit, inner_only, &mut s),
                 Event::Visit(_) | Event::Whole { .. } => {}
             }
         }
@@ -127,13 +123,7 @@ impl Plan {
             .filter(|(_, h)| h.size(&self.topology) > 1)
     }
 
-    fn stage_reduce(
-        &self,
-        u: usize,
-        inner_only: bool,
-        accumulated: &mut bool,
-        s: &mut StagedBytes,
-    ) {
+    fn stage_reduce(&self, u: usize, inner_only: bool, s: &mut StagedBytes) {
         let cfg = &self.config;
         let c = cfg.compute.bytes();
         let mut len = self.units[u].padded;
@@ -162,15 +152,8 @@ impl Plan {
         for (i, &(_, hop)) in live.iter().enumerate() {
             let g = hop.size(&self.topology);
             match format {
-                None => {
-                    if i == 0 {
-                        s.read(len * c);
-                    }
-                    if beyond == Some(i) && std::mem::take(accumulated) {
-                        s.write(len * c);
-                        s.read(len * c);
-                    }
-                }
+                None if i == 0 => s.read(len * c),
+                None => {}
                 Some(f) => {
                     let block = self.block();
                     s.read(Quantized::wire_bytes(f, block, len));
@@ -178,18 +161,12 @@ impl Plan {
                         s.write(Quantized::wire_bytes(f, block, len));
                     }
                     s.write(g * Quantized::wire_bytes(f, block, len / g));
-                    if beyond == Some(i) {
-                        *accumulated = false;
-                    }
                 }
             }
             len /= g;
         }
+        // An earlier micro-batch's partial sum stays where the hops left it.
         if inner_only && beyond.is_some() {
-            if on_host {
-                s.write(len * c);
-            }
-            *accumulated = true;
             return;
         }
         let across = Levels {

@@ -579,9 +579,7 @@ pub(crate) fn reduce_flow<'e>(
             }),
         };
         let stage: StageFn<'e> = if beyond == Some(i) {
-            Box::new(move |c: &Comm, carry: Carry| {
-                stage(c, add_accumulated(carry, accumulated, u, device))
-            })
+            Box::new(move |c: &Comm, carry: Carry| stage(c, add_accumulated(carry, accumulated, u)))
         } else {
             stage
         };
@@ -594,12 +592,8 @@ pub(crate) fn reduce_flow<'e>(
         return Ok(Flow {
             stages,
             finish: Box::new(move |carry| {
-                let part = match carry {
-                    Carry::Tensor(t) => *t,
-                    c => host_to_f32(c, device),
-                };
                 let mut all = accumulated.lock().unwrap_or_else(|e| e.into_inner());
-                crate::transport::host::add_to(&mut all[u], part);
+                all[u].add(carry);
                 Ok(())
             }),
         });
@@ -691,21 +685,71 @@ fn check_host_len(unit: &str, len: usize, expect: usize) -> Result<(), ShardErro
 
 /// Each unit's gradient accumulated inside the gradient path over a step's earlier
 /// micro-batches (f32, in the hop order of the span it accumulates at).
-pub(crate) type Accumulated = std::sync::Mutex<Vec<Option<Tensor<1>>>>;
+pub(crate) type Accumulated = std::sync::Mutex<Vec<Partial>>;
+
+/// One unit's partial sum at the accumulation span, in f32, kept where the hops leave the
+/// micro-batches' sums: on the device after quantized hops, in host memory after unquantized
+/// ones (no crossing either way).
+#[derive(Debug, Clone, Default)]
+pub(crate) enum Partial {
+    /// Nothing accumulated yet.
+    #[default]
+    None,
+    /// On the device (boxed: the other variants are three words).
+    Device(Box<Tensor<1>>),
+    /// In host memory.
+    Host(Vec<f32>),
+}
+
+impl Partial {
+    /// Adds a micro-batch's sum (`carry`, as a hop left it) into this one.
+    fn add(&mut self, carry: Carry) {
+        *self = match (std::mem::take(self), carry) {
+            (Partial::None, Carry::Tensor(t)) => Partial::Device(t),
+            (Partial::Device(a), Carry::Tensor(t)) => Partial::Device(Box::new(*a + *t)),
+            (Partial::None, c) => Partial::Host(host_f32(c)),
+            (Partial::Host(mut a), c) => {
+                for (a, x) in a.iter_mut().zip(host_f32(c)) {
+                    *a += x;
+                }
+                Partial::Host(a)
+            }
+            (Partial::Device(_), _) => unreachable!("a unit's hops leave its sums in one place"),
+        };
+    }
+}
+
+/// Host values as f32 (bf16 widened exactly).
+fn host_f32(carry: Carry) -> Vec<f32> {
+    match carry {
+        Carry::F32(v) => v,
+        Carry::Bf16(v) => v.into_iter().map(Bf16::to_f32).collect(),
+        _ => unreachable!("host values"),
+    }
+}
 
 /// `carry` (a partial sum at the accumulation span) plus unit `u`'s accumulated gradient,
-/// taken, in the carry's own form; unchanged when nothing accumulated (one micro-batch).
-fn add_accumulated(carry: Carry, accumulated: &Accumulated, u: usize, device: &Device) -> Carry {
-    let Some(acc) = accumulated.lock().unwrap_or_else(|e| e.into_inner())[u].take() else {
-        return carry;
-    };
-    match carry {
-        Carry::Tensor(t) => Carry::Tensor(Box::new(*t + acc)),
-        Carry::F32(v) => Carry::F32(staging::to_f32(staging::from_f32(v, device) + acc)),
-        Carry::Bf16(v) => Carry::Bf16(staging::to_bf16(
-            staging::from_bf16(&v, device).cast(DType::F32) + acc,
-        )),
-        _ => unreachable!("a reduction's hop carries values"),
+/// taken, in the carry's own form, where both are; unchanged when nothing accumulated (one
+/// micro-batch).
+fn add_accumulated(carry: Carry, accumulated: &Accumulated, u: usize) -> Carry {
+    let acc = std::mem::take(&mut accumulated.lock().unwrap_or_else(|e| e.into_inner())[u]);
+    match (carry, acc) {
+        (carry, Partial::None) => carry,
+        (Carry::Tensor(t), Partial::Device(acc)) => Carry::Tensor(Box::new(*t + *acc)),
+        (Carry::F32(mut v), Partial::Host(acc)) => {
+            for (x, a) in v.iter_mut().zip(acc) {
+                *x += a;
+            }
+            Carry::F32(v)
+        }
+        // In f32, rounded back to bf16 (ties to even), as the device would.
+        (Carry::Bf16(mut v), Partial::Host(acc)) => {
+            for (x, a) in v.iter_mut().zip(acc) {
+                *x = Bf16::from_f32(x.to_f32() + a);
+            }
+            Carry::Bf16(v)
+        }
+        _ => unreachable!("a unit's hops leave its sums in one place"),
     }
 }
 

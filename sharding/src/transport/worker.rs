@@ -138,7 +138,7 @@ impl Shared {
         Self {
             secondaries: Secondaries::new(units),
             residuals: Mutex::new(residuals),
-            accumulated: Mutex::new(vec![None; units]),
+            accumulated: Mutex::new(vec![Default::default(); units]),
             clock,
             spans: Mutex::new(Vec::new()),
         }
