@@ -7,9 +7,10 @@
 //! Per event, with `c` the compute dtype's bytes:
 //! - a gather from the primary partition reads this rank's shard (its int8 wire form when
 //!   weights are quantized) and writes the gathered unit (the wire forms of every shard, for
-//!   the device to dequantize); keeping an int8 secondary copy writes its blocks as words;
-//! - a gather from the secondary copy reads this rank's part (int8 blocks as words) and writes
-//!   what the group gathered, or moves nothing when the group is one rank of plain values;
+//!   the device to dequantize); an int8 secondary copy is kept in host memory as it arrived;
+//! - a gather from the secondary copy reads this rank's part (plain values; int8 blocks are on
+//!   the host already) and writes what the group gathered, or moves nothing when the group is
+//!   one rank of plain values;
 //! - a reduction reads the gradient once and writes the shard once, unquantized; quantized,
 //!   every hop reads its wire form and writes what arrives, plus its own blocks back for the
 //!   error-feedback residual. An all-reduce across replicated optimizer state takes the shard
@@ -50,11 +51,6 @@ impl StagedBytes {
     }
 }
 
-/// Bytes held as little-endian i32 words (how int8 blocks are kept on the device).
-fn as_words(bytes: usize) -> usize {
-    bytes.div_ceil(4) * 4
-}
-
 impl Plan {
     /// What one rank stages in a step of `grad_accum` micro-batches on a device with memory of
     /// its own (see the module's notes).
@@ -88,9 +84,7 @@ impl Plan {
             let g = self.group(span).size(&self.topology);
             let len = self.shard_len(u, span);
             if self.quantizes_weights() {
-                let bytes = len / primary * wire;
-                s.read(as_words(bytes));
-                s.write(bytes * g);
+                s.write(len / primary * wire * g);
             } else if g > 1 {
                 s.read(len * c);
                 s.write(len * g * c);
@@ -101,9 +95,6 @@ impl Plan {
         if self.quantizes_weights() {
             s.read(wire);
             s.write(wire * g);
-            if let (Source::PrimaryToSecondary, Some(span)) = (source, self.secondary()) {
-                s.write(as_words(self.shard_len(u, span) / primary * wire));
-            }
         } else if self.live_hops().next().is_some() {
             s.read(primary * c);
             s.write(primary * g * c);

@@ -9,7 +9,7 @@
 //! (`comm/tests/reference/qgz.rs`) step for step, with its arithmetic on device tensors;
 //! `tests/qgz_reference.rs` checks the two agree bit for bit.
 
-use burn::tensor::{DType, Device, Int, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 use ember_comm::collective::Reduce;
 use ember_comm::hier::all_gather_path;
 use ember_comm::path::Path;
@@ -43,16 +43,14 @@ fn path_of(plan: &Plan) -> Result<Path, ShardError> {
 /// A rank's secondary copy of one unit (hpZ).
 #[derive(Debug, Clone)]
 pub(crate) enum Secondary {
-    /// This rank's slice of the unit, in the compute dtype.
-    Plain(Tensor<1>),
+    /// This rank's slice of the unit, in the compute dtype (boxed: the other variant is a
+    /// pointer).
+    Plain(Box<Tensor<1>>),
     /// The int8 blocks of the primary shards the slice covers, exactly as the primary gather
-    /// delivered them (so keeping them is lossless), held as i32 words.
-    Int8 {
-        /// The wire bytes, as words.
-        words: Tensor<1, Int>,
-        /// Their length in bytes.
-        bytes: usize,
-    },
+    /// delivered them (so keeping them is lossless), in host memory: their only use is the
+    /// all-gather that rebuilds the unit, which reads them there, so they never cross to the
+    /// device and back (nor take its memory).
+    Int8(std::sync::Arc<Vec<u8>>),
 }
 
 impl Secondary {
@@ -60,7 +58,7 @@ impl Secondary {
     pub(crate) fn bytes(&self) -> u64 {
         match self {
             Secondary::Plain(t) => staging::tensor_bytes(t),
-            Secondary::Int8 { bytes, .. } => *bytes as u64,
+            Secondary::Int8(b) => b.len() as u64,
         }
     }
 }
@@ -267,11 +265,10 @@ fn cut_secondary(
     rank: usize,
     full: &Tensor<1>,
     wires: Option<Vec<u8>>,
-    device: &Device,
 ) -> Secondary {
     let range = plan.shard_range(u, span, rank);
     match wires {
-        None => Secondary::Plain(detached(full.clone().slice(range))),
+        None => Secondary::Plain(Box::new(detached(full.clone().slice(range)))),
         Some(wires) => {
             // The secondary slice covers primary shards [i k, (i + 1) k) of the gather.
             let per = wires.len() / plan.params_group_size();
@@ -279,10 +276,7 @@ fn cut_secondary(
             let k = plan.shard_len(u, span) / primary_len;
             let first = range.start / primary_len;
             let mine = &wires[first * per..(first + k) * per];
-            Secondary::Int8 {
-                words: staging::bytes_to_device(mine, device),
-                bytes: mine.len(),
-            }
+            Secondary::Int8(std::sync::Arc::new(mine.to_vec()))
         }
     }
 }
@@ -313,14 +307,12 @@ pub(crate) fn gather_flow<'e>(
         let take = move |comm: Option<&Comm>| -> Result<Carry, ShardError> {
             let copy = secondaries.get(u);
             Ok(match (copy, comm) {
-                (Secondary::Plain(t), None) => Carry::Tensor(Box::new(t)),
-                (Secondary::Plain(t), Some(c)) => all_gather_carry(c, group, host_values(t))?,
-                (Secondary::Int8 { words, bytes }, comm) => {
-                    let mine = staging::bytes_from_device(words, bytes);
-                    match comm {
-                        None => Carry::Bytes(mine),
-                        Some(c) => all_gather_carry(c, group, Carry::Bytes(mine))?,
-                    }
+                (Secondary::Plain(t), None) => Carry::Tensor(t),
+                (Secondary::Plain(t), Some(c)) => all_gather_carry(c, group, host_values(*t))?,
+                (Secondary::Int8(mine), None) => Carry::Bytes(mine.to_vec()),
+                (Secondary::Int8(mine), Some(c)) => {
+                    let g = c.try_group(scope(c, group))?;
+                    Carry::Bytes(g.all_gather(&mine[..])?)
                 }
             })
         };
@@ -393,7 +385,7 @@ pub(crate) fn gather_flow<'e>(
             return Ok(());
         }
         if let Some(span) = keep {
-            secondaries.put(u, cut_secondary(plan, u, span, rank, &full, wires, device));
+            secondaries.put(u, cut_secondary(plan, u, span, rank, &full, wires));
         }
         deliver(Ok(full));
         Ok(())

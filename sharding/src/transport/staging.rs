@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use burn::tensor::{DType, Device, Int, Tensor, TensorData, bf16};
+use burn::tensor::{DType, Device, Tensor, TensorData, bf16};
 use ember_comm::Bf16;
 use serde::{Deserialize, Serialize};
 
@@ -169,27 +169,6 @@ fn bf16_of_burn(values: Vec<bf16>) -> Vec<Bf16> {
     unsafe { Vec::from_raw_parts(ptr.cast::<Bf16>(), len, cap) }
 }
 
-/// Bytes kept on the device as little-endian i32 words (the tail word zero-padded): how the
-/// int8 secondary copy is held.
-pub(crate) fn bytes_to_device(bytes: &[u8], device: &Device) -> Tensor<1, Int> {
-    let n = bytes.len().div_ceil(4);
-    let mut padded = Vec::with_capacity(n * 4);
-    padded.extend_from_slice(bytes);
-    padded.resize(n * 4, 0);
-    let data = TensorData::from_bytes_vec(padded, [n], DType::I32);
-    timed(Way::ToDevice, device, n * 4, || {
-        Tensor::from_data(data, (device, DType::I32))
-    })
-}
-
-/// The first `len` bytes of words written by [`bytes_to_device`].
-pub(crate) fn bytes_from_device(t: Tensor<1, Int>, len: usize) -> Vec<u8> {
-    let data = timed(Way::ToHost, &t.device(), t.dims()[0] * 4, || t.into_data());
-    let mut bytes = data.as_bytes().to_vec();
-    bytes.truncate(len);
-    bytes
-}
-
 /// Bytes a tensor of `numel` elements of `dtype` takes.
 pub(crate) fn tensor_bytes(t: &Tensor<1>) -> u64 {
     (t.dims()[0] * t.dtype().size()) as u64
@@ -329,10 +308,5 @@ mod tests {
             assert_eq!(t.dtype(), DType::BF16);
             assert_eq!(to_bf16(t), b);
         }
-        let bytes: Vec<u8> = (0..11).collect();
-        assert_eq!(
-            bytes_from_device(bytes_to_device(&bytes, &device), 11),
-            bytes
-        );
     }
 }
