@@ -1544,8 +1544,8 @@ fn assert_staging_is_the_plans(what: &str, run: &[StepMetrics]) {
 }
 
 /// The crossings of other layouts on wgpu against the plan's: replicated parameters rebuilt
-/// after the update (zero2), replicated optimizer state (ddp), and gradients accumulated
-/// inside the path over two micro-batches, quantized (hier3) and not.
+/// after the update (zero2), replicated optimizer state (ddp), gradients accumulated inside
+/// the path over two micro-batches, quantized (hier3) and not, and error feedback.
 #[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_staged_bytes_are_the_plans() {
@@ -1570,6 +1570,12 @@ fn wgpu_staged_bytes_are_the_plans() {
             "hier3",
             "2x1x2",
             &plain[..],
+        ),
+        (
+            "hier3 with error feedback",
+            "hier3",
+            "2x1x2",
+            &["--error-feedback"][..],
         ),
     ] {
         let out = tmp.path().join(name.replace(' ', "-"));

@@ -245,6 +245,32 @@ impl CubeKernels {
         format: QuantFormat,
         block: BlockSize,
     ) -> Quantized {
+        self.quantize_and_dequantize(input, len, format, block, None)
+    }
+
+    /// [`quantize_device`](Self::quantize_device), and the quantized values dequantized into
+    /// `back`, a buffer of `len` f32 on this client, from the packed bytes and scales where the
+    /// kernels wrote them: the same bits as [`QuantKernels::dequantize`] of the result, without
+    /// its bytes crossing back to the device (what an error-feedback residual needs).
+    pub fn quantize_device_and_back(
+        &self,
+        input: Handle,
+        len: usize,
+        format: QuantFormat,
+        block: BlockSize,
+        back: Handle,
+    ) -> Quantized {
+        self.quantize_and_dequantize(input, len, format, block, Some(back))
+    }
+
+    fn quantize_and_dequantize(
+        &self,
+        input: Handle,
+        len: usize,
+        format: QuantFormat,
+        block: BlockSize,
+        back: Option<Handle>,
+    ) -> Quantized {
         if len == 0 {
             return Quantized {
                 format,
@@ -283,6 +309,19 @@ impl CubeKernels {
                 qmax,
                 width(format),
             );
+            if let Some(back) = back {
+                dequantize_sum_kernel::launch_unchecked(
+                    client,
+                    cube_count(len),
+                    CubeDim::new_1d(CUBE_DIM),
+                    BufferArg::from_raw_parts(out_h.clone(), n_words),
+                    BufferArg::from_raw_parts(scales_h.clone(), n_scales),
+                    BufferArg::from_raw_parts(back, len),
+                    1,
+                    block.get(),
+                    width(format),
+                );
+            }
         }
         // Both buffers in one read: one wait for the kernels, one copy back.
         let mut read = client

@@ -12,8 +12,8 @@
 //!   the host already) and writes what the group gathered, or moves nothing when the group is
 //!   one rank of plain values;
 //! - a reduction reads the gradient once and writes the shard once, unquantized; quantized,
-//!   every hop reads its wire form and writes what arrives, plus its own blocks back for the
-//!   error-feedback residual. An all-reduce across replicated optimizer state takes the shard
+//!   every hop reads its wire form and writes what arrives (an error-feedback residual is
+//!   dequantized where the kernels wrote the blocks). An all-reduce across replicated optimizer state takes the shard
 //!   where the hops left it (read from the device after quantized hops). Accumulating inside
 //!   the path crosses nothing more: the micro-batches' partial sums stay where the hops leave
 //!   them;
@@ -148,9 +148,6 @@ impl Plan {
                 Some(f) => {
                     let block = self.block();
                     s.read(Quantized::wire_bytes(f, block, len));
-                    if cfg.error_feedback() {
-                        s.write(Quantized::wire_bytes(f, block, len));
-                    }
                     s.write(g * Quantized::wire_bytes(f, block, len / g));
                 }
             }

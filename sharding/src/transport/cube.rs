@@ -38,6 +38,25 @@ pub(crate) fn quantize(x: &Tensor<1>, format: QuantFormat, block: BlockSize) -> 
     Some(kernels(&p).quantize_device(p.handle.clone(), n, format, block))
 }
 
+/// `x` (f32) quantized on its device, and the quantized values dequantized there into a new
+/// tensor, from the bytes where the kernels wrote them (none cross back to the device).
+pub(crate) fn quantize_and_back(
+    x: &Tensor<1>,
+    format: QuantFormat,
+    block: BlockSize,
+) -> Option<(Quantized, Tensor<1>)> {
+    let (p, n) = primitive(x)?;
+    let (back, out) = output(n, &x.device())?;
+    let q = kernels(&p).quantize_device_and_back(
+        p.handle.clone(),
+        n,
+        format,
+        block,
+        out.handle.clone(),
+    );
+    Some((q, back))
+}
+
 /// A new f32 tensor of `len` elements on `device`, and the CubeCL tensor that holds its
 /// buffer (a kernel writing there writes the tensor); `None` off CubeCL.
 fn output(len: usize, device: &Device) -> Option<(Tensor<1>, CubeTensor)> {
@@ -122,6 +141,13 @@ mod tests {
             assert!(
                 q.bit_eq(&HostKernels.quantize(&values, format, block)),
                 "{format:?}"
+            );
+            let (again, back) = quantize_and_back(&x, format, block).expect("on the device");
+            assert!(again.bit_eq(&q), "{format:?}");
+            assert_eq!(
+                crate::transport::staging::to_f32(back),
+                HostKernels.dequantize(&q),
+                "{format:?}: dequantized where the bytes were written"
             );
             let parts = [q.clone(), q.clone()];
             let sum = dequantize_sum(&parts, &device).expect("on the device");

@@ -25,6 +25,29 @@ pub(crate) fn quantize(x: Tensor<1>, format: QuantFormat, block: BlockSize) -> Q
     HostKernels.quantize(&staging::to_f32(x), format, block)
 }
 
+/// [`quantize`], and its values dequantized on `device` (what the quantization kept of `x`):
+/// on a CubeCL device from the bytes where the kernels wrote them, so only the bytes sent
+/// cross, to the host.
+pub(crate) fn quantize_and_back(
+    x: Tensor<1>,
+    format: QuantFormat,
+    block: BlockSize,
+    device: &Device,
+) -> (Quantized, Tensor<1>) {
+    #[cfg(feature = "cubecl")]
+    {
+        let start = std::time::Instant::now();
+        if let Some((q, back)) = crate::transport::cube::quantize_and_back(&x, format, block) {
+            let wire = Quantized::wire_bytes(format, block, q.len);
+            staging::record(staging::Way::ToHost, wire, start);
+            return (q, back);
+        }
+    }
+    let q = quantize(x, format, block);
+    let back = dequantize_sum(std::slice::from_ref(&q), device);
+    (q, back)
+}
+
 /// The element-wise sum of the dequantized `parts` (same format, block and length), added in
 /// part order from zero, as an f32 tensor on `device`.
 pub(crate) fn dequantize_sum(parts: &[Quantized], device: &Device) -> Tensor<1> {

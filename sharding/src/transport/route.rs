@@ -559,12 +559,14 @@ pub(crate) fn reduce_flow<'e>(
                         buf = buf + e.clone();
                     }
                 }
-                let q = kernels::quantize(buf.clone(), format, block);
-                if feedback {
-                    let back = kernels::dequantize_sum(std::slice::from_ref(&q), device);
+                let q = if feedback {
+                    let (q, back) = kernels::quantize_and_back(buf.clone(), format, block, device);
                     residuals.lock().unwrap_or_else(|e| e.into_inner())[u].per_hop[k] =
                         Some(buf - back);
-                }
+                    q
+                } else {
+                    kernels::quantize(buf.clone(), format, block)
+                };
                 Ok(Carry::Tensor(Box::new(exchange(
                     &group, &q, block, device,
                 )?)))
