@@ -75,10 +75,15 @@ pub(crate) fn dequantize_sum(parts: &[Quantized], device: &Device) -> Option<Ten
     Some(t)
 }
 
-/// `parts` dequantized one after another into one tensor on `device` (each into its own
-/// buffer, then joined there: a storage offset into one buffer would have to meet the
-/// device's binding alignment, which a shard of a few blocks need not).
+/// `parts` dequantized one after another into one tensor on `device`. Parts of whole blocks
+/// laid end to end are one quantized buffer (their packed words and scales concatenate), so
+/// one kernel writes the whole tensor; otherwise each part is dequantized into its own buffer
+/// and the buffers joined (a storage offset into one buffer would have to meet the device's
+/// binding alignment, which a shard of a few blocks need not).
 pub(crate) fn dequantize_concat(parts: &[Quantized], device: &Device) -> Option<Tensor<1>> {
+    if let Some(whole) = end_to_end(parts) {
+        return dequantize_sum(std::slice::from_ref(&whole), device);
+    }
     let pieces = parts
         .iter()
         .map(|p| dequantize_sum(std::slice::from_ref(p), device))
@@ -87,6 +92,29 @@ pub(crate) fn dequantize_concat(parts: &[Quantized], device: &Device) -> Option<
         return Some(output(0, device)?.0);
     }
     Some(Tensor::cat(pieces, 0))
+}
+
+/// `parts` as one quantized buffer, where each is of whole blocks in one format and block
+/// size: element `i` of part `k` is then element `k * len + i` of the concatenation, with the
+/// same packed bits and the same scale.
+fn end_to_end(parts: &[Quantized]) -> Option<Quantized> {
+    let first = parts.first()?;
+    let (format, block) = (first.format, first.block);
+    let whole_blocks =
+        |p: &Quantized| p.format == format && p.block == block && p.len.is_multiple_of(block.get());
+    if parts.len() < 2 || !parts.iter().all(whole_blocks) {
+        return None;
+    }
+    Some(Quantized {
+        format,
+        block,
+        len: parts.iter().map(|p| p.len).sum(),
+        data: parts.iter().flat_map(|p| p.data.iter().copied()).collect(),
+        scales: parts
+            .iter()
+            .flat_map(|p| p.scales.iter().copied())
+            .collect(),
+    })
 }
 
 /// Bytes in use on `device`'s memory, as its CubeCL client reports them; `None` off CubeCL.
@@ -149,6 +177,24 @@ mod tests {
                 HostKernels.dequantize(&q),
                 "{format:?}: dequantized where the bytes were written"
             );
+            // Parts of whole blocks dequantize as one buffer, others one by one: the same
+            // values either way.
+            let whole = HostKernels.quantize(&values[..4096], format, block);
+            let odd = HostKernels.quantize(&values[..100], format, block);
+            assert!(end_to_end(&[whole.clone(), whole.clone()]).is_some());
+            assert!(end_to_end(&[whole.clone(), odd.clone()]).is_none());
+            for parts in [vec![whole.clone(), whole.clone()], vec![whole, odd]] {
+                let joined = dequantize_concat(&parts, &device).expect("on the device");
+                let want: Vec<f32> = parts
+                    .iter()
+                    .flat_map(|p| HostKernels.dequantize_sum(std::slice::from_ref(p)))
+                    .collect();
+                assert_eq!(
+                    crate::transport::staging::to_f32(joined),
+                    want,
+                    "{format:?}"
+                );
+            }
             let parts = [q.clone(), q.clone()];
             let sum = dequantize_sum(&parts, &device).expect("on the device");
             assert_eq!(
