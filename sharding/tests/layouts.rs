@@ -91,12 +91,15 @@ fn train(comm: &Comm, name: &str, steps: u64, resume: Option<&Path>, save: Optio
     if let Some(dir) = save {
         sharded.save(dir, &SaveOptions::default()).unwrap();
     }
+    // Every rank's crossings at every step against the plan's.
+    let mine = staged
+        .iter()
+        .all(|&s| s == (planned.to_host, planned.to_device));
+    let every = comm.world().all_gather(&[u8::from(mine)]).unwrap();
     if comm.rank() == 0 {
         println!("LOSSES {}", serde_json::to_string(&losses).unwrap());
-        let all_planned = staged
-            .iter()
-            .all(|&s| s == (planned.to_host, planned.to_device));
-        println!("STAGED {all_planned} {staged:?} plan {planned:?}");
+        let all_planned = every.iter().all(|&r| r == 1);
+        println!("STAGED {all_planned} rank 0: {staged:?} plan {planned:?}");
     }
 }
 

@@ -13,10 +13,10 @@
 //!   one rank of plain values;
 //! - a reduction reads the gradient once and writes the shard once, unquantized; quantized,
 //!   every hop reads its wire form and writes what arrives (an error-feedback residual is
-//!   dequantized where the kernels wrote the blocks). An all-reduce across replicated optimizer state takes the shard
-//!   where the hops left it (read from the device after quantized hops). Accumulating inside
-//!   the path crosses nothing more: the micro-batches' partial sums stay where the hops leave
-//!   them;
+//!   dequantized where the kernels wrote the blocks). An all-reduce across replicated
+//!   optimizer state takes the shard where the hops left it (read from the device after
+//!   quantized hops). Accumulating inside the path crosses nothing more: the micro-batches'
+//!   partial sums stay where the hops leave them;
 //! - after the update, replicated parameters are rebuilt from the master shards: a read of
 //!   the shard and a write of the unit.
 
@@ -79,6 +79,9 @@ impl Plan {
     fn stage_gather(&self, u: usize, source: Source, s: &mut StagedBytes) {
         let c = self.config.compute.bytes();
         let primary = self.shard_len(u, self.config.params());
+        if primary == 0 {
+            return;
+        }
         let wire = Quantized::wire_bytes(QuantFormat::Int8, self.block(), primary);
         if let (Source::Secondary, Some(span)) = (source, self.secondary()) {
             let g = self.group(span).size(&self.topology);

@@ -703,7 +703,9 @@ impl Partial {
             (Partial::Device(a), Carry::Tensor(t)) => Partial::Device(Box::new(*a + *t)),
             (Partial::None, c) => Partial::Host(host_f32(c)),
             (Partial::Host(mut a), c) => {
-                for (a, x) in a.iter_mut().zip(host_f32(c)) {
+                let c = host_f32(c);
+                assert_eq!(a.len(), c.len(), "partial sums of one unit");
+                for (a, x) in a.iter_mut().zip(c) {
                     *a += x;
                 }
                 Partial::Host(a)
@@ -731,6 +733,7 @@ fn add_accumulated(carry: Carry, accumulated: &Accumulated, u: usize) -> Carry {
         (carry, Partial::None) => carry,
         (Carry::Tensor(t), Partial::Device(acc)) => Carry::Tensor(Box::new(*t + *acc)),
         (Carry::F32(mut v), Partial::Host(acc)) => {
+            assert_eq!(v.len(), acc.len(), "partial sums of one unit");
             for (x, a) in v.iter_mut().zip(acc) {
                 *x += a;
             }
@@ -738,6 +741,7 @@ fn add_accumulated(carry: Carry, accumulated: &Accumulated, u: usize) -> Carry {
         }
         // In f32, rounded back to bf16 (ties to even), as the device would.
         (Carry::Bf16(mut v), Partial::Host(acc)) => {
+            assert_eq!(v.len(), acc.len(), "partial sums of one unit");
             for (x, a) in v.iter_mut().zip(acc) {
                 *x = Bf16::from_f32(x.to_f32() + a);
             }
