@@ -898,6 +898,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
     /// Unit `u` whole, gathered from its primary partition on the calling thread.
     fn gather_here(&self, u: usize) -> Result<Tensor<1>, ShardError> {
         let no_copies = route::Secondaries::new(self.plan.units.len());
+        let shards = route::HostShards::new(self.plan.units.len());
         let (tx, rx) = std::sync::mpsc::channel();
         route::gather_flow(
             &self.plan,
@@ -906,6 +907,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             Source::Primary,
             &self.primary[u],
             &no_copies,
+            &shards,
             &self.device,
             move |r| {
                 let _ = tx.send(r);

@@ -5,12 +5,13 @@
 //! on flex nothing crosses.
 //!
 //! Per event, with `c` the compute dtype's bytes:
-//! - a gather from the primary partition reads this rank's shard (its int8 wire form when
-//!   weights are quantized) and writes the gathered unit (the wire forms of every shard, for
-//!   the device to dequantize); an int8 secondary copy is kept in host memory as it arrived;
-//! - a gather from the secondary copy reads this rank's part (plain values; int8 blocks are on
-//!   the host already) and writes what the group gathered, or moves nothing when the group is
-//!   one rank of plain values;
+//! - a gather from the primary partition writes the gathered unit (the wire forms of every
+//!   shard, for the device to dequantize); the unit's first gather of the step reads this
+//!   rank's shard (its int8 wire form when weights are quantized), which the later ones take
+//!   from host memory. A secondary copy is cut from the gathered host buffer and kept there,
+//!   unless its group is one rank of plain values (then it is a slice on the device);
+//! - a gather from the secondary copy writes what its group gathered (nothing for a group of
+//!   one rank of plain values);
 //! - a reduction reads the gradient once and writes the shard once, unquantized; quantized,
 //!   every hop reads its wire form and writes what arrives (an error-feedback residual is
 //!   dequantized where the kernels wrote the blocks). An all-reduce across replicated
@@ -56,9 +57,13 @@ impl Plan {
     /// its own (see the module's notes).
     pub fn staging(&self, grad_accum: usize) -> StagedBytes {
         let mut s = StagedBytes::default();
+        // Units whose primary shard's host form was read this step.
+        let mut read = vec![false; self.units.len()];
         for event in self.schedule(grad_accum) {
             match event {
-                Event::Gather { unit, source } => self.stage_gather(unit, source, &mut s),
+                Event::Gather { unit, source } => {
+                    self.stage_gather(unit, source, &mut read[unit], &mut s)
+                }
                 Event::Reduce { unit, inner_only } => self.stage_reduce(unit, inner_only, &mut s),
                 Event::Visit(_) | Event::Whole { .. } => {}
             }
@@ -76,7 +81,7 @@ impl Plan {
         s
     }
 
-    fn stage_gather(&self, u: usize, source: Source, s: &mut StagedBytes) {
+    fn stage_gather(&self, u: usize, source: Source, read: &mut bool, s: &mut StagedBytes) {
         let c = self.config.compute.bytes();
         let primary = self.shard_len(u, self.config.params());
         if primary == 0 {
@@ -89,17 +94,22 @@ impl Plan {
             if self.quantizes_weights() {
                 s.write(len / primary * wire * g);
             } else if g > 1 {
-                s.read(len * c);
                 s.write(len * g * c);
             }
             return;
         }
         let g = self.gathered_ranks();
+        // The shard's host form crosses at the unit's first gather of the step.
+        let first = !std::mem::replace(read, true);
         if self.quantizes_weights() {
-            s.read(wire);
+            if first {
+                s.read(wire);
+            }
             s.write(wire * g);
         } else if self.live_hops().next().is_some() {
-            s.read(primary * c);
+            if first {
+                s.read(primary * c);
+            }
             s.write(primary * g * c);
         }
     }

@@ -9,6 +9,8 @@
 //! (`comm/tests/reference/qgz.rs`) step for step, with its arithmetic on device tensors;
 //! `tests/qgz_reference.rs` checks the two agree bit for bit.
 
+use std::sync::Arc;
+
 use burn::tensor::{DType, Device, Tensor};
 use ember_comm::collective::Reduce;
 use ember_comm::hier::all_gather_path;
@@ -40,26 +42,92 @@ fn path_of(plan: &Plan) -> Result<Path, ShardError> {
     Ok(Path::new(&plan.topology, &bounds)?)
 }
 
+/// Host memory a step keeps for MPI to read, shared by the jobs that read it: values in the
+/// compute dtype, or int8 wire forms.
+#[derive(Debug, Clone)]
+pub(crate) enum HostForm {
+    F32(Arc<Vec<f32>>),
+    Bf16(Arc<Vec<Bf16>>),
+    Bytes(Arc<Vec<u8>>),
+}
+
+impl HostForm {
+    /// Bytes held.
+    fn bytes(&self) -> u64 {
+        match self {
+            HostForm::F32(v) => 4 * v.len() as u64,
+            HostForm::Bf16(v) => 2 * v.len() as u64,
+            HostForm::Bytes(v) => v.len() as u64,
+        }
+    }
+
+    /// Host values read from a device tensor (a crossing).
+    fn values_of(t: Tensor<1>) -> Self {
+        match host_values(t) {
+            Carry::F32(v) => HostForm::F32(Arc::new(v)),
+            Carry::Bf16(v) => HostForm::Bf16(Arc::new(v)),
+            _ => unreachable!("host values"),
+        }
+    }
+
+    /// Its all-gather over the group of `levels`, read where it is.
+    fn all_gather(&self, c: &Comm, levels: Levels) -> Result<Carry, ShardError> {
+        let g = c.try_group(scope(c, levels))?;
+        Ok(match self {
+            HostForm::F32(v) => Carry::F32(g.all_gather(&v[..])?),
+            HostForm::Bf16(v) => Carry::Bf16(g.all_gather(&v[..])?),
+            HostForm::Bytes(v) => Carry::Bytes(g.all_gather(&v[..])?),
+        })
+    }
+
+    /// A copy as a job's carry.
+    fn to_carry(&self) -> Carry {
+        match self {
+            HostForm::F32(v) => Carry::F32(v.to_vec()),
+            HostForm::Bf16(v) => Carry::Bf16(v.to_vec()),
+            HostForm::Bytes(v) => Carry::Bytes(v.to_vec()),
+        }
+    }
+}
+
 /// A rank's secondary copy of one unit (hpZ).
 #[derive(Debug, Clone)]
 pub(crate) enum Secondary {
-    /// This rank's slice of the unit, in the compute dtype (boxed: the other variant is a
-    /// pointer).
-    Plain(Box<Tensor<1>>),
-    /// The int8 blocks of the primary shards the slice covers, exactly as the primary gather
-    /// delivered them (so keeping them is lossless), in host memory: their only use is the
-    /// all-gather that rebuilds the unit, which reads them there, so they never cross to the
-    /// device and back (nor take its memory).
-    Int8(std::sync::Arc<Vec<u8>>),
+    /// This rank's slice of the unit on the device, where a group of one rank uses it as it
+    /// is (boxed: the other variant is two words).
+    Device(Box<Tensor<1>>),
+    /// In host memory, where the all-gather that rebuilds the unit, its only use, reads it:
+    /// this rank's slice of the values, or the int8 blocks of the primary shards the slice
+    /// covers, exactly as the primary gather delivered them (so keeping them is lossless).
+    /// Neither crosses to the device and back, nor takes its memory.
+    Host(HostForm),
 }
 
 impl Secondary {
     /// Bytes held.
     pub(crate) fn bytes(&self) -> u64 {
         match self {
-            Secondary::Plain(t) => staging::tensor_bytes(t),
-            Secondary::Int8(b) => b.len() as u64,
+            Secondary::Device(t) => staging::tensor_bytes(t),
+            Secondary::Host(f) => f.bytes(),
         }
+    }
+}
+
+/// This step's host form of each unit's primary shard (its values, or its int8 wire form),
+/// read from the device by the unit's first gather of the step and read by MPI in place by
+/// the later ones: the shard does not change before the update.
+#[derive(Debug, Default)]
+pub(crate) struct HostShards(std::sync::Mutex<Vec<Option<HostForm>>>);
+
+impl HostShards {
+    pub(crate) fn new(units: usize) -> Self {
+        Self(std::sync::Mutex::new(vec![None; units]))
+    }
+
+    /// Unit `u`'s, made by `read` at its first use this step.
+    fn get_or(&self, u: usize, read: impl FnOnce() -> HostForm) -> HostForm {
+        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        all[u].get_or_insert_with(read).clone()
     }
 }
 
@@ -231,33 +299,50 @@ fn host_values(shard: Tensor<1>) -> Carry {
     }
 }
 
-/// A gathered host buffer back on the device, in the G index order of `path` (`chunk`
-/// elements per rank; the gather concatenated in hop order when more than one hop moved data).
-fn plain_from_host(
-    plan: &Plan,
-    path: &Path,
-    carry: Carry,
-    chunk: usize,
-    hops: usize,
-    device: &Device,
-) -> Tensor<1> {
+/// A gathered host buffer in the G index order of `path` (`chunk` elements per rank; the
+/// gather concatenated in hop order when more than one hop moved data).
+fn in_g_order(plan: &Plan, path: &Path, carry: Carry, chunk: usize, hops: usize) -> Carry {
     match carry {
-        Carry::F32(v) if hops > 1 => {
-            staging::from_f32(from_hop_order(&plan.topology, path, &v, chunk), device)
-        }
+        Carry::F32(v) if hops > 1 => Carry::F32(from_hop_order(&plan.topology, path, &v, chunk)),
+        Carry::Bf16(v) if hops > 1 => Carry::Bf16(from_hop_order(&plan.topology, path, &v, chunk)),
+        other => other,
+    }
+}
+
+/// Gathered values on the device.
+fn upload(carry: Carry, device: &Device) -> Tensor<1> {
+    match carry {
         Carry::F32(v) => staging::from_f32(v, device),
-        Carry::Bf16(v) if hops > 1 => {
-            staging::from_bf16(&from_hop_order(&plan.topology, path, &v, chunk), device)
-        }
         Carry::Bf16(v) => staging::from_bf16(&v, device),
         Carry::Tensor(t) => *t,
         Carry::Empty | Carry::Bytes(_) => unreachable!("a plain gather carries values"),
     }
 }
 
+/// This rank's secondary copy of unit `u` at `span` as host values, cut from the gathered
+/// `values` (in G index order), where its group all-gathers it (a group of one rank uses it
+/// on the device); `None` otherwise.
+fn cut_host_values(
+    plan: &Plan,
+    u: usize,
+    span: Span,
+    rank: usize,
+    values: &Carry,
+) -> Option<Secondary> {
+    if plan.group(span).size(&plan.topology) == 1 {
+        return None;
+    }
+    let range = plan.shard_range(u, span, rank);
+    Some(Secondary::Host(match values {
+        Carry::F32(v) => HostForm::F32(Arc::new(v[range].to_vec())),
+        Carry::Bf16(v) => HostForm::Bf16(Arc::new(v[range].to_vec())),
+        _ => return None,
+    }))
+}
+
 /// This rank's secondary copy of unit `u` at `span`, cut from the gathered unit: the int8 blocks
 /// of the primary shards it covers, exactly as they arrived (`wires`, in G index order), or
-/// its slice of the values.
+/// its slice of the unit on the device.
 fn cut_secondary(
     plan: &Plan,
     u: usize,
@@ -268,7 +353,6 @@ fn cut_secondary(
 ) -> Secondary {
     let range = plan.shard_range(u, span, rank);
     match wires {
-        None => Secondary::Plain(Box::new(detached(full.clone().slice(range)))),
         Some(wires) => {
             // The secondary slice covers primary shards [i k, (i + 1) k) of the gather.
             let per = wires.len() / plan.params_group_size();
@@ -276,8 +360,9 @@ fn cut_secondary(
             let k = plan.shard_len(u, span) / primary_len;
             let first = range.start / primary_len;
             let mine = &wires[first * per..(first + k) * per];
-            Secondary::Int8(std::sync::Arc::new(mine.to_vec()))
+            Secondary::Host(HostForm::Bytes(Arc::new(mine.to_vec())))
         }
+        None => Secondary::Device(Box::new(detached(full.clone().slice(range)))),
     }
 }
 
@@ -293,6 +378,7 @@ pub(crate) fn gather_flow<'e>(
     source: Source,
     primary: &'e Tensor<1>,
     secondaries: &'e Secondaries,
+    shards: &'e HostShards,
     device: &'e Device,
     deliver: impl FnOnce(Result<Tensor<1>, ShardError>) + Send + 'e,
 ) -> Result<Flow<'e>, ShardError> {
@@ -307,19 +393,16 @@ pub(crate) fn gather_flow<'e>(
         let take = move |comm: Option<&Comm>| -> Result<Carry, ShardError> {
             let copy = secondaries.get(u);
             Ok(match (copy, comm) {
-                (Secondary::Plain(t), None) => Carry::Tensor(t),
-                (Secondary::Plain(t), Some(c)) => all_gather_carry(c, group, host_values(*t))?,
-                (Secondary::Int8(mine), None) => Carry::Bytes(mine.to_vec()),
-                (Secondary::Int8(mine), Some(c)) => {
-                    let g = c.try_group(scope(c, group))?;
-                    Carry::Bytes(g.all_gather(&mine[..])?)
-                }
+                (Secondary::Device(t), None) => Carry::Tensor(t),
+                (Secondary::Device(t), Some(c)) => all_gather_carry(c, group, host_values(*t))?,
+                (Secondary::Host(f), None) => f.to_carry(),
+                (Secondary::Host(f), Some(c)) => f.all_gather(c, group)?,
             })
         };
         let finish = move |carry: Carry| {
             let full = match carry {
                 Carry::Bytes(wires) => dequantize_wires(plan, &wires, shard_len, device),
-                other => plain_from_host(plan, &path, other, 0, 1, device),
+                other => upload(other, device),
             };
             deliver(check_len(plan, u, full.dims()[0]).map(|()| full));
             Ok(())
@@ -343,27 +426,30 @@ pub(crate) fn gather_flow<'e>(
         .flatten();
     let quantized = plan.quantizes_weights();
     let shard_len = plan.shard_len(u, plan.config.params());
-    // The first stage starts from the shard: its host values, or its int8 wire form.
-    let start = move || -> Carry {
-        if quantized {
-            let x = match primary.dtype() {
-                DType::F32 => primary.clone(),
-                _ => primary.clone().cast(DType::F32),
-            };
-            let q = kernels::quantize(x, QuantFormat::Int8, plan.block());
-            let mut wire = Vec::with_capacity(Quantized::wire_bytes(q.format, q.block, q.len));
-            q.write_wire(&mut wire);
-            Carry::Bytes(wire)
-        } else {
-            host_values(primary.clone())
+    // The first stage starts from the shard's host form this step: its values, or its int8
+    // wire form, read from the device by the unit's first gather of the step.
+    let read = move || -> HostForm {
+        if !quantized {
+            return HostForm::values_of(primary.clone());
         }
+        let x = match primary.dtype() {
+            DType::F32 => primary.clone(),
+            _ => primary.clone().cast(DType::F32),
+        };
+        let q = kernels::quantize(x, QuantFormat::Int8, plan.block());
+        let mut wire = Vec::with_capacity(Quantized::wire_bytes(q.format, q.block, q.len));
+        q.write_wire(&mut wire);
+        HostForm::Bytes(Arc::new(wire))
     };
     let finish = move |carry: Carry| -> Result<(), ShardError> {
         let carry = match carry {
-            Carry::Empty if quantized => start(),
+            Carry::Empty if quantized => shards.get_or(u, read).to_carry(),
             Carry::Empty => Carry::Tensor(Box::new(primary.clone())),
             other => other,
         };
+        // A secondary copy the group all-gathers is cut from the host values before they go
+        // up.
+        let mut copy = None;
         let (full, wires) = match carry {
             Carry::Bytes(gathered) => {
                 let per = gathered.len() / plan.params_group_size();
@@ -375,17 +461,19 @@ pub(crate) fn gather_flow<'e>(
                 let full = dequantize_wires(plan, &gathered, shard_len, device);
                 (full, Some(gathered))
             }
-            other => (
-                plain_from_host(plan, &path, other, shard_len, live, device),
-                None,
-            ),
+            other => {
+                let ordered = in_g_order(plan, &path, other, shard_len, live);
+                copy = keep.and_then(|span| cut_host_values(plan, u, span, rank, &ordered));
+                (upload(ordered, device), None)
+            }
         };
         if let Err(e) = check_len(plan, u, full.dims()[0]) {
             deliver(Err(e));
             return Ok(());
         }
         if let Some(span) = keep {
-            secondaries.put(u, cut_secondary(plan, u, span, rank, &full, wires));
+            let copy = copy.unwrap_or_else(|| cut_secondary(plan, u, span, rank, &full, wires));
+            secondaries.put(u, copy);
         }
         deliver(Ok(full));
         Ok(())
@@ -395,8 +483,11 @@ pub(crate) fn gather_flow<'e>(
         stages.push((
             hop,
             Box::new(move |c: &Comm, carry: Carry| {
-                let carry = if i == 0 { start() } else { carry };
-                all_gather_carry(c, hop, carry)
+                if i == 0 {
+                    shards.get_or(u, read).all_gather(c, hop)
+                } else {
+                    all_gather_carry(c, hop, carry)
+                }
             }),
         ));
     }

@@ -27,7 +27,7 @@ use crate::plan::simulate::Interval;
 use crate::plan::{Levels, Plan};
 use crate::transport::host::add_to;
 use crate::transport::route::{
-    self, Accumulated, Carry, FinishFn, Flow, Residuals, Secondaries, StageFn,
+    self, Accumulated, Carry, FinishFn, Flow, HostShards, Residuals, Secondaries, StageFn,
 };
 
 /// A request to the communication threads.
@@ -124,6 +124,8 @@ pub(crate) struct Worker<'scope, 'env> {
 pub(crate) struct Shared {
     /// The secondary copies cut this step.
     pub secondaries: Secondaries,
+    /// The host forms of the primary shards read this step.
+    pub shards: HostShards,
     /// Error-feedback residuals, per unit.
     pub residuals: Mutex<Vec<Residuals>>,
     /// Gradients accumulated inside the path over the step's earlier micro-batches, per unit.
@@ -137,6 +139,7 @@ impl Shared {
     pub(crate) fn new(units: usize, residuals: Vec<Residuals>, clock: Instant) -> Self {
         Self {
             secondaries: Secondaries::new(units),
+            shards: HostShards::new(units),
             residuals: Mutex::new(residuals),
             accumulated: Mutex::new(vec![Default::default(); units]),
             clock,
@@ -215,6 +218,7 @@ impl<'scope, 'env> Worker<'scope, 'env> {
                     source,
                     &self.primary[unit],
                     self.secondaries,
+                    &self.shared.shards,
                     self.device,
                     move |r| {
                         let _ = tx.send(r);
