@@ -1419,7 +1419,7 @@ fn the_plan_bounds_measured_resident_memory() {
 
 /// Sharded training on the wgpu backend: the states units and the optimizer read live on the
 /// device, the CubeCL quantization kernels run there, and only the bytes of MPI calls cross
-/// to the host (an int8 secondary copy is kept there).
+/// to the host (a secondary copy its group all-gathers is kept there).
 /// Runs on Mesa's software Vulkan (lavapipe) where there is no GPU.
 #[cfg(feature = "wgpu")]
 #[test]
