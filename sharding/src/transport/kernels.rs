@@ -12,9 +12,11 @@ use crate::transport::staging;
 
 /// `x` (f32) quantized blockwise; the result is host bytes, ready to send.
 pub(crate) fn quantize(x: Tensor<1>, format: QuantFormat, block: BlockSize) -> Quantized {
-    // On the device, the packed bytes and scales are what crosses to the host.
+    // On the device, the packed bytes and scales are what crosses to the host (its clock
+    // starting once the kernels that produce `x` are done).
     #[cfg(feature = "cubecl")]
     {
+        staging::await_kernels(&x);
         let start = std::time::Instant::now();
         if let Some(q) = crate::transport::cube::quantize(&x, format, block) {
             let wire = Quantized::wire_bytes(format, block, q.len);
@@ -36,6 +38,7 @@ pub(crate) fn quantize_and_back(
 ) -> (Quantized, Tensor<1>) {
     #[cfg(feature = "cubecl")]
     {
+        staging::await_kernels(&x);
         let start = std::time::Instant::now();
         if let Some((q, back)) = crate::transport::cube::quantize_and_back(&x, format, block) {
             let wire = Quantized::wire_bytes(format, block, q.len);

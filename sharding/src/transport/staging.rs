@@ -13,12 +13,15 @@ use serde::{Deserialize, Serialize};
 
 /// Time and bytes of the crossings between device and host memory since the last
 /// [`Staging::take`], summed over every thread that stages (the training thread and the
-/// communication threads). A crossing's time includes waiting for the kernels that produce
-/// the tensor it reads, since reading a device tensor waits for them.
+/// communication threads). A read first waits for the kernels that produce its tensor, on a
+/// clock of its own (`to_host_wait_seconds`), so a crossing's seconds are the copy's.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Staging {
     /// Seconds of the crossings from the device to the host.
     pub to_host_seconds: f64,
+    /// Seconds the reads waited for the kernels that produce their tensors, before copying.
+    #[serde(default)]
+    pub to_host_wait_seconds: f64,
     /// Seconds of the crossings from the host to the device.
     pub to_device_seconds: f64,
     /// Seconds of the crossings made on the thread that called [`Staging::take`] (the
@@ -31,6 +34,7 @@ pub struct Staging {
 }
 
 static TO_HOST_NANOS: AtomicU64 = AtomicU64::new(0);
+static TO_HOST_WAIT_NANOS: AtomicU64 = AtomicU64::new(0);
 static TO_DEVICE_NANOS: AtomicU64 = AtomicU64::new(0);
 static TO_HOST: AtomicU64 = AtomicU64::new(0);
 static TO_DEVICE: AtomicU64 = AtomicU64::new(0);
@@ -45,6 +49,7 @@ impl Staging {
     pub fn take() -> Self {
         Self {
             to_host_seconds: TO_HOST_NANOS.swap(0, Ordering::Relaxed) as f64 * 1e-9,
+            to_host_wait_seconds: TO_HOST_WAIT_NANOS.swap(0, Ordering::Relaxed) as f64 * 1e-9,
             to_device_seconds: TO_DEVICE_NANOS.swap(0, Ordering::Relaxed) as f64 * 1e-9,
             this_thread_seconds: THIS_THREAD_NANOS.with(|n| n.replace(0)) as f64 * 1e-9,
             to_host_bytes: TO_HOST.swap(0, Ordering::Relaxed),
@@ -93,6 +98,18 @@ pub(crate) fn timed<T>(way: Way, device: &Device, bytes: usize, f: impl FnOnce()
     out
 }
 
+/// Waits for the kernels that produce `t` (by reading one element of it), on the clock of
+/// reads' waits, so that the crossing that follows is timed alone. Nothing to wait for on
+/// flex.
+pub(crate) fn await_kernels(t: &Tensor<1>) {
+    if !has_own_memory(&t.device()) || t.dims()[0] == 0 {
+        return;
+    }
+    let start = Instant::now();
+    drop(t.clone().slice(0..1).into_data());
+    TO_HOST_WAIT_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+}
+
 /// Whether `device` keeps tensors in memory of its own, which data crosses to reach MPI.
 pub(crate) fn has_own_memory(device: &Device) -> bool {
     *device != Device::flex()
@@ -113,9 +130,10 @@ pub(crate) fn record(way: Way, bytes: usize, start: Instant) {
 /// The values of an f32 tensor, on the host (cast from any other float dtype).
 pub(crate) fn to_f32(t: Tensor<1>) -> Vec<f32> {
     let bytes = t.dims()[0] * 4;
+    let t = crate::transport::host::cast(t, DType::F32);
+    await_kernels(&t);
     timed(Way::ToHost, &t.device(), bytes, || {
-        crate::transport::host::cast(t, DType::F32)
-            .into_data()
+        t.into_data()
             .try_into_vec::<f32>()
             .expect("an f32 tensor reads back as f32")
     })
@@ -136,6 +154,7 @@ pub(crate) fn to_bf16(t: Tensor<1>) -> Vec<Bf16> {
     } else {
         t.cast(DType::BF16)
     };
+    await_kernels(&t);
     let data = timed(Way::ToHost, &t.device(), t.dims()[0] * 2, || t.into_data());
     bf16_of_burn(
         data.try_into_vec::<bf16>()

@@ -105,6 +105,10 @@ pub struct StepSplit {
     pub comm_wait_s: f64,
     /// Every thread's seconds in crossings from the device to the host, and their bytes.
     pub to_host_s: f64,
+    /// Every thread's seconds waiting, before those crossings, for the kernels that produce
+    /// what they read (not part of `to_host_s`).
+    #[serde(default)]
+    pub to_host_wait_s: f64,
     /// Bytes read back from the device.
     pub to_host_bytes: u64,
     /// `to_host_bytes / to_host_s`, GB/s (0 where nothing crossed).
@@ -119,7 +123,7 @@ pub struct StepSplit {
 
 impl StepSplit {
     /// Words of [`StepSplit::to_words`].
-    pub const WORDS: usize = 7;
+    pub const WORDS: usize = 8;
 
     /// From a step's report.
     pub fn new(step_s: f64, comm_wait_s: f64, staging: &ember_sharding::Staging) -> Self {
@@ -130,6 +134,7 @@ impl StepSplit {
             staging_s: staging.this_thread_seconds,
             comm_wait_s,
             to_host_s: staging.to_host_seconds,
+            to_host_wait_s: staging.to_host_wait_seconds,
             to_host_bytes: staging.to_host_bytes,
             to_host_gbps: gbps(staging.to_host_rate()),
             to_device_s: staging.to_device_seconds,
@@ -148,6 +153,7 @@ impl StepSplit {
             self.to_host_bytes.to_le_bytes(),
             self.to_device_s.to_le_bytes(),
             self.to_device_bytes.to_le_bytes(),
+            self.to_host_wait_s.to_le_bytes(),
         ]
     }
 
@@ -156,6 +162,7 @@ impl StepSplit {
         let f = |i: usize| f64::from_le_bytes(w[i]);
         let staging = ember_sharding::Staging {
             to_host_seconds: f(3),
+            to_host_wait_seconds: f(7),
             to_device_seconds: f(5),
             this_thread_seconds: f(2),
             to_host_bytes: u64::from_le_bytes(w[4]),
@@ -176,12 +183,13 @@ impl StepSplit {
         };
         format!(
             "rank {rank} step {:.3} s: compute {:.3} + staging {:.3} + MPI wait {:.3}; \
-             device to host {}, host to device {}",
+             device to host {} (after {:.3} s waiting for its kernels), host to device {}",
             self.step_s,
             self.compute_s,
             self.staging_s,
             self.comm_wait_s,
             way(self.to_host_bytes, self.to_host_s, self.to_host_gbps),
+            self.to_host_wait_s,
             way(self.to_device_bytes, self.to_device_s, self.to_device_gbps),
         )
     }
@@ -365,6 +373,7 @@ mod tests {
     fn a_step_split_crosses_ranks_whole_and_leaves_compute_what_the_rest_leave() {
         let staging = ember_sharding::Staging {
             to_host_seconds: 0.2,
+            to_host_wait_seconds: 0.125,
             to_device_seconds: 0.3,
             this_thread_seconds: 0.25,
             to_host_bytes: 400_000_000,
@@ -373,6 +382,7 @@ mod tests {
         let s = StepSplit::new(1.0, 0.5, &staging);
         assert_eq!(s.compute_s, 0.25);
         assert_eq!((s.to_host_gbps, s.to_device_gbps), (2.0, 0.5));
+        assert_eq!(s.to_host_wait_s, 0.125);
         assert_eq!(StepSplit::from_words(&s.to_words()), s);
         assert!(
             s.line(1)
