@@ -124,8 +124,13 @@ impl HostShards {
         Self(std::sync::Mutex::new(vec![None; units]))
     }
 
-    /// Unit `u`'s, made by `read` at its first use this step.
-    fn get_or(&self, u: usize, read: impl FnOnce() -> HostForm) -> HostForm {
+    /// Unit `u`'s, made by `read` at its first use this step. Where the device's memory is
+    /// host memory (flex) nothing crosses and nothing is kept: every use reads it anew, so a
+    /// step holds no second copy of the shards.
+    fn get_or(&self, u: usize, device: &Device, read: impl FnOnce() -> HostForm) -> HostForm {
+        if !staging::has_own_memory(device) {
+            return read();
+        }
         let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
         all[u].get_or_insert_with(read).clone()
     }
@@ -443,7 +448,7 @@ pub(crate) fn gather_flow<'e>(
     };
     let finish = move |carry: Carry| -> Result<(), ShardError> {
         let carry = match carry {
-            Carry::Empty if quantized => shards.get_or(u, read).to_carry(),
+            Carry::Empty if quantized => shards.get_or(u, device, read).to_carry(),
             Carry::Empty => Carry::Tensor(Box::new(primary.clone())),
             other => other,
         };
@@ -484,7 +489,7 @@ pub(crate) fn gather_flow<'e>(
             hop,
             Box::new(move |c: &Comm, carry: Carry| {
                 if i == 0 {
-                    shards.get_or(u, read).all_gather(c, hop)
+                    shards.get_or(u, device, read).all_gather(c, hop)
                 } else {
                     all_gather_carry(c, hop, carry)
                 }
