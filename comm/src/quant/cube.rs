@@ -364,16 +364,18 @@ impl CubeKernels {
             scales.extend(p.scales.iter().map(|s| s.to_bits()));
         }
         let client = &self.client;
-        let data_h = client.create_from_slice(u32::as_bytes(&data));
-        let scales_h = client.create_from_slice(u32::as_bytes(&scales));
+        let (n_words, n_scales) = (data.len(), scales.len());
+        // The vectors handed over as they are (one host copy fewer than from a slice).
+        let data_h = client.create(cubecl::bytes::Bytes::from_elems(data));
+        let scales_h = client.create(cubecl::bytes::Bytes::from_elems(scales));
         // SAFETY: as in `quantize_device`.
         unsafe {
             dequantize_sum_kernel::launch_unchecked(
                 client,
                 cube_count(len),
                 CubeDim::new_1d(CUBE_DIM),
-                BufferArg::from_raw_parts(data_h, data.len()),
-                BufferArg::from_raw_parts(scales_h, scales.len()),
+                BufferArg::from_raw_parts(data_h, n_words),
+                BufferArg::from_raw_parts(scales_h, n_scales),
                 BufferArg::from_raw_parts(out, len),
                 parts.len(),
                 block.get(),
