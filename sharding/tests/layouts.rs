@@ -2,9 +2,9 @@
 //! state split inside the node, replicated across nodes, gradients reduce-scattered inside the
 //! node and all-reduced across), also with its reduce-scatter in two hops and gradients
 //! accumulated after the first, and in bf16, trains the MLP example like ZeRO-3 over the same
-//! 8 ranks (losses and gradient norms),
-//! resumes its own checkpoints exactly, and on a device with memory of its own stages the
-//! bytes its plan says. Real `mpirun` jobs of this test's binary.
+//! 8 ranks (losses and gradient norms), resumes its own checkpoints exactly, and on a device
+//! with memory of its own stages the bytes its plan says. Real `mpirun` jobs of this test's
+//! binary.
 
 mod common;
 
