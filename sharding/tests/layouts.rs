@@ -121,6 +121,7 @@ fn train(comm: &Comm, name: &str, steps: u64, resume: Option<&Path>, save: Optio
 struct Ran {
     losses: Vec<(u64, f64)>,
     norms: Vec<(u64, f64)>,
+    #[cfg_attr(not(feature = "wgpu"), allow(dead_code))]
     staged: String,
 }
 
