@@ -705,18 +705,17 @@ pub(crate) fn reduce_flow<'e>(
             _ => unreachable!("the path's last stage carries the shard"),
         }
     };
-    let check = move |shard: &Tensor<1>| -> Result<(), ShardError> {
-        if shard.dims()[0] != expect {
+    // The reduced shard's length, wherever it is.
+    let check = move |len: usize| -> Result<(), ShardError> {
+        if len != expect {
             return Err(ShardError::Units(format!(
-                "unit `{name}`: reduced shard of {} elements, expected {expect}",
-                shard.dims()[0]
+                "unit `{name}`: reduced shard of {len} elements, expected {expect}"
             )));
         }
         Ok(())
     };
     let leftover = grad;
     if g_across > 1 {
-        let name = plan.units[u].name.clone();
         stages.push((
             across,
             Box::new(move |c: &Comm, carry: Carry| match (carry, leftover) {
@@ -724,13 +723,13 @@ pub(crate) fn reduce_flow<'e>(
                 // they are, and they go on to the all-reduce without a round trip through the
                 // device.
                 (Carry::F32(v), None) => {
-                    check_host_len(&name, v.len(), expect)?;
+                    check(v.len())?;
                     let g = c.try_group(scope(c, across))?;
                     let v: Vec<f32> = v.into_iter().map(|x| x / p as f32).collect();
                     Ok(Carry::F32(g.all_reduce(&v, Reduce::Sum)?))
                 }
                 (Carry::Bf16(v), None) => {
-                    check_host_len(&name, v.len(), expect)?;
+                    check(v.len())?;
                     let g = c.try_group(scope(c, across))?;
                     let v: Vec<Bf16> = v
                         .into_iter()
@@ -740,7 +739,7 @@ pub(crate) fn reduce_flow<'e>(
                 }
                 (carry, first) => {
                     let shard = shard_of(carry, first);
-                    check(&shard)?;
+                    check(shard.dims()[0])?;
                     all_reduce_carry(c, across, shard, bf16)
                 }
             }),
@@ -757,20 +756,10 @@ pub(crate) fn reduce_flow<'e>(
         stages,
         finish: Box::new(move |carry| {
             let shard = shard_of(carry, leftover);
-            deliver(check(&shard).map(|()| shard));
+            deliver(check(shard.dims()[0]).map(|()| shard));
             Ok(())
         }),
     })
-}
-
-/// Refuses a reduced shard of `len` elements where `expect` were due.
-fn check_host_len(unit: &str, len: usize, expect: usize) -> Result<(), ShardError> {
-    if len != expect {
-        return Err(ShardError::Units(format!(
-            "unit `{unit}`: reduced shard of {len} elements, expected {expect}"
-        )));
-    }
-    Ok(())
 }
 
 /// Each unit's gradient accumulated inside the gradient path over a step's earlier

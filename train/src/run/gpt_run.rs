@@ -41,6 +41,8 @@ pub struct GptRun<'c, 'd> {
     setup: &'d RunSetup,
     batches: BatchPlan,
     plan_bytes: u64,
+    /// The plan's crossings per step, on a device with memory of its own.
+    plan_staging: Option<ember_sharding::StagedBytes>,
     last: Option<StepReport>,
     /// Whether checkpoints are written in the background (`--async-save`, as settled by the
     /// memory check).
@@ -140,12 +142,17 @@ impl<'c, 'd> GptRun<'c, 'd> {
                 memory.total() as f64 / 1e6
             );
         }
+        let plan_staging = c
+            .device
+            .is_cubecl()
+            .then(|| sharded.plan().staging(c.grad_accum));
         Ok(Self {
             batches: batch_plan(&c, world, rank)?,
             config: c,
             setup,
             sharded,
             plan_bytes: memory.total(),
+            plan_staging,
             last: None,
             background_saves: false,
             pending: None,
@@ -282,9 +289,7 @@ impl Trainee for GptRun<'_, '_> {
             m.staging_s = Some(r.staging.seconds());
             m.staging_frac = Some(r.staging.seconds() / r.step_s.max(1e-9));
             m.staging_bytes = Some(r.staging.to_host_bytes + r.staging.to_device_bytes);
-            if self.config.device.is_cubecl() {
-                m.plan_staging = Some(self.sharded.plan().staging(self.config.grad_accum));
-            }
+            m.plan_staging = self.plan_staging;
             let off = r.traffic.off_gpu();
             let split = StepSplit::new(r.step_s, r.comm_wait_s, &r.staging);
             let words = 2 + StepSplit::WORDS;
