@@ -5,6 +5,8 @@
 //! accounting per scope and op, and fault handling.
 //! It deliberately knows nothing about models, tensors or Burn.
 
+#[cfg(feature = "cubecl")]
+pub mod ahead;
 pub mod bench;
 pub mod collective;
 pub mod comm;

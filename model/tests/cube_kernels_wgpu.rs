@@ -12,7 +12,9 @@
 //!   above one cube's units;
 //! - the MLP's expansion with its bias and GELU: the output and the gradients of the input,
 //!   weight and bias, and the memory kept after the forward (the composed op keeps four
-//!   tensors of the output's size).
+//!   tensors of the output's size);
+//! - the kernels as `kernels::ahead` defines them for compiling where a device is not
+//!   (`ember selftest --ptx`): the ones a step launches.
 #![cfg(feature = "wgpu")]
 
 mod common;
@@ -457,4 +459,52 @@ fn linear_gelu_keeps_one_tensor_of_its_output_for_backward() {
         composed >= 3 * out,
         "the composed op keeps {composed} B: the check would not see its three tensors"
     );
+}
+
+/// ember's kernels as [`ember_model::kernels::ahead`] defines them without a device (what
+/// `ember selftest --ptx` compiles for CUDA) are the ones a step launches: for every kernel,
+/// the f32 definition has the id of one that the ops launch on wgpu for a block of gpt2's
+/// width and heads. The id covers what the compiled code depends on (compile-time arguments,
+/// cube dimensions, element types), not the batch or sequence length, so a short sequence
+/// launches gpt2's kernels.
+#[test]
+fn kernels_defined_ahead_are_the_ones_a_step_launches() {
+    let _lock = device_lock();
+    let (t, d, heads, v) = (64, 768, 12, 512);
+    let launched = cubecl::launched::LaunchedKernels::new();
+    let x = leaf(
+        &values(t * 3 * d, 41, 1.0),
+        [1, t, 3 * d],
+        wgpu(),
+        DType::F32,
+    );
+    let grads = causal_attention(x.clone(), heads).sum().backward();
+    assert!(x.grad(&grads).is_some());
+    let targets: Vec<i64> = (0..t).map(|i| (i * 7 % v) as i64).collect();
+    let logits = values(t * v, 42, 4.0);
+    cross_entropy(&logits, &targets, [t, v], wgpu(), DType::F32, true);
+    let norm = [t * d, d, d, t * d].map(|n| values(n, 43 + n as u64, 1.0));
+    run_layer_norm(&norm, [t, d], wgpu(), DType::F32);
+    let mlp = [t * d, d * 4 * d, 4 * d, t * 4 * d].map(|n| values(n, 44 + n as u64, 0.5));
+    run_linear_gelu(&mlp, [1, t, d, 4 * d], wgpu(), DType::F32, true);
+    wgpu().sync().unwrap();
+    let launched = launched.finish();
+
+    let client = cubecl::Device::wgpu(Default::default()).unwrap().client();
+    let ahead = ember_model::kernels::ahead(
+        client.properties_shared(),
+        client.target_properties_shared(),
+    );
+    let mut kernels = std::collections::BTreeMap::new();
+    for (name, kernel) in &ahead {
+        let kernel_name = name.split(' ').next().unwrap();
+        let hit = name.contains("F32") && launched.contains(&kernel.id().stable_hash());
+        *kernels.entry(kernel_name).or_insert(false) |= hit;
+    }
+    let missing: Vec<_> = kernels.iter().filter(|(_, hit)| !**hit).collect();
+    assert!(
+        missing.is_empty(),
+        "defined ahead as no launch defines them: {missing:?}"
+    );
+    assert_eq!(kernels.len(), 10, "{kernels:?}");
 }

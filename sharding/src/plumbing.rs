@@ -19,6 +19,16 @@ pub mod checkpoint {
 /// hold against the reference (`ember selftest`).
 pub mod kernels {
     pub use crate::transport::kernels::DeviceKernels;
+
+    /// The engine's own CubeCL kernels (AdamW, the quantized collectives'), defined for
+    /// `target` without a client: for compiling them where the device is not
+    /// (`ember selftest --ptx`).
+    #[cfg(feature = "cubecl")]
+    pub fn ahead(target: &ember_comm::ahead::Target) -> ember_comm::ahead::Kernels {
+        let mut out = crate::optim::cube::ahead(target);
+        out.extend(ember_comm::quant::cube::ahead(target));
+        out
+    }
 }
 
 /// The crossings between device and host memory an MPI call makes, measured alone.

@@ -24,7 +24,7 @@ const SCALE_KEEP: u32 = !SCALE_LOW;
 /// 0 below the normal range, or a quiet NaN's bits for a block holding a non-finite value.
 // CubeCL kernels loop over ranges: iterator adaptors don't exist inside `#[cube]`.
 #[allow(clippy::needless_range_loop)]
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, create_dummy_kernel)]
 pub fn block_scales(
     input: &[f32],
     scales: &mut [u32],
@@ -53,7 +53,7 @@ pub fn block_scales(
 }
 
 /// One unit per output word: quantizes `32 / width` consecutive elements and packs them.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, create_dummy_kernel)]
 pub fn quantize_pack(
     input: &[f32],
     scales: &[u32],
@@ -93,7 +93,7 @@ pub fn quantize_pack(
 /// (each `data.len() / parts` words and `scales.len() / parts` scales), in part order from 0,
 /// each partial sum below the normal range made a zero of its sign. The product is exact (16-bit
 /// scales), so a compiler that fuses it with the add into an FMA changes nothing.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, create_dummy_kernel)]
 pub fn dequantize_sum_kernel(
     data: &[u32],
     scales: &[u32],
@@ -178,6 +178,68 @@ fn cuda_driver_present() -> bool {
 }
 
 const CUBE_DIM: u32 = 256;
+
+/// The quantization kernels as the quantized collectives launch them, int8 and int4 at the
+/// default block, sums of 1, 2 and 8 parts, defined for `target` without a client
+/// ([`crate::ahead`]).
+pub fn ahead(target: &crate::ahead::Target) -> crate::ahead::Kernels {
+    use crate::ahead::buffer_arg;
+    let (device, props) = (&target.device, &target.target);
+    let block = BlockSize::DEFAULT.get();
+    let len = 8 * block;
+    let n_scales = len.div_ceil(block);
+    let dim = CubeDim::new_1d(CUBE_DIM);
+    let mut out: crate::ahead::Kernels = Vec::new();
+    for format in [QuantFormat::Int8, QuantFormat::Int4] {
+        let (qmax, n_words) = (format.qmax() as u32, words(format, len));
+        out.push((
+            format!("block_scales {format:?}"),
+            Box::new(block_scales::create_dummy_kernel(
+                device.clone(),
+                props.clone(),
+                cube_count(n_scales),
+                dim,
+                buffer_arg(len, 4),
+                buffer_arg(n_scales, 4),
+                block,
+                qmax,
+            )),
+        ));
+        out.push((
+            format!("quantize_pack {format:?}"),
+            Box::new(quantize_pack::create_dummy_kernel(
+                device.clone(),
+                props.clone(),
+                cube_count(n_words),
+                dim,
+                buffer_arg(len, 4),
+                buffer_arg(n_scales, 4),
+                buffer_arg(n_words, 4),
+                block,
+                qmax,
+                width(format),
+            )),
+        ));
+        for parts in [1, 2, 8] {
+            out.push((
+                format!("dequantize_sum {format:?} of {parts}"),
+                Box::new(dequantize_sum_kernel::create_dummy_kernel(
+                    device.clone(),
+                    props.clone(),
+                    cube_count(len),
+                    dim,
+                    buffer_arg(parts * n_words, 4),
+                    buffer_arg(parts * n_scales, 4),
+                    buffer_arg(len, 4),
+                    parts,
+                    block,
+                    width(format),
+                )),
+            ));
+        }
+    }
+    out
+}
 
 fn cube_count(units: usize) -> CubeCount {
     // Spread over x and y: x is limited to 65535 cubes on most runtimes.

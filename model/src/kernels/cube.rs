@@ -1,7 +1,11 @@
 //! What ember's CubeCL kernels share: the element types a launch names, a grid of one cube per
 //! row beyond 65535 rows, and reductions over a cube in shared memory.
 
+use std::sync::Arc;
+
 use burn::tensor::DType;
+use cubecl::CubeKernel;
+use cubecl::ir::{DeviceProperties, TargetProperties};
 use cubecl::prelude::*;
 
 /// Units per row of the row kernels (cross-entropy, LayerNorm): they stride over the row,
@@ -65,4 +69,67 @@ fn cube_reduce(
     let total = shared[0];
     sync_cube();
     total
+}
+
+/// Kernels defined for a device that is not here: each kernel as a gpt2 step launches it, built
+/// against the device's properties without a client, for a compiler of the device's language
+/// to compile on any machine (`ember selftest --ptx`).
+pub(crate) struct Ahead {
+    pub device: Arc<DeviceProperties>,
+    pub target: Arc<TargetProperties>,
+    pub kernels: Vec<(String, Box<dyn CubeKernel>)>,
+}
+
+impl Ahead {
+    /// gpt2's step: batch 8 of 1024 tokens, width 768 in 12 heads, vocabulary 50304.
+    pub const B: usize = 8;
+    pub const T: usize = 1024;
+    pub const D: usize = 768;
+    pub const HEADS: usize = 12;
+    pub const VOCAB: usize = 50304;
+    /// The dtypes a step computes in.
+    pub const DTYPES: [DType; 2] = [DType::F32, DType::BF16];
+
+    pub fn push(&mut self, name: String, kernel: impl CubeKernel + 'static) {
+        self.kernels.push((name, Box::new(kernel)));
+    }
+
+    /// A contiguous tensor argument of `shape` in `dtype`, for a definition only: it names no
+    /// memory.
+    pub fn tensor(shape: &[usize], dtype: DType) -> TensorArg {
+        let mut strides = vec![1; shape.len()];
+        for i in (0..shape.len().saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * shape[i + 1];
+        }
+        let bytes = shape.iter().product::<usize>() * dtype.size();
+        let device = cubecl::device::DeviceId {
+            type_id: 0,
+            index_id: 0,
+        };
+        let service = cubecl_common::device::ServiceId::of::<Ahead>(device);
+        let stream = cubecl_environment::stream::StreamId { value: 0 };
+        let handle = cubecl::server::Handle::new(service, stream, bytes as u64);
+        // SAFETY: the argument is only registered to define a kernel; nothing is launched with
+        // it.
+        unsafe { TensorArg::from_raw_parts(handle, strides.into(), shape.into()) }
+    }
+}
+
+/// Every CubeCL kernel of the model (attention, cross-entropy, bias and GELU, LayerNorm), in f32
+/// and bf16, as a gpt2 step launches it, defined for a device with `device` and `target`
+/// properties without a client: for compiling them where the device is not.
+pub fn ahead(
+    device: Arc<DeviceProperties>,
+    target: Arc<TargetProperties>,
+) -> Vec<(String, Box<dyn CubeKernel>)> {
+    let mut ahead = Ahead {
+        device,
+        target,
+        kernels: Vec::new(),
+    };
+    super::flash::ahead(&mut ahead);
+    super::cube_cross_entropy::ahead(&mut ahead);
+    super::cube_gelu::ahead(&mut ahead);
+    super::cube_layer_norm::ahead(&mut ahead);
+    ahead.kernels
 }

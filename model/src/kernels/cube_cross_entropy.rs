@@ -22,7 +22,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
-use super::cube::{ROW_UNITS, cube_max, cube_sum, elem_type, grid_row, row_cubes};
+use super::cube::{Ahead, ROW_UNITS, cube_max, cube_sum, elem_type, grid_row, row_cubes};
 
 /// Per-row softmax cross-entropy, forward and backward, on CubeCL devices.
 #[backend_extension(Cube, Fusion, Autodiff)]
@@ -62,7 +62,7 @@ fn forward_meta(logits: &TensorSpec, _targets: &TensorSpec) -> (TensorSpec, Tens
     )
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn cross_entropy_forward_kernel<E: Float, I: Int>(
     logits: &Tensor<E>,
     targets: &Tensor<I>,
@@ -111,7 +111,7 @@ fn cross_entropy_forward_kernel<E: Float, I: Int>(
     }
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn cross_entropy_backward_kernel<E: Float, I: Int>(
     logits: &Tensor<E>,
     targets: &Tensor<I>,
@@ -173,7 +173,7 @@ impl CubeCrossEntropyOps for CubeBackend {
         let (client, device, dtype) = (logits.client.clone(), logits.device.clone(), logits.dtype);
         let dlogits = empty_device_dtype(client.clone(), device, Shape::new([n, v]), dtype);
         let types = [elem_type(dtype), elem_type(targets.dtype)];
-        let cube_dim = CubeDim::new_1d(256);
+        let cube_dim = CubeDim::new_1d(BACKWARD_UNITS);
         let cubes = calculate_cube_count_elemwise(&client, n * v, cube_dim);
         cross_entropy_backward_kernel::launch(
             &client,
@@ -190,6 +190,9 @@ impl CubeCrossEntropyOps for CubeBackend {
         dlogits
     }
 }
+
+/// Units per cube of the backward, one per logit.
+const BACKWARD_UNITS: u32 = 256;
 
 #[derive(Debug)]
 struct CrossEntropyBackward;
@@ -248,5 +251,52 @@ impl<B: CubeCrossEntropyOps, C: CheckpointStrategy> CubeCrossEntropyOps for Auto
             lse.primitive().clone(),
             dloss.primitive().clone(),
         ))
+    }
+}
+
+/// The forward and backward as a gpt2 step launches them ([`Ahead`]), over i32 and i64
+/// targets (the device's integer dtype decides).
+pub(super) fn ahead(a: &mut Ahead) {
+    let (n, v) = (Ahead::B * Ahead::T, Ahead::VOCAB);
+    for dtype in Ahead::DTYPES {
+        for int in [DType::I32, DType::I64] {
+            let types = [elem_type(dtype), elem_type(int)];
+            let (device, target) = (a.device.clone(), a.target.clone());
+            a.push(
+                format!("cross_entropy_forward {dtype:?} {int:?} targets"),
+                cross_entropy_forward_kernel::create_dummy_kernel(
+                    device,
+                    target,
+                    row_cubes(n),
+                    CubeDim::new_1d(ROW_UNITS as u32),
+                    Ahead::tensor(&[n, v], dtype),
+                    Ahead::tensor(&[n], int),
+                    Ahead::tensor(&[n], DType::F32),
+                    Ahead::tensor(&[n], DType::F32),
+                    n,
+                    v,
+                    ROW_UNITS,
+                    ROW_UNITS,
+                    types,
+                ),
+            );
+            let (device, target) = (a.device.clone(), a.target.clone());
+            a.push(
+                format!("cross_entropy_backward {dtype:?} {int:?} targets"),
+                cross_entropy_backward_kernel::create_dummy_kernel(
+                    device,
+                    target,
+                    CubeCount::Static(1, 1, 1),
+                    CubeDim::new_1d(BACKWARD_UNITS),
+                    Ahead::tensor(&[n, v], dtype),
+                    Ahead::tensor(&[n], int),
+                    Ahead::tensor(&[n], DType::F32),
+                    Ahead::tensor(&[1], DType::F32),
+                    Ahead::tensor(&[n, v], dtype),
+                    v,
+                    types,
+                ),
+            );
+        }
     }
 }

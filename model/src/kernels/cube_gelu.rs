@@ -24,7 +24,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
-use super::cube::elem_type;
+use super::cube::{Ahead, elem_type};
 
 /// `gelu(x + bias)` over the last dimension, forward and backward, on CubeCL devices.
 #[backend_extension(Cube, Fusion, Autodiff)]
@@ -75,7 +75,7 @@ fn gelu_grad_of(x: f32, dy: f32) -> f32 {
 }
 
 /// One unit per element: reads `x` and its column's bias, writes `gelu(x + bias)`.
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn bias_gelu_forward_kernel<E: Float>(
     x: &Tensor<E>,
     bias: &Tensor<E>,
@@ -92,7 +92,7 @@ fn bias_gelu_forward_kernel<E: Float>(
 
 /// One unit per element: reads `x`, its column's bias and `dy`, writes the gradient of
 /// `x + bias`.
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn bias_gelu_backward_kernel<E: Float>(
     x: &Tensor<E>,
     bias: &Tensor<E>,
@@ -223,5 +223,45 @@ impl<B: CubeGeluOps, C: CheckpointStrategy> CubeGeluOps for Autodiff<B, C> {
             bias.primitive().clone(),
             dy.primitive().clone(),
         ))
+    }
+}
+
+/// The forward and backward as a gpt2 step launches them ([`Ahead`]).
+pub(super) fn ahead(a: &mut Ahead) {
+    let shape = [Ahead::B, Ahead::T, 4 * Ahead::D];
+    let d = shape[2];
+    for dtype in Ahead::DTYPES {
+        let t = |s: &[usize]| Ahead::tensor(s, dtype);
+        let (device, target) = (a.device.clone(), a.target.clone());
+        a.push(
+            format!("bias_gelu_forward {dtype:?}"),
+            bias_gelu_forward_kernel::create_dummy_kernel(
+                device,
+                target,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_1d(UNITS),
+                t(&shape),
+                t(&[d]),
+                t(&shape),
+                d,
+                elem_type(dtype),
+            ),
+        );
+        let (device, target) = (a.device.clone(), a.target.clone());
+        a.push(
+            format!("bias_gelu_backward {dtype:?}"),
+            bias_gelu_backward_kernel::create_dummy_kernel(
+                device,
+                target,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_1d(UNITS),
+                t(&shape),
+                t(&[d]),
+                t(&shape),
+                t(&shape),
+                d,
+                elem_type(dtype),
+            ),
+        );
     }
 }

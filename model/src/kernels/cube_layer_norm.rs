@@ -23,7 +23,7 @@ use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::cube::{ROW_UNITS, cube_sum, elem_type, grid_row, row_cubes};
+use super::cube::{Ahead, ROW_UNITS, cube_sum, elem_type, grid_row, row_cubes};
 
 /// LayerNorm over the last dimension, forward and backward, on CubeCL devices.
 #[backend_extension(Cube, Fusion, Autodiff)]
@@ -89,7 +89,7 @@ fn backward_meta(
     (x.clone(), w.clone(), w.clone())
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn layer_norm_forward_kernel<E: Float>(
     x: &Tensor<E>,
     w: &Tensor<E>,
@@ -144,7 +144,7 @@ fn layer_norm_forward_kernel<E: Float>(
     }
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn layer_norm_backward_dx_kernel<E: Float>(
     x: &Tensor<E>,
     w: &Tensor<E>,
@@ -196,6 +196,8 @@ fn layer_norm_backward_dx_kernel<E: Float>(
 
 /// Rows each unit of [`layer_norm_backward_dwdb_kernel`] sums: its cube's chunk of the rows.
 const ROWS_PER_CHUNK: usize = 64;
+/// Features per cube of the weight and bias gradients' partial sums, one unit each.
+const DWDB_UNITS: usize = 64;
 
 /// The weight's and bias's gradients of one chunk of rows: a unit per (feature, chunk) sums
 /// its feature over the chunk's rows (reading `dy`, `x` and the rows' statistics) and writes
@@ -203,7 +205,7 @@ const ROWS_PER_CHUNK: usize = 64;
 /// the chunks' rows are then summed by Burn's reduction. Spread over
 /// the rows this way, a step of 8192 rows runs a cube per 64 features and 64 rows, where one
 /// unit per feature summing every row would leave most of a GPU idle.
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn layer_norm_backward_dwdb_kernel<E: Float>(
     x: &Tensor<E>,
     mean: &Tensor<f32>,
@@ -321,8 +323,8 @@ impl CubeLayerNormOps for CubeBackend {
         );
         layer_norm_backward_dwdb_kernel::launch(
             &client,
-            CubeCount::Static(d.div_ceil(64) as u32, chunks as u32, 1),
-            CubeDim::new_1d(64),
+            CubeCount::Static(d.div_ceil(DWDB_UNITS) as u32, chunks as u32, 1),
+            CubeDim::new_1d(DWDB_UNITS as u32),
             x.into_tensor_arg(),
             mean.into_tensor_arg(),
             rstd.into_tensor_arg(),
@@ -437,5 +439,78 @@ impl<B: CubeLayerNormOps, C: CheckpointStrategy> CubeLayerNormOps for Autodiff<B
             Self::from_inner(dw),
             Self::from_inner(db),
         )
+    }
+}
+
+/// The forward and both backward kernels as a gpt2 step launches them ([`Ahead`]).
+pub(super) fn ahead(a: &mut Ahead) {
+    let (rows, d) = (Ahead::B * Ahead::T, Ahead::D);
+    let chunks = rows.div_ceil(ROWS_PER_CHUNK).clamp(1, 65_535);
+    let rows_per_chunk = rows.div_ceil(chunks).max(1);
+    let stats = || Ahead::tensor(&[rows], DType::F32);
+    for dtype in Ahead::DTYPES {
+        let t = |s: &[usize]| Ahead::tensor(s, dtype);
+        let (device, target) = (a.device.clone(), a.target.clone());
+        a.push(
+            format!("layer_norm_forward {dtype:?}"),
+            layer_norm_forward_kernel::create_dummy_kernel(
+                device,
+                target,
+                row_cubes(rows),
+                CubeDim::new_1d(ROW_UNITS as u32),
+                t(&[rows, d]),
+                t(&[d]),
+                t(&[d]),
+                t(&[rows, d]),
+                stats(),
+                stats(),
+                rows,
+                d,
+                1e-5,
+                ROW_UNITS,
+                ROW_UNITS,
+                elem_type(dtype),
+            ),
+        );
+        let (device, target) = (a.device.clone(), a.target.clone());
+        a.push(
+            format!("layer_norm_backward_dx {dtype:?}"),
+            layer_norm_backward_dx_kernel::create_dummy_kernel(
+                device,
+                target,
+                row_cubes(rows),
+                CubeDim::new_1d(ROW_UNITS as u32),
+                t(&[rows, d]),
+                t(&[d]),
+                stats(),
+                stats(),
+                t(&[rows, d]),
+                t(&[rows, d]),
+                rows,
+                d,
+                ROW_UNITS,
+                ROW_UNITS,
+                elem_type(dtype),
+            ),
+        );
+        let (device, target) = (a.device.clone(), a.target.clone());
+        a.push(
+            format!("layer_norm_backward_dwdb {dtype:?}"),
+            layer_norm_backward_dwdb_kernel::create_dummy_kernel(
+                device,
+                target,
+                CubeCount::Static(d.div_ceil(DWDB_UNITS) as u32, chunks as u32, 1),
+                CubeDim::new_1d(DWDB_UNITS as u32),
+                t(&[rows, d]),
+                stats(),
+                stats(),
+                t(&[rows, d]),
+                Ahead::tensor(&[chunks, 2 * d], DType::F32),
+                rows,
+                d,
+                rows_per_chunk,
+                elem_type(dtype),
+            ),
+        );
     }
 }

@@ -33,7 +33,7 @@ use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::cube::elem_type;
+use super::cube::{Ahead, elem_type};
 
 /// Causal attention of a packed projection, forward and backward, on CubeCL devices.
 #[backend_extension(Cube, Fusion, Autodiff)]
@@ -117,7 +117,7 @@ fn stage_key<E: Float>(
     }
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn flash_forward_kernel<E: Float>(
     qkv: &Tensor<E>,
     out: &mut Tensor<E>,
@@ -211,7 +211,7 @@ fn flash_forward_kernel<E: Float>(
     }
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn flash_backward_dq_kernel<E: Float>(
     qkv: &Tensor<E>,
     out: &Tensor<E>,
@@ -296,7 +296,7 @@ fn flash_backward_dq_kernel<E: Float>(
     }
 }
 
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn flash_backward_dkdv_kernel<E: Float>(
     qkv: &Tensor<E>,
     dout: &Tensor<E>,
@@ -534,5 +534,83 @@ impl<B: FlashOps, C: CheckpointStrategy> FlashOps for Autodiff<B, C> {
             dout.primitive().clone(),
             n_head,
         ))
+    }
+}
+
+/// The three kernels as a gpt2 step launches them ([`Ahead`]).
+pub(super) fn ahead(a: &mut Ahead) {
+    let (b, t, d, heads) = (Ahead::B, Ahead::T, Ahead::D, Ahead::HEADS);
+    let hd = d / heads;
+    let block = block_for(hd);
+    let cubes = || CubeCount::Static(t.div_ceil(block) as u32, heads as u32, b as u32);
+    let dim = CubeDim::new_1d(block as u32);
+    let scale = (hd as f32).sqrt().recip();
+    let packed = [b, t, 3 * d];
+    let stats = [b, heads, t];
+    for dtype in Ahead::DTYPES {
+        let tensor = |shape: &[usize]| Ahead::tensor(shape, dtype);
+        let f32s = |shape: &[usize]| Ahead::tensor(shape, DType::F32);
+        let (device, target) = (a.device.clone(), a.target.clone());
+        a.push(
+            format!("flash_forward {dtype:?} hd {hd} block {block}"),
+            flash_forward_kernel::create_dummy_kernel(
+                device,
+                target,
+                cubes(),
+                dim,
+                tensor(&packed),
+                tensor(&[b, t, d]),
+                f32s(&stats),
+                t,
+                scale,
+                hd,
+                heads,
+                block,
+                elem_type(dtype),
+            ),
+        );
+        let (device, target) = (a.device.clone(), a.target.clone());
+        a.push(
+            format!("flash_backward_dq {dtype:?} hd {hd} block {block}"),
+            flash_backward_dq_kernel::create_dummy_kernel(
+                device,
+                target,
+                cubes(),
+                dim,
+                tensor(&packed),
+                tensor(&[b, t, d]),
+                tensor(&[b, t, d]),
+                f32s(&stats),
+                f32s(&stats),
+                tensor(&packed),
+                t,
+                scale,
+                hd,
+                heads,
+                block,
+                elem_type(dtype),
+            ),
+        );
+        let (device, target) = (a.device.clone(), a.target.clone());
+        a.push(
+            format!("flash_backward_dkdv {dtype:?} hd {hd} block {block}"),
+            flash_backward_dkdv_kernel::create_dummy_kernel(
+                device,
+                target,
+                cubes(),
+                dim,
+                tensor(&packed),
+                tensor(&[b, t, d]),
+                f32s(&stats),
+                f32s(&stats),
+                tensor(&packed),
+                t,
+                scale,
+                hd,
+                heads,
+                block,
+                elem_type(dtype),
+            ),
+        );
     }
 }

@@ -54,6 +54,8 @@ use attention::Dims;
 use bf16::Precision;
 pub use bf16::{BF16_DOT_PAYS_FROM, bf16_dot_pays, has_bf16_dot};
 #[cfg(feature = "cubecl")]
+pub use cube::ahead;
+#[cfg(feature = "cubecl")]
 pub use cube_cross_entropy::CubeCrossEntropyOps;
 #[cfg(feature = "cubecl")]
 pub use cube_gelu::CubeGeluOps;

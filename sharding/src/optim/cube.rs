@@ -21,6 +21,9 @@ use cubecl::prelude::*;
 
 use super::{Coefficients, FlatState};
 
+/// Units per cube, one per element.
+const UNITS: u32 = 256;
+
 /// The CubeCL tensor behind `t`, contiguous; `None` off CubeCL.
 fn resolve(t: BurnTensor<1>) -> Option<CubeTensor> {
     crate::transport::cube::primitive(&t).map(|(p, _)| p)
@@ -37,7 +40,7 @@ fn resolve_int(t: BurnTensor<1, IntKind>) -> Option<CubeTensor> {
 
 /// One unit per element: reads the master, both moments and the gradient (16 bytes) and the
 /// decayed ranges' bounds, writes the new master and moments (12 bytes).
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 fn adamw_kernel<I: Int>(
     p: &Tensor<f32>,
     m: &Tensor<f32>,
@@ -138,7 +141,7 @@ pub(super) fn adamw(
         .collect::<Option<_>>()?;
     if n > 0 {
         let client = p.client.clone();
-        let cube_dim = CubeDim::new_1d(256);
+        let cube_dim = CubeDim::new_1d(UNITS);
         let int = burn::backend::cubecl::dtype_to_storage_type(bounds.dtype);
         adamw_kernel::launch(
             &client,
@@ -171,4 +174,46 @@ pub(super) fn adamw(
     state.slots[0] = outputs.next()?;
     state.slots[1] = outputs.next()?;
     Some(())
+}
+
+/// The kernel as the optimizer launches it on a buffer, over i32 and i64 range bounds (the
+/// device's integer dtype decides), defined for `target` without a client
+/// ([`ember_comm::ahead`]).
+pub(crate) fn ahead(target: &ember_comm::ahead::Target) -> ember_comm::ahead::Kernels {
+    use ember_comm::ahead::tensor_arg;
+    let n = 1 << 20;
+    let f32s = || tensor_arg(&[n], 4);
+    let mut out: ember_comm::ahead::Kernels = Vec::new();
+    for int in [DType::I32, DType::I64] {
+        out.push((
+            format!("adamw {int:?} bounds"),
+            Box::new(adamw_kernel::create_dummy_kernel(
+                target.device.clone(),
+                target.target.clone(),
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_1d(UNITS),
+                f32s(),
+                f32s(),
+                f32s(),
+                f32s(),
+                tensor_arg(&[2], int.size()),
+                tensor_arg(&[1], 4),
+                f32s(),
+                f32s(),
+                f32s(),
+                0.9,
+                0.1,
+                0.95,
+                0.05,
+                1.0,
+                1e-8,
+                1e-3,
+                0.999,
+                1,
+                1,
+                burn::backend::cubecl::dtype_to_storage_type(int),
+            )),
+        ));
+    }
+    out
 }

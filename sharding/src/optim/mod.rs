@@ -7,7 +7,7 @@
 //! [`Optimizer`].
 
 #[cfg(feature = "cubecl")]
-mod cube;
+pub(crate) mod cube;
 
 use std::ops::Range;
 
@@ -536,7 +536,8 @@ mod tests {
     /// The one-kernel step on a wgpu device (called directly and through `update_scaled`)
     /// against the host pass: every element of the master and moments after six steps (decay on ranges that start and end anywhere, the
     /// gradient's factors none, one or two) within 4 units in the last place of the host's
-    /// value (measured: 0 on lavapipe), and a buffer that is not CubeCL's declined untouched.
+    /// value (measured: 0 on lavapipe), and a buffer that is not CubeCL's declined untouched;
+    /// the kernel launched is the one `ember selftest --ptx` compiles.
     #[cfg(feature = "wgpu")]
     #[test]
     fn the_device_kernel_steps_as_the_host_pass() {
@@ -555,6 +556,7 @@ mod tests {
         let mut host = FlatState::new(on(&wave(0.37), &Device::flex()), 2, decay.clone());
         let mut device = FlatState::new(on(&wave(0.37), &wgpu), 2, decay);
         let factors: [&[f64]; 3] = [&[], &[0.3], &[0.7, 1.3]];
+        let launched = cubecl::launched::LaunchedKernels::new();
         for step in 1..=6u64 {
             let g = wave(0.11 * step as f32);
             let k = Coefficients::new(0.9, 0.95, c.weight_decay, step, 3e-3);
@@ -570,6 +572,19 @@ mod tests {
                     .expect("a wgpu buffer takes the kernel");
             }
         }
+        // The kernel as `cube::ahead` defines it without a device (what `ember selftest --ptx`
+        // compiles for CUDA) is the one these steps launched.
+        let launched = launched.finish();
+        let client = cubecl::Device::wgpu(Default::default()).unwrap().client();
+        let target = ember_comm::ahead::Target {
+            device: client.properties_shared(),
+            target: client.target_properties_shared(),
+        };
+        assert!(
+            cube::ahead(&target)
+                .iter()
+                .any(|(_, k)| launched.contains(&k.id().stable_hash()))
+        );
         let mut worst = 0u32;
         for (a, b) in [
             (&host.master, &device.master),

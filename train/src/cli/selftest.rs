@@ -23,6 +23,14 @@ pub struct SelftestArgs {
     /// One JSON object instead of lines
     #[arg(long)]
     pub json: bool,
+    /// Instead of checking a device, compile every CubeCL kernel of ember's own to PTX for a
+    /// CUDA device of this compute capability (90 for Hopper, 80 for Ampere), with no GPU:
+    /// what the CUDA runtime would compile at the kernels' first launch (builds with CUDA)
+    #[arg(long, value_name = "SM", value_parser = clap::value_parser!(u32).range(80..=120))]
+    pub ptx: Option<u32>,
+    /// With --ptx: also write each kernel's PTX into this folder (for `ptxas`)
+    #[arg(long, value_name = "DIR", requires = "ptx")]
+    pub ptx_dir: Option<std::path::PathBuf>,
 }
 
 /// What `ember selftest` found.
@@ -41,6 +49,9 @@ struct Report {
 }
 
 pub fn run(args: SelftestArgs) -> CliResult<()> {
+    if let Some(sm) = args.ptx {
+        return ptx(sm, args.ptx_dir.as_deref(), args.json);
+    }
     let start = Instant::now();
     let burn_device = device(args.device)?;
     let mut checks = Vec::new();
@@ -101,4 +112,59 @@ pub fn run(args: SelftestArgs) -> CliResult<()> {
         .into());
     }
     Ok(())
+}
+
+/// `--ptx SM`: every kernel compiled for compute capability `sm`, one line each.
+#[cfg(feature = "cuda")]
+fn ptx(sm: u32, dir: Option<&std::path::Path>, json: bool) -> CliResult<()> {
+    let start = Instant::now();
+    let kernels = ember_train::tools::ptx::compile_all(sm, dir).map_err(|e| {
+        ember_train::error::usage(format!(
+            "--ptx-dir {}: {e}",
+            dir.map_or(String::new(), |d| d.display().to_string())
+        ))
+    })?;
+    let failed = kernels.iter().filter(|k| k.error.is_some()).count();
+    if json {
+        let report = serde_json::json!({
+            "sm": sm,
+            "kernels": kernels,
+            "passed": failed == 0,
+            "seconds": start.elapsed().as_secs_f64(),
+        });
+        println!("{report}");
+    } else {
+        println!(
+            "{} kernels of ember's own compiled to PTX for sm_{sm} (modelled device, no GPU used):",
+            kernels.len()
+        );
+        for k in &kernels {
+            match &k.error {
+                None => println!(
+                    "  {}: {:.1} KiB of PTX, {} bytes of shared memory, {:.2} s",
+                    k.name,
+                    k.ptx_bytes as f64 / 1024.0,
+                    k.shared_bytes,
+                    k.seconds
+                ),
+                Some(e) => println!("  {}: FAILED: {e}", k.name),
+            }
+        }
+    }
+    if failed > 0 {
+        return Err(anyhow::anyhow!(
+            "selftest --ptx {sm}: {failed} of {} kernels did not compile (listed above)",
+            kernels.len()
+        )
+        .into());
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn ptx(_: u32, _: Option<&std::path::Path>, _: bool) -> CliResult<()> {
+    Err(ember_train::error::usage(
+        "--ptx: this ember was built without CUDA; build it with `--features cuda` \
+         (scripts/gpu-bundle does)",
+    ))
 }

@@ -1,8 +1,11 @@
 //! The commands around a run: `ember bench` (`bench`, with `torch_gpt.py`, the PyTorch
-//! reference it runs beside, and `products`, a step's matrix products one by one), `ember eval`, `ember generate` and `ember plan` (`planning`).
+//! reference it runs beside, and `products`, a step's matrix products one by one), `ember eval`, `ember generate` and `ember plan` (`planning`), and `ember
+//! selftest --ptx`, ember's kernels compiled for CUDA without a GPU (`ptx`).
 
 pub mod bench;
 pub mod eval;
 pub mod generate;
 pub mod planning;
 pub mod products;
+#[cfg(feature = "cuda")]
+pub mod ptx;
