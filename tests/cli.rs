@@ -855,6 +855,47 @@ fn the_kernel_cache_carries_autotune_from_one_run_to_the_next() {
     assert_eq!(off["dir"], serde_json::Value::Null, "{off}");
 }
 
+/// A step that does not fit the device's memory ends with the device's own reason and what to
+/// do, exit 1, no panic. On lavapipe the logits of 8 x 1024 tokens over gpt2's vocabulary
+/// (1.6 GB in one buffer) are past what one buffer may hold.
+#[test]
+fn a_step_the_device_cannot_hold_is_a_clear_error() {
+    if !cfg!(feature = "wgpu") {
+        eprintln!("needs a device with memory of its own: this build has only flex");
+        return;
+    }
+    let args = [
+        "--kernel-cache",
+        "off",
+        "bench",
+        "train",
+        "--device",
+        "wgpu",
+        "--presets",
+        "tiny",
+        "--batch-size",
+        "8",
+        "--block-size",
+        "1024",
+        "--vocab-size",
+        "50304",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+    ];
+    let out = ember(&args, Duration::from_secs(300));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    for needle in [
+        "the device failed: can't allocate",
+        "--grad-accum for smaller micro-batches",
+    ] {
+        assert!(stderr.contains(needle), "expected {needle:?} in {stderr}");
+    }
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
 /// `ember bench matmul` times every product of a step (three per linear layer, the head's
 /// once, the blocks' once per layer) on each device this build has, and refuses a preset it
 /// does not know.

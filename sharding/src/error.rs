@@ -114,4 +114,40 @@ pub enum ShardError {
     /// returning the wrong kind of output).
     #[error("{0}")]
     Model(String),
+    /// The device failed to run the step (most often: it ran out of memory), as its runtime
+    /// reported at the first read after the failure.
+    #[error("the device failed: {0}")]
+    Device(String),
+}
+
+impl ShardError {
+    /// A device's failure to run work, from its runtime's report (`err`'s debug text): the
+    /// innermost cause, with what to do when the device ran out of memory.
+    pub(crate) fn device(err: &dyn std::fmt::Debug) -> Self {
+        let why = innermost_cause(err);
+        let advice = if why.contains("allocate") || why.contains("memory") {
+            "; the step does not fit the device's memory: use smaller micro-batches, recompute \
+             the units in backward, or shard over more ranks"
+        } else {
+            ""
+        };
+        ShardError::Device(format!("{why}{advice}"))
+    }
+}
+
+/// The innermost cause in a runtime's error report: its last line that is not the report's
+/// scaffolding (`Caused by`, backtrace notes).
+pub(crate) fn innermost_cause(err: &dyn std::fmt::Debug) -> String {
+    let report = format!("{err:?}");
+    report
+        .lines()
+        .map(str::trim)
+        .rfind(|l| {
+            !l.is_empty()
+                && !l.starts_with("Caused by")
+                && !l.starts_with("No backtrace")
+                && !l.starts_with("Asked at")
+        })
+        .unwrap_or_default()
+        .to_string()
 }

@@ -284,7 +284,11 @@
 //! # Errors and speed
 //!
 //! Every fallible call returns [`ShardError`]; an impossible configuration is
-//! [`ShardError::Setting`], naming the field, its value and what to do. On the CPU, the
+//! [`ShardError::Setting`], naming the field, its value and what to do, and a step the device
+//! cannot run (out of its memory, most often) is [`ShardError::Device`] with the runtime's
+//! reason. The float tensors of a batch must come in the dtype the modules compute in
+//! (`model.plan().module_dtype`): the partitioner does not see inside a batch, and Burn panics
+//! on a product of f32 inputs with bf16 weights. On the CPU, the
 //! dependency on this crate brings Burn's flex backend with its multithreaded, SIMD kernels
 //! (`rayon`, `simd`) and the AVX-512 matrix kernels, chosen at run time.
 

@@ -43,7 +43,24 @@ impl fmt::Display for CliError {
         match self {
             CliError::Usage(msg) => write!(f, "{msg}"),
             // `{:#}` prints the whole context chain on one line: "loading X: reading Y: ...".
-            CliError::Runtime(err) => write!(f, "{err:#}"),
+            CliError::Runtime(err) => {
+                write!(f, "{err:#}")?;
+                let device = err.chain().any(|e| {
+                    matches!(
+                        e.downcast_ref::<ember_sharding::ShardError>(),
+                        Some(ember_sharding::ShardError::Device(_))
+                    )
+                });
+                if device {
+                    // The library's advice in the binary's flags.
+                    write!(
+                        f,
+                        " (ember: a larger --grad-accum for smaller micro-batches, --recompute \
+                         unit, or more ranks sharding the model with --shard)"
+                    )?;
+                }
+                Ok(())
+            }
         }
     }
 }

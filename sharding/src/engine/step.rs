@@ -362,7 +362,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             )?;
             match out {
                 Flow::Hidden(h) | Flow::Aux(h, _) if stage + 1 < k => input = Some(h),
-                Flow::Loss(l) if stage + 1 == k => return Ok(scalar(l)),
+                Flow::Loss(l) if stage + 1 == k => return scalar(l),
                 _ => return Err(self.flow_error(stage)),
             }
         }
@@ -448,7 +448,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
                 Flow::Loss(_) => return Err(self.flow_error(v.stage)),
             };
             if let Some(aux) = aux {
-                state.micro_losses[v.micro] += scalar(aux.clone().without_autodiff());
+                state.micro_losses[v.micro] += scalar(aux.clone().without_autodiff())?;
             }
             state.inputs[v.stage + 1] = Some(h.clone().without_autodiff());
             let put = graph.put.iter().cloned();
@@ -469,7 +469,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         // The auxiliary loss counts in the step's loss here; backward recomputes it for its
         // gradient.
         if let Some(aux) = &aux {
-            state.micro_losses[v.micro] += scalar(aux.clone());
+            state.micro_losses[v.micro] += scalar(aux.clone())?;
         }
         if let Some(outputs) = &mut state.forward_outputs
             && v.micro == 0
@@ -588,7 +588,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         } = graph;
         let mut objective = match (out, v.stage + 1 == k) {
             (Flow::Loss(l), true) => {
-                state.micro_losses[v.micro] += scalar(l.clone().without_autodiff());
+                state.micro_losses[v.micro] += scalar(l.clone().without_autodiff())?;
                 l
             }
             (Flow::Hidden(h), false) => {
@@ -680,7 +680,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             Some(aux) => aux + loss,
             None => loss,
         };
-        state.micro_losses[micro] = scalar(loss.clone().without_autodiff());
+        state.micro_losses[micro] = scalar(loss.clone().without_autodiff())?;
         let grads_ad = loss.backward();
         let mut g = grads_of(&module, &grads_ad, &self.numels);
         drop(grads_ad);
@@ -722,7 +722,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         let sq: f64 = grads
             .iter()
             .map(crate::transport::host::sum_of_squares)
-            .sum();
+            .sum::<Result<f64, ShardError>>()?;
         let cfg = &self.plan.config;
         let closing = Instant::now();
         let sq = route::sum_over(self.comm, self.plan.group(cfg.optimizer()), sq as f32)? as f64;
@@ -853,7 +853,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
             }
         }
         for (what, a, b) in pairs {
-            if let Some(m) = impurity(&what, a, b) {
+            if let Some(m) = impurity(&what, a, b)? {
                 return Err(ShardError::Model(format!(
                     "unit `{unit}` gave other values when backward ran its forward again: \
                      {m}. Backward recomputes each unit, so a unit's forward must give the same \
@@ -959,20 +959,20 @@ pub fn rounding_tolerance(dtype: DType) -> f64 {
 
 /// `None` when `again` equals `first` within rounding ([`rounding_tolerance`] of `first`'s
 /// dtype), else what differs, for a message.
-fn impurity(what: &str, first: Tensor<1>, again: Tensor<1>) -> Option<String> {
+fn impurity(what: &str, first: Tensor<1>, again: Tensor<1>) -> Result<Option<String>, ShardError> {
     let tolerance = rounding_tolerance(first.dtype());
     let first = first.cast(DType::F32);
     let again = again.cast(DType::F32);
-    let scale = scalar(first.clone().abs().max());
-    let diff = scalar((first - again).abs().max());
+    let scale = scalar(first.clone().abs().max())?;
+    let diff = scalar((first - again).abs().max())?;
     // A forward that is not finite says nothing about purity (training diverged).
     if !scale.is_finite() || diff <= tolerance * scale {
-        return None;
+        return Ok(None);
     }
-    Some(format!(
+    Ok(Some(format!(
         "{what} differs by up to {diff:.3e} against a largest magnitude of {scale:.3e}, beyond \
          rounding ({tolerance:.1e} of it)"
-    ))
+    )))
 }
 
 #[cfg(test)]
@@ -989,13 +989,19 @@ mod tests {
         let device = Device::flex();
         let x = || Tensor::<1>::from_floats([1.0, -2.0, 0.5, 4.0], &device).cast(DType::BF16);
         let shifted = |by: f64| x() + by;
-        assert_eq!(impurity("out", x(), x()), None);
-        assert_eq!(impurity("out", x(), shifted(0.03)), None);
-        let m = impurity("out", x(), shifted(0.125)).expect("beyond rounding");
+        assert_eq!(impurity("out", x(), x()).unwrap(), None);
+        assert_eq!(impurity("out", x(), shifted(0.03)).unwrap(), None);
+        let m = impurity("out", x(), shifted(0.125))
+            .unwrap()
+            .expect("beyond rounding");
         assert!(m.contains("out differs by up to 1.250e-1"), "{m}");
         // A recompute that is not finite is refused; a forward that is not says nothing.
         let nan = Tensor::<1>::from_floats([1.0, f32::NAN, 0.5, 4.0], &device);
-        assert!(impurity("out", x().cast(DType::F32), nan.clone()).is_some());
-        assert_eq!(impurity("out", nan, x().cast(DType::F32)), None);
+        assert!(
+            impurity("out", x().cast(DType::F32), nan.clone())
+                .unwrap()
+                .is_some()
+        );
+        assert_eq!(impurity("out", nan, x().cast(DType::F32)).unwrap(), None);
     }
 }

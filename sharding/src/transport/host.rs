@@ -114,8 +114,9 @@ pub(crate) fn scale_by(t: Tensor<1>, factors: &[f64]) -> Tensor<1> {
 
 /// The sum of the squares of an f32 tensor's elements, accumulated in f64: in one pass on
 /// rayon's threads over pieces of fixed bounds whose sums are added in order, so the result
-/// does not depend on the thread count. Elsewhere it is Burn's `square` and `sum`.
-pub(crate) fn sum_of_squares(t: &Tensor<1>) -> f64 {
+/// does not depend on the thread count. Elsewhere it is Burn's `square` and `sum`, and the
+/// device's failure to compute it an error.
+pub(crate) fn sum_of_squares(t: &Tensor<1>) -> Result<f64, crate::error::ShardError> {
     if let Some(s) = flex(t).as_ref().and_then(|f| f.as_slice::<f32>()) {
         const LANES: usize = 8;
         let pieces: Vec<f64> = s
@@ -138,7 +139,7 @@ pub(crate) fn sum_of_squares(t: &Tensor<1>) -> f64 {
                 })
             })
             .collect();
-        return pieces.iter().sum();
+        return Ok(pieces.iter().sum());
     }
     scalar(t.clone().square().sum())
 }
@@ -205,13 +206,18 @@ pub(crate) fn concat_f32(parts: Vec<Tensor<1>>) -> Tensor<1> {
     tensor(out)
 }
 
-/// The first element of `t` as f64 (NaN when it cannot be read).
-pub(crate) fn scalar(t: Tensor<1>) -> f64 {
-    t.into_data()
+/// The first element of `t` as f64 (NaN when it holds none). The device's failure to compute
+/// it (out of memory, most often: a runtime reports a failed launch at the first read after
+/// it) is an error.
+pub(crate) fn scalar(t: Tensor<1>) -> Result<f64, crate::error::ShardError> {
+    let data = t
+        .try_into_data()
+        .map_err(|e| crate::error::ShardError::device(&e))?;
+    Ok(data
         .convert::<f64>()
         .try_to_vec::<f64>()
         .map(|v| v[0])
-        .unwrap_or(f64::NAN)
+        .unwrap_or(f64::NAN))
 }
 
 /// `acc += x`, taking `x` whole when `acc` is empty.
@@ -277,8 +283,8 @@ mod tests {
         let v: Vec<f32> = values(n).into_iter().filter(|x| x.is_finite()).collect();
         let want: f64 = v.iter().map(|&x| x as f64 * x as f64).sum();
         let x = Tensor::<1>::from_data(TensorData::new(v.clone(), [v.len()]), &device);
-        let got = sum_of_squares(&x);
+        let got = sum_of_squares(&x).unwrap();
         assert!((got - want).abs() <= want * 1e-12, "{got} against {want}");
-        assert_eq!(got.to_bits(), sum_of_squares(&x).to_bits());
+        assert_eq!(got.to_bits(), sum_of_squares(&x).unwrap().to_bits());
     }
 }

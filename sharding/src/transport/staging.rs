@@ -224,20 +224,11 @@ pub fn crossing_rates(
 ) -> Result<CrossingRates, String> {
     let n = (bytes / 4).max(1);
     let cannot = |e: &dyn std::fmt::Debug| {
-        // The innermost cause: the last line of the report that is not its scaffolding.
-        let report = format!("{e:?}");
-        let why = report
-            .lines()
-            .map(str::trim)
-            .rfind(|l| {
-                !l.is_empty()
-                    && !l.starts_with("Caused by")
-                    && !l.starts_with("No backtrace")
-                    && !l.starts_with("Asked at")
-            })
-            .unwrap_or_default()
-            .to_string();
-        format!("the device cannot hold a tensor of {} bytes: {why}", n * 4)
+        format!(
+            "the device cannot hold a tensor of {} bytes: {}",
+            n * 4,
+            crate::error::innermost_cause(e)
+        )
     };
     let sync = || device.sync().map_err(|e| cannot(&e));
     // One crossing that reports a failure instead of panicking, as the engine's do, before
