@@ -114,22 +114,3 @@ impl Ahead {
         unsafe { TensorArg::from_raw_parts(handle, strides.into(), shape.into()) }
     }
 }
-
-/// Every CubeCL kernel of the model (attention, cross-entropy, bias and GELU, LayerNorm), in f32
-/// and bf16, as a gpt2 step launches it, defined for a device with `device` and `target`
-/// properties without a client: for compiling them where the device is not.
-pub fn ahead(
-    device: Arc<DeviceProperties>,
-    target: Arc<TargetProperties>,
-) -> Vec<(String, Box<dyn CubeKernel>)> {
-    let mut ahead = Ahead {
-        device,
-        target,
-        kernels: Vec::new(),
-    };
-    super::flash::ahead(&mut ahead);
-    super::cube_cross_entropy::ahead(&mut ahead);
-    super::cube_gelu::ahead(&mut ahead);
-    super::cube_layer_norm::ahead(&mut ahead);
-    ahead.kernels
-}

@@ -17,6 +17,8 @@
 //! ([`bf16`]); the linear layers multiply in bf16 with f32 sums, on the CPU's bf16
 //! dot-product instructions where it has them.
 
+#[cfg(feature = "cubecl")]
+mod ahead;
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -50,11 +52,11 @@ use burn::tensor::{DType, Device, Int, Shape, Tensor, TensorData};
 use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
+#[cfg(feature = "cubecl")]
+pub use ahead::ahead;
 use attention::Dims;
 use bf16::Precision;
 pub use bf16::{BF16_DOT_PAYS_FROM, bf16_dot_pays, has_bf16_dot};
-#[cfg(feature = "cubecl")]
-pub use cube::ahead;
 #[cfg(feature = "cubecl")]
 pub use cube_cross_entropy::CubeCrossEntropyOps;
 #[cfg(feature = "cubecl")]
