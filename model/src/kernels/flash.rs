@@ -10,6 +10,12 @@
 //! - Backward, second kernel: a unit per key accumulates `dK` and `dV`, sweeping the query
 //!   blocks from its own on, with their `D` and log-sum-exp staged in shared memory.
 //!
+//! The loops over a block's queries or keys run at run time (bounded by the cube's size),
+//! while those over a head's `hd` columns are unrolled with each unit's rows in registers:
+//! unrolled both ways, a unit needed more registers than a CUDA thread has, and the backward
+//! kernels spilled (`ember selftest --ptx`, `scripts/cuda-kernels`). The forward keeps its
+//! scores against the staged block in shared memory for the same reason.
+//!
 //! The kernels read the packed `[B, T, 3d]` projection in place (q, k and v of head `h` at
 //! columns `h hd`, `d + h hd`, `2d + h hd`) and write `[B, T, d]` and `[B, T, 3d]` directly:
 //! no split, transpose or concatenation around them. Tensors of any float dtype are read
@@ -86,12 +92,13 @@ fn split_dims(shape: &Shape, n_head: usize) -> (usize, usize, usize) {
 }
 
 /// Queries (and keys) per block, one unit each: the most, up to 64, whose blocks fit 32 KiB
-/// of shared memory (what lavapipe and Metal allow): the backward's two `block x hd` blocks
-/// of f32 and two statistics per query.
+/// of shared memory (what lavapipe and Metal allow): two `block x hd` blocks of f32 in every
+/// kernel, and the forward's `block x (block + 1)` scores (more than the backward's two
+/// statistics per query).
 fn block_for(hd: usize) -> usize {
     [64, 32, 16, 8]
         .into_iter()
-        .find(|b| (2 * b * hd + 2 * b) * 4 <= 32 * 1024)
+        .find(|b| (2 * b * hd + b * (b + 1)) * 4 <= 32 * 1024)
         .unwrap_or(4)
 }
 
@@ -152,7 +159,11 @@ fn flash_forward_kernel<E: Float>(
     }
     let mut ks = Shared::<[f32]>::new_slice(block * hd);
     let mut vs = Shared::<[f32]>::new_slice(block * hd);
-    let mut s = Array::<f32>::new(block);
+    // Each unit's scores against the staged block, in shared memory (a row of `block + 1` per
+    // unit: rows apart by an odd number of words fall in different banks) so that the loops
+    // over the block run at run time, not unrolled with the scores in registers.
+    let mut s = Shared::<[f32]>::new_slice(block * (block + 1));
+    let srow = u * (block + 1);
     // A score no real one reaches: masked keys take it, so `exp` of it against any real
     // maximum is 0 (a finite value: WGSL forbids infinite constants).
     let mut m = f32::new(-1.0e30);
@@ -172,7 +183,7 @@ fn flash_forward_kernel<E: Float>(
         sync_cube();
         if valid {
             let mut top = m;
-            for jj in 0..block {
+            for jj in 0..CUBE_DIM_X as usize {
                 let mut x = f32::new(-1.0e30);
                 if kb * block + jj <= i {
                     let mut dot = f32::new(0.0);
@@ -181,7 +192,7 @@ fn flash_forward_kernel<E: Float>(
                     }
                     x = dot;
                 }
-                s[jj] = x;
+                s[srow + jj] = x;
                 top = max(top, x);
             }
             let fade = f32::exp(m - top);
@@ -189,9 +200,9 @@ fn flash_forward_kernel<E: Float>(
             for c in 0..hd {
                 acc[c] *= fade;
             }
-            for jj in 0..block {
+            for jj in 0..CUBE_DIM_X as usize {
                 if kb * block + jj <= i {
-                    let p = f32::exp(s[jj] - top);
+                    let p = f32::exp(s[srow + jj] - top);
                     l += p;
                     for c in 0..hd {
                         acc[c] += p * vs[jj * hd + c];
@@ -272,7 +283,7 @@ fn flash_backward_dq_kernel<E: Float>(
         );
         sync_cube();
         if valid {
-            for jj in 0..block {
+            for jj in 0..CUBE_DIM_X as usize {
                 if kb * block + jj <= i {
                     let mut sc = f32::new(0.0);
                     let mut dp = f32::new(0.0);
@@ -355,7 +366,7 @@ fn flash_backward_dkdv_kernel<E: Float>(
         }
         sync_cube();
         if valid {
-            for ii in 0..block {
+            for ii in 0..CUBE_DIM_X as usize {
                 let i = qb * block + ii;
                 if i >= j && i < seq {
                     let mut sc = f32::new(0.0);
