@@ -506,6 +506,16 @@ fn bad_input_gets_a_clear_message_and_exit_code() {
         2,
         "--temperature NaN",
     );
+    // Compiling the kernels for CUDA needs a build with CUDA.
+    if !cfg!(feature = "cuda") {
+        refused(&["selftest", "--ptx", "90"], 2, "built without CUDA");
+    }
+    refused(&["selftest", "--ptx", "70"], 2, "70");
+    refused(
+        &["selftest", "--ptx", "90", "--device", "flex"],
+        2,
+        "cannot be used with",
+    );
 }
 
 #[test]

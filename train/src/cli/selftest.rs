@@ -24,9 +24,11 @@ pub struct SelftestArgs {
     #[arg(long)]
     pub json: bool,
     /// Instead of checking a device, compile every CubeCL kernel of ember's own to PTX for a
-    /// CUDA device of this compute capability (90 for Hopper, 80 for Ampere), with no GPU:
-    /// what the CUDA runtime would compile at the kernels' first launch (builds with CUDA)
-    #[arg(long, value_name = "SM", value_parser = clap::value_parser!(u32).range(80..=120))]
+    /// CUDA device of this compute capability (90 for Hopper, 80 for Ampere; an H100's limits),
+    /// with no GPU: what the CUDA runtime would compile at the kernels' first launch (builds
+    /// with CUDA)
+    #[arg(long, value_name = "SM", conflicts_with = "device",
+          value_parser = clap::value_parser!(u32).range(80..=120))]
     pub ptx: Option<u32>,
     /// With --ptx: also write each kernel's PTX into this folder (for `ptxas`)
     #[arg(long, value_name = "DIR", requires = "ptx")]
