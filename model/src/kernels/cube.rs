@@ -90,7 +90,13 @@ impl Ahead {
     /// The dtypes a step computes in.
     pub const DTYPES: [DType; 2] = [DType::F32, DType::BF16];
 
-    pub fn push(&mut self, name: String, kernel: impl CubeKernel + 'static) {
+    /// Adds the kernel `define` builds for this device (its properties and its target's).
+    pub fn push<K: CubeKernel + 'static>(
+        &mut self,
+        name: String,
+        define: impl FnOnce(Arc<DeviceProperties>, Arc<TargetProperties>) -> K,
+    ) {
+        let kernel = define(self.device.clone(), self.target.clone());
         self.kernels.push((name, Box::new(kernel)));
     }
 

@@ -261,41 +261,43 @@ pub(super) fn ahead(a: &mut Ahead) {
     for dtype in Ahead::DTYPES {
         for int in [DType::I32, DType::I64] {
             let types = [elem_type(dtype), elem_type(int)];
-            let (device, target) = (a.device.clone(), a.target.clone());
             a.push(
                 format!("cross_entropy_forward {dtype:?} {int:?} targets"),
-                cross_entropy_forward_kernel::create_dummy_kernel(
-                    device,
-                    target,
-                    row_cubes(n),
-                    CubeDim::new_1d(ROW_UNITS as u32),
-                    Ahead::tensor(&[n, v], dtype),
-                    Ahead::tensor(&[n], int),
-                    Ahead::tensor(&[n], DType::F32),
-                    Ahead::tensor(&[n], DType::F32),
-                    n,
-                    v,
-                    ROW_UNITS,
-                    ROW_UNITS,
-                    types,
-                ),
+                |device, target| {
+                    cross_entropy_forward_kernel::create_dummy_kernel(
+                        device,
+                        target,
+                        row_cubes(n),
+                        CubeDim::new_1d(ROW_UNITS as u32),
+                        Ahead::tensor(&[n, v], dtype),
+                        Ahead::tensor(&[n], int),
+                        Ahead::tensor(&[n], DType::F32),
+                        Ahead::tensor(&[n], DType::F32),
+                        n,
+                        v,
+                        ROW_UNITS,
+                        ROW_UNITS,
+                        types,
+                    )
+                },
             );
-            let (device, target) = (a.device.clone(), a.target.clone());
             a.push(
                 format!("cross_entropy_backward {dtype:?} {int:?} targets"),
-                cross_entropy_backward_kernel::create_dummy_kernel(
-                    device,
-                    target,
-                    CubeCount::Static(1, 1, 1),
-                    CubeDim::new_1d(BACKWARD_UNITS),
-                    Ahead::tensor(&[n, v], dtype),
-                    Ahead::tensor(&[n], int),
-                    Ahead::tensor(&[n], DType::F32),
-                    Ahead::tensor(&[1], DType::F32),
-                    Ahead::tensor(&[n, v], dtype),
-                    v,
-                    types,
-                ),
+                |device, target| {
+                    cross_entropy_backward_kernel::create_dummy_kernel(
+                        device,
+                        target,
+                        CubeCount::Static(1, 1, 1),
+                        CubeDim::new_1d(BACKWARD_UNITS),
+                        Ahead::tensor(&[n, v], dtype),
+                        Ahead::tensor(&[n], int),
+                        Ahead::tensor(&[n], DType::F32),
+                        Ahead::tensor(&[1], DType::F32),
+                        Ahead::tensor(&[n, v], dtype),
+                        v,
+                        types,
+                    )
+                },
             );
         }
     }

@@ -232,9 +232,7 @@ pub(super) fn ahead(a: &mut Ahead) {
     let d = shape[2];
     for dtype in Ahead::DTYPES {
         let t = |s: &[usize]| Ahead::tensor(s, dtype);
-        let (device, target) = (a.device.clone(), a.target.clone());
-        a.push(
-            format!("bias_gelu_forward {dtype:?}"),
+        a.push(format!("bias_gelu_forward {dtype:?}"), |device, target| {
             bias_gelu_forward_kernel::create_dummy_kernel(
                 device,
                 target,
@@ -245,11 +243,9 @@ pub(super) fn ahead(a: &mut Ahead) {
                 t(&shape),
                 d,
                 elem_type(dtype),
-            ),
-        );
-        let (device, target) = (a.device.clone(), a.target.clone());
-        a.push(
-            format!("bias_gelu_backward {dtype:?}"),
+            )
+        });
+        a.push(format!("bias_gelu_backward {dtype:?}"), |device, target| {
             bias_gelu_backward_kernel::create_dummy_kernel(
                 device,
                 target,
@@ -261,7 +257,7 @@ pub(super) fn ahead(a: &mut Ahead) {
                 t(&shape),
                 d,
                 elem_type(dtype),
-            ),
-        );
+            )
+        });
     }
 }

@@ -450,9 +450,7 @@ pub(super) fn ahead(a: &mut Ahead) {
     let stats = || Ahead::tensor(&[rows], DType::F32);
     for dtype in Ahead::DTYPES {
         let t = |s: &[usize]| Ahead::tensor(s, dtype);
-        let (device, target) = (a.device.clone(), a.target.clone());
-        a.push(
-            format!("layer_norm_forward {dtype:?}"),
+        a.push(format!("layer_norm_forward {dtype:?}"), |device, target| {
             layer_norm_forward_kernel::create_dummy_kernel(
                 device,
                 target,
@@ -470,47 +468,49 @@ pub(super) fn ahead(a: &mut Ahead) {
                 ROW_UNITS,
                 ROW_UNITS,
                 elem_type(dtype),
-            ),
-        );
-        let (device, target) = (a.device.clone(), a.target.clone());
+            )
+        });
         a.push(
             format!("layer_norm_backward_dx {dtype:?}"),
-            layer_norm_backward_dx_kernel::create_dummy_kernel(
-                device,
-                target,
-                row_cubes(rows),
-                CubeDim::new_1d(ROW_UNITS as u32),
-                t(&[rows, d]),
-                t(&[d]),
-                stats(),
-                stats(),
-                t(&[rows, d]),
-                t(&[rows, d]),
-                rows,
-                d,
-                ROW_UNITS,
-                ROW_UNITS,
-                elem_type(dtype),
-            ),
+            |device, target| {
+                layer_norm_backward_dx_kernel::create_dummy_kernel(
+                    device,
+                    target,
+                    row_cubes(rows),
+                    CubeDim::new_1d(ROW_UNITS as u32),
+                    t(&[rows, d]),
+                    t(&[d]),
+                    stats(),
+                    stats(),
+                    t(&[rows, d]),
+                    t(&[rows, d]),
+                    rows,
+                    d,
+                    ROW_UNITS,
+                    ROW_UNITS,
+                    elem_type(dtype),
+                )
+            },
         );
-        let (device, target) = (a.device.clone(), a.target.clone());
         a.push(
             format!("layer_norm_backward_dwdb {dtype:?}"),
-            layer_norm_backward_dwdb_kernel::create_dummy_kernel(
-                device,
-                target,
-                CubeCount::Static(d.div_ceil(DWDB_UNITS) as u32, chunks as u32, 1),
-                CubeDim::new_1d(DWDB_UNITS as u32),
-                t(&[rows, d]),
-                stats(),
-                stats(),
-                t(&[rows, d]),
-                Ahead::tensor(&[chunks, 2 * d], DType::F32),
-                rows,
-                d,
-                rows_per_chunk,
-                elem_type(dtype),
-            ),
+            |device, target| {
+                layer_norm_backward_dwdb_kernel::create_dummy_kernel(
+                    device,
+                    target,
+                    CubeCount::Static(d.div_ceil(DWDB_UNITS) as u32, chunks as u32, 1),
+                    CubeDim::new_1d(DWDB_UNITS as u32),
+                    t(&[rows, d]),
+                    stats(),
+                    stats(),
+                    t(&[rows, d]),
+                    Ahead::tensor(&[chunks, 2 * d], DType::F32),
+                    rows,
+                    d,
+                    rows_per_chunk,
+                    elem_type(dtype),
+                )
+            },
         );
     }
 }

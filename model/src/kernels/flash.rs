@@ -561,67 +561,70 @@ pub(super) fn ahead(a: &mut Ahead) {
     for dtype in Ahead::DTYPES {
         let tensor = |shape: &[usize]| Ahead::tensor(shape, dtype);
         let f32s = |shape: &[usize]| Ahead::tensor(shape, DType::F32);
-        let (device, target) = (a.device.clone(), a.target.clone());
         a.push(
             format!("flash_forward {dtype:?} hd {hd} block {block}"),
-            flash_forward_kernel::create_dummy_kernel(
-                device,
-                target,
-                cubes(),
-                dim,
-                tensor(&packed),
-                tensor(&[b, t, d]),
-                f32s(&stats),
-                t,
-                scale,
-                hd,
-                heads,
-                block,
-                elem_type(dtype),
-            ),
+            |device, target| {
+                flash_forward_kernel::create_dummy_kernel(
+                    device,
+                    target,
+                    cubes(),
+                    dim,
+                    tensor(&packed),
+                    tensor(&[b, t, d]),
+                    f32s(&stats),
+                    t,
+                    scale,
+                    hd,
+                    heads,
+                    block,
+                    elem_type(dtype),
+                )
+            },
         );
-        let (device, target) = (a.device.clone(), a.target.clone());
         a.push(
             format!("flash_backward_dq {dtype:?} hd {hd} block {block}"),
-            flash_backward_dq_kernel::create_dummy_kernel(
-                device,
-                target,
-                cubes(),
-                dim,
-                tensor(&packed),
-                tensor(&[b, t, d]),
-                tensor(&[b, t, d]),
-                f32s(&stats),
-                f32s(&stats),
-                tensor(&packed),
-                t,
-                scale,
-                hd,
-                heads,
-                block,
-                elem_type(dtype),
-            ),
+            |device, target| {
+                flash_backward_dq_kernel::create_dummy_kernel(
+                    device,
+                    target,
+                    cubes(),
+                    dim,
+                    tensor(&packed),
+                    tensor(&[b, t, d]),
+                    tensor(&[b, t, d]),
+                    f32s(&stats),
+                    f32s(&stats),
+                    tensor(&packed),
+                    t,
+                    scale,
+                    hd,
+                    heads,
+                    block,
+                    elem_type(dtype),
+                )
+            },
         );
-        let (device, target) = (a.device.clone(), a.target.clone());
         a.push(
             format!("flash_backward_dkdv {dtype:?} hd {hd} block {block}"),
-            flash_backward_dkdv_kernel::create_dummy_kernel(
-                device,
-                target,
-                cubes(),
-                dim,
-                tensor(&packed),
-                tensor(&[b, t, d]),
-                f32s(&stats),
-                f32s(&stats),
-                tensor(&packed),
-                t,
-                scale,
-                hd,
-                heads,
-                block,
-                elem_type(dtype),
-            ),
+            |device, target| {
+                flash_backward_dkdv_kernel::create_dummy_kernel(
+                    device,
+                    target,
+                    cubes(),
+                    dim,
+                    tensor(&packed),
+                    tensor(&[b, t, d]),
+                    f32s(&stats),
+                    f32s(&stats),
+                    tensor(&packed),
+                    t,
+                    scale,
+                    hd,
+                    heads,
+                    block,
+                    elem_type(dtype),
+                )
+            },
         );
     }
 }

@@ -182,10 +182,11 @@ pub fn compile_all(sm: u32, dir: Option<&Path>) -> std::io::Result<Vec<PtxKernel
     if let Some(dir) = dir {
         std::fs::create_dir_all(dir)?;
     }
+    let mut compiler = CudaCompiler::new(CudaBackend::Llvm);
     let mut out = Vec::new();
     for (name, kernel) in kernels(&target) {
         let start = Instant::now();
-        let compiled = compile(&*kernel, &options);
+        let compiled = compile(&mut compiler, &*kernel, &options);
         let mut k = PtxKernel {
             name,
             ptx_bytes: 0,
@@ -220,13 +221,13 @@ pub fn compile_all(sm: u32, dir: Option<&Path>) -> std::io::Result<Vec<PtxKernel
 /// The kernel's PTX text and shared memory bytes, or why it did not compile (a panic in the
 /// compiler included).
 fn compile(
+    compiler: &mut CudaCompiler,
     kernel: &dyn CubeKernel,
     options: &CudaCompilationOptions,
 ) -> Result<(Vec<u8>, usize), String> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let definition = define_kernel(kernel).map_err(|e| format!("definition: {e:?}"))?;
-        let mut compiler = CudaCompiler::new(CudaBackend::Llvm);
-        match cubecl::Compiler::compile(&mut compiler, definition, options) {
+        match cubecl::Compiler::compile(compiler, definition, options) {
             Ok(CudaRepresentation::Llvm(module)) => {
                 let ptx: Vec<u8> = module
                     .ptx
