@@ -29,6 +29,14 @@ pub mod kernels {
         out.extend(ember_comm::quant::cube::ahead(target));
         out
     }
+
+    /// Whether the AdamW kernel runs on CubeCL devices: `EMBER_CUBE_KERNELS=0` turns it off
+    /// for the process, with the model's own kernels (`ember_model::kernels`), and the step
+    /// runs AdamW as tensor operations. Read once.
+    pub fn cube_kernels_on() -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var("EMBER_CUBE_KERNELS").as_deref() != Ok("0"))
+    }
 }
 
 /// The crossings between device and host memory an MPI call makes, measured alone.

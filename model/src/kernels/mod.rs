@@ -238,10 +238,16 @@ pub fn causal_attention(qkv: Tensor<3>, n_head: usize) -> Tensor<3> {
 
 /// Whether ops on `x` take ember's CubeCL kernels (attention in `flash.rs`, cross-entropy in
 /// `cube_cross_entropy.rs`, LayerNorm in `cube_layer_norm.rs`, the MLP's bias and GELU in
-/// `cube_gelu.rs`): a float tensor on a CubeCL device (wgpu, CUDA, ROCm).
+/// `cube_gelu.rs`): a float tensor on a CubeCL device (wgpu, CUDA, ROCm), unless
+/// `EMBER_CUBE_KERNELS=0` turned them off for the process. With them off the step composes
+/// Burn's generic ops, as PyTorch falls back with `torch.backends.cuda.enable_flash_sdp(False)`:
+/// to tell a kernel's fault from the rest on a new device, or to compare. The sharding
+/// engine's AdamW kernel reads the same variable (`ember_sharding::plumbing::kernels`).
 #[cfg(feature = "cubecl")]
 pub fn uses_cube_kernels<const D: usize>(x: &Tensor<D>) -> bool {
-    matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("EMBER_CUBE_KERNELS").as_deref() != Ok("0"))
+        && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && matches!(
             x.device().inner().as_dispatch(),
             burn::backend::DispatchDevice::Cube(_)

@@ -303,7 +303,7 @@ impl Optimizer for AdamW {
             return;
         }
         #[cfg(feature = "cubecl")]
-        {
+        if crate::plumbing::kernels::cube_kernels_on() {
             let decayed = if self.weight_decay > 0.0 {
                 state.decay_ranges(self.decay_on)
             } else {
