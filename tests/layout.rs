@@ -252,3 +252,40 @@ fn the_resolver_sees_a_circle_where_there_is_one() {
     assert!(circle(&graph, &src.join("c.rs")).is_none());
     assert!(graph[&src.join("c.rs")].is_empty());
 }
+
+/// ember's CubeCL kernels index their tensors as dense row-major arrays, so every tensor they
+/// write is allocated contiguous. CubeCL's default allocation (`empty_device_dtype`,
+/// `Client::empty_tensor`) is "optimized": on CUDA and ROCm a row whose bytes are not a
+/// multiple of the row alignment (up to 512 B) is padded, and the tensor's strides say so
+/// (bf16 logits of 50,304 columns, f32 of 50,257). wgpu allocates contiguously either way, so
+/// no wgpu test would see a kernel write such a tensor as if it were dense.
+#[test]
+fn kernels_allocate_what_they_write_contiguous() {
+    let root = workspace();
+    let mut files = Vec::new();
+    for krate in CRATES {
+        sources(&root.join(krate).join("src"), &mut files);
+    }
+    let mut found = Vec::new();
+    let mut kernel_files = 0;
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        kernel_files += usize::from(text.contains("#[cube("));
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap();
+            if code.contains("empty_device_dtype") || code.contains(".empty_tensor(") {
+                let at = file.strip_prefix(&root).unwrap().display();
+                found.push(format!("{at}:{}: {}", n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        kernel_files >= 6,
+        "only {kernel_files} kernel files were read"
+    );
+    assert!(
+        found.is_empty(),
+        "allocations that may be padded:\n{}",
+        found.join("\n")
+    );
+}

@@ -20,21 +20,27 @@ const MIN_NORMAL: u32 = 0x0080_0000;
 const SCALE_LOW: u32 = (1 << super::reference::SCALE_DROPPED_BITS) - 1;
 const SCALE_KEEP: u32 = !SCALE_LOW;
 
-/// One unit per block: `scales[b]` = bits of `amax / qmax` rounded up to 16 significant bits,
-/// 0 below the normal range, or a quiet NaN's bits for a block holding a non-finite value.
+/// One unit per block of the first `len` elements of `input`: `scales[b]` = bits of
+/// `amax / qmax` rounded up to 16 significant bits, 0 below the normal range, or a quiet NaN's
+/// bits for a block holding a non-finite value.
+///
+/// Every kernel here is told its element count: a buffer's `len()` in a kernel is the length
+/// of the memory it is bound to, which can run past the tensor (a CUDA allocation rounded up,
+/// a view into a larger buffer).
 // CubeCL kernels loop over ranges: iterator adaptors don't exist inside `#[cube]`.
 #[allow(clippy::needless_range_loop)]
 #[cube(launch_unchecked, create_dummy_kernel)]
 pub fn block_scales(
     input: &[f32],
     scales: &mut [u32],
+    len: usize,
     #[comptime] block: usize,
     #[comptime] qmax: u32,
 ) {
     let b = ABSOLUTE_POS;
-    if b < scales.len() {
+    if b < len.div_ceil(block) {
         let start = b * block;
-        let end = min(start + block, input.len());
+        let end = min(start + block, len);
         let mut amax = 0u32;
         for i in start..end {
             amax = max(amax, u32::reinterpret(input[i]) & 0x7fff_ffffu32);
@@ -52,26 +58,28 @@ pub fn block_scales(
     }
 }
 
-/// One unit per output word: quantizes `32 / width` consecutive elements and packs them.
+/// One unit per output word: quantizes `32 / width` consecutive elements of the first `len`
+/// and packs them.
 #[cube(launch_unchecked, create_dummy_kernel)]
 pub fn quantize_pack(
     input: &[f32],
     scales: &[u32],
     out: &mut [u32],
+    len: usize,
     #[comptime] block: usize,
     #[comptime] qmax: u32,
     #[comptime] width: u32,
 ) {
     let w = ABSOLUTE_POS;
-    if w < out.len() {
-        let per_word = comptime!((32 / width) as usize);
+    let per_word = comptime!((32 / width) as usize);
+    if w < len.div_ceil(per_word) {
         let mask = comptime!((1u32 << width) - 1);
         let limit = f32::cast_from(qmax);
         let mut word = 0u32;
         #[unroll]
         for j in 0..per_word {
             let i = w * per_word + j;
-            if i < input.len() {
+            if i < len {
                 let sbits = scales[i / block];
                 let mut q = 0i32;
                 // Finite and non-zero: scales are never negative, so the bits order like values.
@@ -89,8 +97,8 @@ pub fn quantize_pack(
     }
 }
 
-/// One unit per element: sums `q * scale` over `parts` quantized buffers laid end to end
-/// (each `data.len() / parts` words and `scales.len() / parts` scales), in part order from 0,
+/// One unit per element of `len`: sums `q * scale` over `parts` quantized buffers of `len`
+/// elements laid end to end (their packed words, then their scales), in part order from 0,
 /// each partial sum below the normal range made a zero of its sign. The product is exact (16-bit
 /// scales), so a compiler that fuses it with the add into an FMA changes nothing.
 #[cube(launch_unchecked, create_dummy_kernel)]
@@ -98,16 +106,17 @@ pub fn dequantize_sum_kernel(
     data: &[u32],
     scales: &[u32],
     out: &mut [f32],
+    len: usize,
     #[comptime] parts: usize,
     #[comptime] block: usize,
     #[comptime] width: u32,
 ) {
     let i = ABSOLUTE_POS;
-    if i < out.len() {
-        let per_word = comptime!((32 / width) as usize);
+    let per_word = comptime!((32 / width) as usize);
+    if i < len {
         let mask = comptime!((1u32 << width) - 1);
-        let words_per_part = data.len() / parts;
-        let scales_per_part = scales.len() / parts;
+        let words_per_part = len.div_ceil(per_word);
+        let scales_per_part = len.div_ceil(block);
         let shift = u32::cast_from(i % per_word) * width;
         let mut acc = 0.0f32;
         for p in 0..parts {
@@ -201,6 +210,7 @@ pub fn ahead(target: &crate::ahead::Target) -> crate::ahead::Kernels {
                 dim,
                 buffer_arg(len, 4),
                 buffer_arg(n_scales, 4),
+                len,
                 block,
                 qmax,
             )),
@@ -215,6 +225,7 @@ pub fn ahead(target: &crate::ahead::Target) -> crate::ahead::Kernels {
                 buffer_arg(len, 4),
                 buffer_arg(n_scales, 4),
                 buffer_arg(n_words, 4),
+                len,
                 block,
                 qmax,
                 width(format),
@@ -231,6 +242,7 @@ pub fn ahead(target: &crate::ahead::Target) -> crate::ahead::Kernels {
                     buffer_arg(parts * n_words, 4),
                     buffer_arg(parts * n_scales, 4),
                     buffer_arg(len, 4),
+                    len,
                     parts,
                     block,
                     width(format),
@@ -357,6 +369,7 @@ impl CubeKernels {
                 CubeDim::new_1d(CUBE_DIM),
                 BufferArg::from_raw_parts(input.clone(), len),
                 BufferArg::from_raw_parts(scales_h.clone(), n_scales),
+                len,
                 block.get(),
                 qmax,
             );
@@ -367,6 +380,7 @@ impl CubeKernels {
                 BufferArg::from_raw_parts(input, len),
                 BufferArg::from_raw_parts(scales_h.clone(), n_scales),
                 BufferArg::from_raw_parts(out_h.clone(), n_words),
+                len,
                 block.get(),
                 qmax,
                 width(format),
@@ -379,6 +393,7 @@ impl CubeKernels {
                     BufferArg::from_raw_parts(out_h.clone(), n_words),
                     BufferArg::from_raw_parts(scales_h.clone(), n_scales),
                     BufferArg::from_raw_parts(back, len),
+                    len,
                     1,
                     block.get(),
                     width(format),
@@ -439,6 +454,7 @@ impl CubeKernels {
                 BufferArg::from_raw_parts(data_h, n_words),
                 BufferArg::from_raw_parts(scales_h, n_scales),
                 BufferArg::from_raw_parts(out, len),
+                len,
                 parts.len(),
                 block.get(),
                 width(format),
@@ -476,5 +492,46 @@ impl QuantKernels for CubeKernels {
 
     fn dequantize_sum(&self, parts: &[Quantized]) -> Vec<f32> {
         self.dequantize_parts(parts)
+    }
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use super::*;
+    use crate::quant::host::HostKernels;
+
+    /// Kernels handed a buffer longer than the values they are told of (as a CUDA allocation
+    /// rounded up, or a view into a larger buffer, gives them) quantize and write those values
+    /// only: the tail, 1000 times larger, touches neither a scale nor a packed word, and the
+    /// output's tail keeps what it held.
+    #[test]
+    fn a_buffer_longer_than_its_values_is_read_and_written_only_as_far_as_told() {
+        let kernels = CubeKernels::wgpu().expect("the wgpu feature is on");
+        let big: Vec<f32> = (0..2048)
+            .map(|i| ((i * 37 % 1001) as f32 - 500.0) / if i < 1100 { 97.0 } else { 0.097 })
+            .collect();
+        for len in [1000, 1003, 37] {
+            for block in [8, 64, 2048] {
+                let block = BlockSize::new(block).unwrap();
+                for format in [QuantFormat::Int8, QuantFormat::Int4] {
+                    let at = format!("{len} of 2048, {format:?}, {block:?}");
+                    let input = kernels.client.create_from_slice(f32::as_bytes(&big));
+                    let back = kernels.client.create_from_slice(f32::as_bytes(&big));
+                    let q =
+                        kernels.quantize_device_and_back(input, len, format, block, back.clone());
+                    let want = HostKernels.quantize(&big[..len], format, block);
+                    assert!(q.bit_eq(&want), "{at}");
+                    let back = f32::from_bytes(&kernels.client.read_one_unchecked(back)).to_vec();
+                    assert!(back[..len] == HostKernels.dequantize(&want)[..], "{at}");
+                    assert!(back[len..] == big[len..], "{at}: the tail is untouched");
+                    let out = kernels.client.create_from_slice(f32::as_bytes(&big));
+                    kernels.dequantize_sum_device(&[q.clone(), q], out.clone());
+                    let sum = f32::from_bytes(&kernels.client.read_one_unchecked(out)).to_vec();
+                    let parts = [want.clone(), want];
+                    assert!(sum[..len] == HostKernels.dequantize_sum(&parts)[..], "{at}");
+                    assert!(sum[len..] == big[len..], "{at}: the tail is untouched");
+                }
+            }
+        }
     }
 }

@@ -17,7 +17,7 @@ use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, backend_
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
@@ -139,8 +139,14 @@ impl CubeCrossEntropyOps for CubeBackend {
         let targets = into_contiguous(targets);
         let [n, v] = logits.shape().dims::<2>();
         let (client, device) = (logits.client.clone(), logits.device.clone());
-        let loss = empty_device_dtype(client.clone(), device.clone(), Shape::new([n]), DType::F32);
-        let lse = empty_device_dtype(client.clone(), device, Shape::new([n]), DType::F32);
+        let loss = empty_device_contiguous_dtype(
+            client.clone(),
+            device.clone(),
+            Shape::new([n]),
+            DType::F32,
+        );
+        let lse =
+            empty_device_contiguous_dtype(client.clone(), device, Shape::new([n]), DType::F32);
         let types = [elem_type(logits.dtype), elem_type(targets.dtype)];
         cross_entropy_forward_kernel::launch(
             &client,
@@ -171,7 +177,8 @@ impl CubeCrossEntropyOps for CubeBackend {
         let dloss = into_contiguous(dloss);
         let [n, v] = logits.shape().dims::<2>();
         let (client, device, dtype) = (logits.client.clone(), logits.device.clone(), logits.dtype);
-        let dlogits = empty_device_dtype(client.clone(), device, Shape::new([n, v]), dtype);
+        let dlogits =
+            empty_device_contiguous_dtype(client.clone(), device, Shape::new([n, v]), dtype);
         let types = [elem_type(dtype), elem_type(targets.dtype)];
         let cube_dim = CubeDim::new_1d(BACKWARD_UNITS);
         let cubes = calculate_cube_count_elemwise(&client, n * v, cube_dim);

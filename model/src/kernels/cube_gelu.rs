@@ -19,7 +19,7 @@ use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, backend_
 use burn::tensor::Shape;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
@@ -117,7 +117,7 @@ impl CubeGeluOps for CubeBackend {
         let shape = x.shape();
         let (n, d) = (shape.num_elements(), shape[shape.num_dims() - 1]);
         let (client, device, dtype) = (x.client.clone(), x.device.clone(), x.dtype);
-        let y = empty_device_dtype(client.clone(), device, shape, dtype);
+        let y = empty_device_contiguous_dtype(client.clone(), device, shape, dtype);
         if n == 0 {
             return y;
         }
@@ -144,7 +144,7 @@ impl CubeGeluOps for CubeBackend {
         let shape = x.shape();
         let (n, d) = (shape.num_elements(), shape[shape.num_dims() - 1]);
         let (client, device, dtype) = (x.client.clone(), x.device.clone(), x.dtype);
-        let dx = empty_device_dtype(client.clone(), device, shape, dtype);
+        let dx = empty_device_contiguous_dtype(client.clone(), device, shape, dtype);
         if n == 0 {
             return dx;
         }

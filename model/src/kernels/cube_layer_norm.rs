@@ -19,7 +19,7 @@ use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, backend_
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
@@ -248,14 +248,15 @@ impl CubeLayerNormOps for CubeBackend {
         let shape = x.shape();
         let (rows, d) = (rows_of(&shape), shape[shape.num_dims() - 1]);
         let (client, device, dtype) = (x.client.clone(), x.device.clone(), x.dtype);
-        let y = empty_device_dtype(client.clone(), device.clone(), shape, dtype);
-        let mean = empty_device_dtype(
+        let y = empty_device_contiguous_dtype(client.clone(), device.clone(), shape, dtype);
+        let mean = empty_device_contiguous_dtype(
             client.clone(),
             device.clone(),
             Shape::new([rows]),
             DType::F32,
         );
-        let rstd = empty_device_dtype(client.clone(), device, Shape::new([rows]), DType::F32);
+        let rstd =
+            empty_device_contiguous_dtype(client.clone(), device, Shape::new([rows]), DType::F32);
         layer_norm_forward_kernel::launch(
             &client,
             row_cubes(rows),
@@ -293,7 +294,7 @@ impl CubeLayerNormOps for CubeBackend {
         let shape = x.shape();
         let (rows, d) = (rows_of(&shape), shape[shape.num_dims() - 1]);
         let (client, device, dtype) = (x.client.clone(), x.device.clone(), x.dtype);
-        let dx = empty_device_dtype(client.clone(), device.clone(), shape, dtype);
+        let dx = empty_device_contiguous_dtype(client.clone(), device.clone(), shape, dtype);
         let w_dtype = w.dtype;
         layer_norm_backward_dx_kernel::launch(
             &client,
@@ -315,7 +316,7 @@ impl CubeLayerNormOps for CubeBackend {
         let chunks = rows.div_ceil(ROWS_PER_CHUNK).clamp(1, 65_535);
         let rows_per_chunk = rows.div_ceil(chunks).max(1);
         // Each chunk's row of partial sums: the weight's `d`, then the bias's `d`.
-        let partials = empty_device_dtype(
+        let partials = empty_device_contiguous_dtype(
             client.clone(),
             device,
             Shape::new([chunks, 2 * d]),

@@ -35,7 +35,7 @@ use burn::backend::{Autodiff, AutodiffBackend, Backend, TensorMetadata, backend_
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
@@ -408,8 +408,13 @@ impl FlashOps for CubeBackend {
         let qkv = into_contiguous(qkv);
         let (b, t, d, hd, block, cubes) = geometry(&qkv, n_head);
         let (client, device, dtype) = (qkv.client.clone(), qkv.device.clone(), qkv.dtype);
-        let out = empty_device_dtype(client.clone(), device.clone(), Shape::new([b, t, d]), dtype);
-        let lse = empty_device_dtype(
+        let out = empty_device_contiguous_dtype(
+            client.clone(),
+            device.clone(),
+            Shape::new([b, t, d]),
+            dtype,
+        );
+        let lse = empty_device_contiguous_dtype(
             client.clone(),
             device,
             Shape::new([b, n_head, t]),
@@ -446,13 +451,14 @@ impl FlashOps for CubeBackend {
         let (b, t, d, hd, block, cubes) = geometry(&qkv, n_head);
         let (client, device, dtype) = (qkv.client.clone(), qkv.device.clone(), qkv.dtype);
         let scale = (hd as f32).sqrt().recip();
-        let delta = empty_device_dtype(
+        let delta = empty_device_contiguous_dtype(
             client.clone(),
             device.clone(),
             Shape::new([b, n_head, t]),
             DType::F32,
         );
-        let dqkv = empty_device_dtype(client.clone(), device, Shape::new([b, t, 3 * d]), dtype);
+        let dqkv =
+            empty_device_contiguous_dtype(client.clone(), device, Shape::new([b, t, 3 * d]), dtype);
         flash_backward_dq_kernel::launch(
             &client,
             cubes.clone(),

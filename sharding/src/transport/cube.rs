@@ -229,4 +229,36 @@ mod tests {
         let flex = crate::transport::staging::from_f32(values, &Device::flex());
         assert!(quantize(&flex, QuantFormat::Int8, block).is_none());
     }
+
+    /// A tensor whose buffer holds more than its elements (a slice of a larger tensor, the way
+    /// a shard is cut from a flat buffer) quantizes its own elements only: the values past its
+    /// end, 1000 times larger here, touch neither the last block's scale nor the packed words.
+    /// CubeCL gives a kernel the length of the buffer it is bound to, not the tensor's.
+    #[test]
+    fn a_slice_of_a_larger_buffer_quantizes_only_its_own_elements() {
+        let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        let big: Vec<f32> = (0..2048)
+            .map(|i| ((i * 37 % 1001) as f32 - 500.0) / if i < 1500 { 97.0 } else { 0.097 })
+            .collect();
+        let x = crate::transport::staging::from_f32(big.clone(), &device);
+        for (start, len) in [(0, 1000), (0, 1003), (64, 1000), (8, 37)] {
+            let part = x.clone().slice(start..start + len);
+            let want = &big[start..start + len];
+            for block in [8, 64, 2048] {
+                let block = BlockSize::new(block).unwrap();
+                for format in [QuantFormat::Int8, QuantFormat::Int4] {
+                    let q = quantize(&part, format, block).expect("on the device");
+                    let host = HostKernels.quantize(want, format, block);
+                    assert!(q.bit_eq(&host), "{start}..+{len} {format:?} {block:?}");
+                    let (again, back) = quantize_and_back(&part, format, block).expect("device");
+                    assert!(again.bit_eq(&host), "{start}..+{len} {format:?} {block:?}");
+                    assert_eq!(
+                        crate::transport::staging::to_f32(back),
+                        HostKernels.dequantize(&host),
+                        "{start}..+{len} {format:?} {block:?}"
+                    );
+                }
+            }
+        }
+    }
 }
