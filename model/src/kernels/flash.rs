@@ -11,10 +11,15 @@
 //!   blocks from its own on, with their `D` and log-sum-exp staged in shared memory.
 //!
 //! The loops over a block's queries or keys run at run time (bounded by the cube's size),
-//! while those over a head's `hd` columns are unrolled with each unit's rows in registers:
-//! unrolled both ways, a unit needed more registers than a CUDA thread has, and the backward
-//! kernels spilled (`ember selftest --ptx`, `scripts/cuda-kernels`). The forward keeps its
-//! scores against the staged block in shared memory for the same reason.
+//! while those over a head's `hd` columns are unrolled with each unit's rows in registers
+//! (unrolled both ways, a unit needed more registers than a CUDA thread has). The staged
+//! blocks are read four columns per load (a vector of four f32, the same for every unit of
+//! the cube): one shared-memory load per four multiply-adds instead of one per multiply-add,
+//! which bounded the kernels. The forward takes four keys at a time, four independent sums
+//! instead of one chain of `hd` dependent multiply-adds per score, and keeps its scores against
+//! the staged block in shared memory. On the H100 (`BENCHMARKS.md`) the first version, one column and
+//! one score at a time, ran at 6.3 TFLOP/s; `scripts/cuda-kernels` gives each kernel's
+//! registers and spills.
 //!
 //! The kernels read the packed `[B, T, 3d]` projection in place (q, k and v of head `h` at
 //! columns `h hd`, `d + h hd`, `2d + h hd`) and write `[B, T, d]` and `[B, T, 3d]` directly:
@@ -84,9 +89,9 @@ fn forward_meta(qkv: &TensorSpec, n_head: &usize) -> (TensorSpec, TensorSpec) {
 fn split_dims(shape: &Shape, n_head: usize) -> (usize, usize, usize) {
     let [b, t, d3] = shape.dims::<3>();
     assert!(
-        d3 % 3 == 0 && (d3 / 3) % n_head == 0,
-        "flash attention takes a [B, T, 3d] projection whose d splits into {n_head} heads, \
-         not [{b}, {t}, {d3}]"
+        d3 % 3 == 0 && (d3 / 3) % n_head == 0 && (d3 / 3 / n_head).is_multiple_of(4),
+        "flash attention takes a [B, T, 3d] projection whose d splits into {n_head} heads of \
+         a multiple of 4 columns, not [{b}, {t}, {d3}]"
     );
     (b, t, d3 / 3)
 }
@@ -94,7 +99,8 @@ fn split_dims(shape: &Shape, n_head: usize) -> (usize, usize, usize) {
 /// Queries (and keys) per block, one unit each: the most, up to 64, whose blocks fit 32 KiB
 /// of shared memory (what lavapipe and Metal allow): two `block x hd` blocks of f32 in every
 /// kernel, and the forward's `block x (block + 1)` scores (more than the backward's two
-/// statistics per query).
+/// statistics per query). Always a multiple of 4: the kernels take keys (or queries) four or
+/// two at a time.
 fn block_for(hd: usize) -> usize {
     [64, 32, 16, 8]
         .into_iter()
@@ -102,24 +108,68 @@ fn block_for(hd: usize) -> usize {
         .unwrap_or(4)
 }
 
-/// This unit's key and value rows of one head (the columns `d` and `2d` past `at` in the
-/// packed projection), widened to f32, into its slot of the cube's key and value blocks;
-/// nothing for a row past the sequence.
+/// Four f32 lanes: the staged blocks are read four columns per load, each load broadcast to
+/// every unit of the cube.
+type V4 = Vector<f32, Const<4>>;
+
+/// Columns `at..at + hd` of the packed projection, widened to f32, as `hd / 4` vectors from
+/// `slot` of `to`.
 #[cube]
-fn stage_key<E: Float>(
+fn stage_row<E: Float>(
     qkv: &Tensor<E>,
-    ks: &mut Shared<[f32]>,
-    vs: &mut Shared<[f32]>,
+    to: &mut Shared<[V4]>,
+    slot: usize,
     at: usize,
-    d: usize,
-    live: bool,
+    scale: f32,
     #[comptime] hd: usize,
 ) {
+    #[unroll]
+    for c4 in 0..hd / 4 {
+        let mut x = V4::empty();
+        #[unroll]
+        for k in 0..4 {
+            x.insert(k, f32::cast_from(qkv[at + c4 * 4 + k]) * scale);
+        }
+        to[slot + c4] = x;
+    }
+}
+
+/// `score` where `live`, else a score no real one reaches: masked keys take it, so `exp` of it
+/// against any real maximum is 0 (a finite value: WGSL forbids infinite constants).
+#[cube]
+fn masked(score: f32, live: bool) -> f32 {
+    let mut x = f32::new(-1.0e30);
     if live {
-        let slot = UNIT_POS_X as usize * hd;
-        for c in 0..hd {
-            ks[slot + c] = f32::cast_from(qkv[at + d + c]);
-            vs[slot + c] = f32::cast_from(qkv[at + 2 * d + c]);
+        x = score;
+    }
+    x
+}
+
+/// `sum += a . row`, the `hd` columns of `a` (registers) against the staged row of `hd / 4`
+/// vectors at `at`, in column order.
+#[cube]
+fn dot_row(a: &Array<f32>, rows: &Shared<[V4]>, at: usize, #[comptime] hd: usize) -> f32 {
+    let mut sum = f32::new(0.0);
+    #[unroll]
+    for c4 in 0..hd / 4 {
+        let x = rows[at + c4];
+        #[unroll]
+        for k in 0..4 {
+            sum += a[c4 * 4 + k] * x.extract(k);
+        }
+    }
+    sum
+}
+
+/// `acc += w * row` over the `hd` columns of the staged row at `at`.
+#[cube]
+fn add_row(acc: &mut Array<f32>, w: f32, rows: &Shared<[V4]>, at: usize, #[comptime] hd: usize) {
+    #[unroll]
+    for c4 in 0..hd / 4 {
+        let x = rows[at + c4];
+        #[unroll]
+        for k in 0..4 {
+            acc[c4 * 4 + k] += w * x.extract(k);
         }
     }
 }
@@ -138,6 +188,7 @@ fn flash_forward_kernel<E: Float>(
 ) {
     let d = hd * heads;
     let row = 3 * d;
+    let hd4 = comptime!(hd / 4);
     let qb = CUBE_POS_X as usize;
     let h = CUBE_POS_Y as usize;
     let b = CUBE_POS_Z as usize;
@@ -148,55 +199,71 @@ fn flash_forward_kernel<E: Float>(
 
     let mut q = Array::<f32>::new(hd);
     let mut acc = Array::<f32>::new(hd);
+    #[unroll]
     for c in 0..hd {
         q[c] = 0.0;
         acc[c] = 0.0;
     }
     if valid {
+        #[unroll]
         for c in 0..hd {
             q[c] = f32::cast_from(qkv[base + i * row + h * hd + c]) * scale;
         }
     }
-    let mut ks = Shared::<[f32]>::new_slice(block * hd);
-    let mut vs = Shared::<[f32]>::new_slice(block * hd);
+    let mut ks = Shared::<[V4]>::new_slice(block * hd4);
+    let mut vs = Shared::<[V4]>::new_slice(block * hd4);
     // Each unit's scores against the staged block, in shared memory (a row of `block + 1` per
     // unit: rows apart by an odd number of words fall in different banks) so that the loops
     // over the block run at run time, not unrolled with the scores in registers.
     let mut s = Shared::<[f32]>::new_slice(block * (block + 1));
     let srow = u * (block + 1);
-    // A score no real one reaches: masked keys take it, so `exp` of it against any real
-    // maximum is 0 (a finite value: WGSL forbids infinite constants).
     let mut m = f32::new(-1.0e30);
     let mut l = f32::new(0.0);
 
     for kb in 0..qb + 1 {
         let j = kb * block + u;
-        stage_key::<E>(
-            qkv,
-            &mut ks,
-            &mut vs,
-            base + j * row + h * hd,
-            d,
-            j < seq,
-            hd,
-        );
+        if j < seq {
+            let at = base + j * row + h * hd;
+            stage_row::<E>(qkv, &mut ks, u * hd4, at + d, 1.0, hd);
+            stage_row::<E>(qkv, &mut vs, u * hd4, at + 2 * d, 1.0, hd);
+        }
         sync_cube();
         if valid {
             let mut top = m;
-            for jj in 0..CUBE_DIM_X as usize {
-                let mut x = f32::new(-1.0e30);
-                if kb * block + jj <= i {
-                    let mut dot = f32::new(0.0);
-                    for c in 0..hd {
-                        dot += q[c] * ks[jj * hd + c];
+            // Four keys at a time: four independent sums, where one sum's chain of `hd`
+            // dependent multiply-adds would leave the unit waiting on each. A key past the
+            // query (or the sequence) is masked; its staged row may be stale.
+            for g in 0..CUBE_DIM_X as usize / 4 {
+                let jj = g * 4;
+                let (mut d0, mut d1, mut d2, mut d3) =
+                    (f32::new(0.0), f32::new(0.0), f32::new(0.0), f32::new(0.0));
+                #[unroll]
+                for c4 in 0..hd4 {
+                    let (k0, k1) = (ks[jj * hd4 + c4], ks[(jj + 1) * hd4 + c4]);
+                    let (k2, k3) = (ks[(jj + 2) * hd4 + c4], ks[(jj + 3) * hd4 + c4]);
+                    #[unroll]
+                    for k in 0..4 {
+                        let qc = q[c4 * 4 + k];
+                        d0 += qc * k0.extract(k);
+                        d1 += qc * k1.extract(k);
+                        d2 += qc * k2.extract(k);
+                        d3 += qc * k3.extract(k);
                     }
-                    x = dot;
                 }
-                s[srow + jj] = x;
-                top = max(top, x);
+                let first = kb * block + jj;
+                let x0 = masked(d0, first <= i);
+                let x1 = masked(d1, first < i);
+                let x2 = masked(d2, first + 2 <= i);
+                let x3 = masked(d3, first + 3 <= i);
+                s[srow + jj] = x0;
+                s[srow + jj + 1] = x1;
+                s[srow + jj + 2] = x2;
+                s[srow + jj + 3] = x3;
+                top = max(max(top, max(x0, x1)), max(x2, x3));
             }
             let fade = f32::exp(m - top);
             l *= fade;
+            #[unroll]
             for c in 0..hd {
                 acc[c] *= fade;
             }
@@ -204,9 +271,7 @@ fn flash_forward_kernel<E: Float>(
                 if kb * block + jj <= i {
                     let p = f32::exp(s[srow + jj] - top);
                     l += p;
-                    for c in 0..hd {
-                        acc[c] += p * vs[jj * hd + c];
-                    }
+                    add_row(&mut acc, p, &vs, jj * hd4, hd);
                 }
             }
             m = top;
@@ -215,6 +280,7 @@ fn flash_forward_kernel<E: Float>(
     }
     if valid {
         let inv = f32::new(1.0) / l;
+        #[unroll]
         for c in 0..hd {
             out[b * seq * d + i * d + h * hd + c] = E::cast_from(acc[c] * inv);
         }
@@ -239,6 +305,7 @@ fn flash_backward_dq_kernel<E: Float>(
 ) {
     let d = hd * heads;
     let row = 3 * d;
+    let hd4 = comptime!(hd / 4);
     let qb = CUBE_POS_X as usize;
     let h = CUBE_POS_Y as usize;
     let b = CUBE_POS_Z as usize;
@@ -253,12 +320,14 @@ fn flash_backward_dq_kernel<E: Float>(
     let mut dq = Array::<f32>::new(hd);
     let mut dd = f32::new(0.0);
     let mut li = f32::new(0.0);
+    #[unroll]
     for c in 0..hd {
         q[c] = 0.0;
         g[c] = 0.0;
         dq[c] = 0.0;
     }
     if valid {
+        #[unroll]
         for c in 0..hd {
             q[c] = f32::cast_from(qkv[base + i * row + h * hd + c]) * scale;
             g[c] = f32::cast_from(dout[obase + c]);
@@ -267,40 +336,31 @@ fn flash_backward_dq_kernel<E: Float>(
         li = lse[(b * heads + h) * seq + i];
         delta[(b * heads + h) * seq + i] = dd;
     }
-    let mut ks = Shared::<[f32]>::new_slice(block * hd);
-    let mut vs = Shared::<[f32]>::new_slice(block * hd);
+    let mut ks = Shared::<[V4]>::new_slice(block * hd4);
+    let mut vs = Shared::<[V4]>::new_slice(block * hd4);
 
     for kb in 0..qb + 1 {
         let j = kb * block + u;
-        stage_key::<E>(
-            qkv,
-            &mut ks,
-            &mut vs,
-            base + j * row + h * hd,
-            d,
-            j < seq,
-            hd,
-        );
+        if j < seq {
+            let at = base + j * row + h * hd;
+            stage_row::<E>(qkv, &mut ks, u * hd4, at + d, 1.0, hd);
+            stage_row::<E>(qkv, &mut vs, u * hd4, at + 2 * d, 1.0, hd);
+        }
         sync_cube();
         if valid {
             for jj in 0..CUBE_DIM_X as usize {
                 if kb * block + jj <= i {
-                    let mut sc = f32::new(0.0);
-                    let mut dp = f32::new(0.0);
-                    for c in 0..hd {
-                        sc += q[c] * ks[jj * hd + c];
-                        dp += g[c] * vs[jj * hd + c];
-                    }
+                    let sc = dot_row(&q, &ks, jj * hd4, hd);
+                    let dp = dot_row(&g, &vs, jj * hd4, hd);
                     let ds = f32::exp(sc - li) * (dp - dd);
-                    for c in 0..hd {
-                        dq[c] += ds * ks[jj * hd + c];
-                    }
+                    add_row(&mut dq, ds, &ks, jj * hd4, hd);
                 }
             }
         }
         sync_cube();
     }
     if valid {
+        #[unroll]
         for c in 0..hd {
             dqkv[base + i * row + h * hd + c] = E::cast_from(dq[c] * scale);
         }
@@ -323,6 +383,7 @@ fn flash_backward_dkdv_kernel<E: Float>(
 ) {
     let d = hd * heads;
     let row = 3 * d;
+    let hd4 = comptime!(hd / 4);
     let kb = CUBE_POS_X as usize;
     let h = CUBE_POS_Y as usize;
     let b = CUBE_POS_Z as usize;
@@ -336,6 +397,7 @@ fn flash_backward_dkdv_kernel<E: Float>(
     let mut v = Array::<f32>::new(hd);
     let mut dk = Array::<f32>::new(hd);
     let mut dv = Array::<f32>::new(hd);
+    #[unroll]
     for c in 0..hd {
         k[c] = 0.0;
         v[c] = 0.0;
@@ -343,13 +405,14 @@ fn flash_backward_dkdv_kernel<E: Float>(
         dv[c] = 0.0;
     }
     if valid {
+        #[unroll]
         for c in 0..hd {
             k[c] = f32::cast_from(qkv[base + j * row + d + h * hd + c]);
             v[c] = f32::cast_from(qkv[base + j * row + 2 * d + h * hd + c]);
         }
     }
-    let mut qs = Shared::<[f32]>::new_slice(block * hd);
-    let mut gs = Shared::<[f32]>::new_slice(block * hd);
+    let mut qs = Shared::<[V4]>::new_slice(block * hd4);
+    let mut gs = Shared::<[V4]>::new_slice(block * hd4);
     let mut ls = Shared::<[f32]>::new_slice(block);
     let mut deltas = Shared::<[f32]>::new_slice(block);
     let blocks = seq.div_ceil(block);
@@ -357,10 +420,15 @@ fn flash_backward_dkdv_kernel<E: Float>(
     for qb in kb..blocks {
         let i = qb * block + u;
         if i < seq {
-            for c in 0..hd {
-                qs[u * hd + c] = f32::cast_from(qkv[base + i * row + h * hd + c]) * scale;
-                gs[u * hd + c] = f32::cast_from(dout[b * seq * d + i * d + h * hd + c]);
-            }
+            stage_row::<E>(qkv, &mut qs, u * hd4, base + i * row + h * hd, scale, hd);
+            stage_row::<E>(
+                dout,
+                &mut gs,
+                u * hd4,
+                b * seq * d + i * d + h * hd,
+                1.0,
+                hd,
+            );
             ls[u] = lse[stats + i];
             deltas[u] = delta[stats + i];
         }
@@ -369,24 +437,19 @@ fn flash_backward_dkdv_kernel<E: Float>(
             for ii in 0..CUBE_DIM_X as usize {
                 let i = qb * block + ii;
                 if i >= j && i < seq {
-                    let mut sc = f32::new(0.0);
-                    let mut dp = f32::new(0.0);
-                    for c in 0..hd {
-                        sc += qs[ii * hd + c] * k[c];
-                        dp += gs[ii * hd + c] * v[c];
-                    }
+                    let sc = dot_row(&k, &qs, ii * hd4, hd);
+                    let dp = dot_row(&v, &gs, ii * hd4, hd);
                     let p = f32::exp(sc - ls[ii]);
                     let ds = p * (dp - deltas[ii]);
-                    for c in 0..hd {
-                        dv[c] += p * gs[ii * hd + c];
-                        dk[c] += ds * qs[ii * hd + c];
-                    }
+                    add_row(&mut dv, p, &gs, ii * hd4, hd);
+                    add_row(&mut dk, ds, &qs, ii * hd4, hd);
                 }
             }
         }
         sync_cube();
     }
     if valid {
+        #[unroll]
         for c in 0..hd {
             dqkv[base + j * row + d + h * hd + c] = E::cast_from(dk[c]);
             dqkv[base + j * row + 2 * d + h * hd + c] = E::cast_from(dv[c]);

@@ -229,8 +229,9 @@ pub fn causal_attention(qkv: Tensor<3>, n_head: usize) -> Tensor<3> {
             n_head,
         ));
     }
+    // The flash kernels read a head's columns four at a time.
     #[cfg(feature = "cubecl")]
-    if uses_cube_kernels(&qkv) {
+    if uses_cube_kernels(&qkv) && (qkv.dims()[2] / 3 / n_head).is_multiple_of(4) {
         return Tensor::from_dispatch(Dispatch::flash_attention(qkv.into_dispatch(), n_head));
     }
     composed_causal_attention(qkv, n_head)
