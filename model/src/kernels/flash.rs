@@ -7,8 +7,11 @@
 //!   its running maximum, sum and output row. Blocks past the diagonal are never read.
 //! - Backward, first kernel: a unit per query computes `D = rowsum(dO * O)` (kept for the
 //!   second kernel) and `dQ`, sweeping the key blocks up to its own.
-//! - Backward, second kernel: a unit per key accumulates `dK` and `dV`, sweeping the query
-//!   blocks from its own on, with their `D` and log-sum-exp staged in shared memory.
+//! - Backward, second kernel: two units per key, each holding half of the key's columns of
+//!   `k`, `v`, `dK` and `dV`, sweep the query blocks from their own on. Each unit puts its half
+//!   of every query's score and `dO . v` in shared memory, and both units add the two halves;
+//!   one unit holding all four rows needed more registers than a CUDA thread has, and spilled
+//!   in its inner loop (88 local-memory loads and stores per query, `scripts/cuda-kernels`).
 //!
 //! The loops over a block's queries or keys run at run time (bounded by the cube's size),
 //! while those over a head's `hd` columns are unrolled with each unit's rows in registers
@@ -89,9 +92,9 @@ fn forward_meta(qkv: &TensorSpec, n_head: &usize) -> (TensorSpec, TensorSpec) {
 fn split_dims(shape: &Shape, n_head: usize) -> (usize, usize, usize) {
     let [b, t, d3] = shape.dims::<3>();
     assert!(
-        d3 % 3 == 0 && (d3 / 3) % n_head == 0 && (d3 / 3 / n_head).is_multiple_of(4),
+        d3 % 3 == 0 && (d3 / 3) % n_head == 0 && (d3 / 3 / n_head).is_multiple_of(8),
         "flash attention takes a [B, T, 3d] projection whose d splits into {n_head} heads of \
-         a multiple of 4 columns, not [{b}, {t}, {d3}]"
+         a multiple of 8 columns, not [{b}, {t}, {d3}]"
     );
     (b, t, d3 / 3)
 }
@@ -105,6 +108,16 @@ fn block_for(hd: usize) -> usize {
     [64, 32, 16, 8]
         .into_iter()
         .find(|b| (2 * b * hd + b * (b + 1)) * 4 <= 32 * 1024)
+        .unwrap_or(4)
+}
+
+/// Keys (and queries) per block of the `dK`/`dV` kernel, two units per key: the most, up to
+/// 64, whose query and output-gradient blocks and the `2 x block x block` partial scores and
+/// products fit 32 KiB.
+fn dkdv_block_for(hd: usize) -> usize {
+    [64, 32, 16, 8]
+        .into_iter()
+        .find(|b| (2 * b * hd + 4 * b * b) * 4 <= 32 * 1024)
         .unwrap_or(4)
 }
 
@@ -384,21 +397,26 @@ fn flash_backward_dkdv_kernel<E: Float>(
     let d = hd * heads;
     let row = 3 * d;
     let hd4 = comptime!(hd / 4);
+    // Each key is two units', each unit's half of its columns: `half` of them from `lo`.
+    let half = comptime!(hd / 2);
+    let half4 = comptime!(hd / 8);
     let kb = CUBE_POS_X as usize;
     let h = CUBE_POS_Y as usize;
     let b = CUBE_POS_Z as usize;
-    let u = UNIT_POS_X as usize;
+    let u = UNIT_POS_X as usize % block;
+    let side = UNIT_POS_X as usize / block;
+    let lo = side * half;
     let j = kb * block + u;
     let valid = j < seq;
     let base = b * seq * row;
     let stats = (b * heads + h) * seq;
 
-    let mut k = Array::<f32>::new(hd);
-    let mut v = Array::<f32>::new(hd);
-    let mut dk = Array::<f32>::new(hd);
-    let mut dv = Array::<f32>::new(hd);
+    let mut k = Array::<f32>::new(half);
+    let mut v = Array::<f32>::new(half);
+    let mut dk = Array::<f32>::new(half);
+    let mut dv = Array::<f32>::new(half);
     #[unroll]
-    for c in 0..hd {
+    for c in 0..half {
         k[c] = 0.0;
         v[c] = 0.0;
         dk[c] = 0.0;
@@ -406,43 +424,83 @@ fn flash_backward_dkdv_kernel<E: Float>(
     }
     if valid {
         #[unroll]
-        for c in 0..hd {
-            k[c] = f32::cast_from(qkv[base + j * row + d + h * hd + c]);
-            v[c] = f32::cast_from(qkv[base + j * row + 2 * d + h * hd + c]);
+        for c in 0..half {
+            k[c] = f32::cast_from(qkv[base + j * row + d + h * hd + lo + c]);
+            v[c] = f32::cast_from(qkv[base + j * row + 2 * d + h * hd + lo + c]);
         }
     }
     let mut qs = Shared::<[V4]>::new_slice(block * hd4);
     let mut gs = Shared::<[V4]>::new_slice(block * hd4);
-    let mut ls = Shared::<[f32]>::new_slice(block);
-    let mut deltas = Shared::<[f32]>::new_slice(block);
+    // Each unit's part of every (query, key) score and `dO . v` of the block: `[side][query]
+    // [key]`, so that a warp's units write and read consecutive words.
+    let mut scores = Shared::<[f32]>::new_slice(2 * block * block);
+    let mut dots = Shared::<[f32]>::new_slice(2 * block * block);
     let blocks = seq.div_ceil(block);
+    let mine = side * block * block + u;
+    let theirs = (1 - side) * block * block + u;
 
     for qb in kb..blocks {
+        // Each unit stages its half of one query's row and of its output gradient's.
         let i = qb * block + u;
         if i < seq {
-            stage_row::<E>(qkv, &mut qs, u * hd4, base + i * row + h * hd, scale, hd);
+            let slot = u * hd4 + side * half4;
+            stage_row::<E>(
+                qkv,
+                &mut qs,
+                slot,
+                base + i * row + h * hd + lo,
+                scale,
+                half,
+            );
             stage_row::<E>(
                 dout,
                 &mut gs,
-                u * hd4,
-                b * seq * d + i * d + h * hd,
+                slot,
+                b * seq * d + i * d + h * hd + lo,
                 1.0,
-                hd,
+                half,
             );
-            ls[u] = lse[stats + i];
-            deltas[u] = delta[stats + i];
+        }
+        sync_cube();
+        // Both parts of every query's score and `dO . v` against this unit's key, two queries
+        // at a time (four independent sums). Rows past the sequence are stale and never used.
+        let at = side * half4;
+        for pair in 0..CUBE_DIM_X as usize / 4 {
+            let ii = pair * 2;
+            let (mut s0, mut s1) = (f32::new(0.0), f32::new(0.0));
+            let (mut p0, mut p1) = (f32::new(0.0), f32::new(0.0));
+            #[unroll]
+            for c4 in 0..half4 {
+                let (q0, q1) = (qs[ii * hd4 + at + c4], qs[(ii + 1) * hd4 + at + c4]);
+                let (g0, g1) = (gs[ii * hd4 + at + c4], gs[(ii + 1) * hd4 + at + c4]);
+                #[unroll]
+                for e in 0..4 {
+                    let (kc, vc) = (k[c4 * 4 + e], v[c4 * 4 + e]);
+                    s0 += q0.extract(e) * kc;
+                    s1 += q1.extract(e) * kc;
+                    p0 += g0.extract(e) * vc;
+                    p1 += g1.extract(e) * vc;
+                }
+            }
+            scores[mine + ii * block] = s0;
+            scores[mine + (ii + 1) * block] = s1;
+            dots[mine + ii * block] = p0;
+            dots[mine + (ii + 1) * block] = p1;
         }
         sync_cube();
         if valid {
-            for ii in 0..CUBE_DIM_X as usize {
+            for ii in 0..CUBE_DIM_X as usize / 2 {
                 let i = qb * block + ii;
                 if i >= j && i < seq {
-                    let sc = dot_row(&k, &qs, ii * hd4, hd);
-                    let dp = dot_row(&v, &gs, ii * hd4, hd);
-                    let p = f32::exp(sc - ls[ii]);
-                    let ds = p * (dp - deltas[ii]);
-                    add_row(&mut dv, p, &gs, ii * hd4, hd);
-                    add_row(&mut dk, ds, &qs, ii * hd4, hd);
+                    // Both units of the key add the same two halves (in either order, the
+                    // same bits).
+                    let (a, z) = (mine + ii * block, theirs + ii * block);
+                    let sc = scores[a] + scores[z];
+                    let dp = dots[a] + dots[z];
+                    let p = f32::exp(sc - lse[stats + i]);
+                    let ds = p * (dp - delta[stats + i]);
+                    add_row(&mut dv, p, &gs, ii * hd4 + at, half);
+                    add_row(&mut dk, ds, &qs, ii * hd4 + at, half);
                 }
             }
         }
@@ -450,9 +508,9 @@ fn flash_backward_dkdv_kernel<E: Float>(
     }
     if valid {
         #[unroll]
-        for c in 0..hd {
-            dqkv[base + j * row + d + h * hd + c] = E::cast_from(dk[c]);
-            dqkv[base + j * row + 2 * d + h * hd + c] = E::cast_from(dv[c]);
+        for c in 0..half {
+            dqkv[base + j * row + d + h * hd + lo + c] = E::cast_from(dk[c]);
+            dqkv[base + j * row + 2 * d + h * hd + lo + c] = E::cast_from(dv[c]);
         }
     }
 }
@@ -539,10 +597,11 @@ impl FlashOps for CubeBackend {
             block,
             elem_type(dtype),
         );
+        let block = dkdv_block_for(hd);
         flash_backward_dkdv_kernel::launch(
             &client,
-            cubes,
-            CubeDim::new_1d(block as u32),
+            CubeCount::Static(t.div_ceil(block) as u32, n_head as u32, b as u32),
+            CubeDim::new_1d(2 * block as u32),
             qkv.into_tensor_arg(),
             dout.into_tensor_arg(),
             lse.into_tensor_arg(),
@@ -673,14 +732,15 @@ pub(super) fn ahead(a: &mut Ahead) {
                 )
             },
         );
+        let keys = dkdv_block_for(hd);
         a.push(
-            format!("flash_backward_dkdv {dtype:?} hd {hd} block {block}"),
+            format!("flash_backward_dkdv {dtype:?} hd {hd} block {keys}"),
             |device, target| {
                 flash_backward_dkdv_kernel::create_dummy_kernel(
                     device,
                     target,
-                    cubes(),
-                    dim,
+                    CubeCount::Static(t.div_ceil(keys) as u32, heads as u32, b as u32),
+                    CubeDim::new_1d(2 * keys as u32),
                     tensor(&packed),
                     tensor(&[b, t, d]),
                     f32s(&stats),
@@ -690,7 +750,7 @@ pub(super) fn ahead(a: &mut Ahead) {
                     scale,
                     hd,
                     heads,
-                    block,
+                    keys,
                     elem_type(dtype),
                 )
             },

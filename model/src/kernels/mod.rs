@@ -229,9 +229,9 @@ pub fn causal_attention(qkv: Tensor<3>, n_head: usize) -> Tensor<3> {
             n_head,
         ));
     }
-    // The flash kernels read a head's columns four at a time.
+    // The flash kernels read a head's columns four at a time, and split them in two halves.
     #[cfg(feature = "cubecl")]
-    if uses_cube_kernels(&qkv) && (qkv.dims()[2] / 3 / n_head).is_multiple_of(4) {
+    if uses_cube_kernels(&qkv) && (qkv.dims()[2] / 3 / n_head).is_multiple_of(8) {
         return Tensor::from_dispatch(Dispatch::flash_attention(qkv.into_dispatch(), n_head));
     }
     composed_causal_attention(qkv, n_head)
