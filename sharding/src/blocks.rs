@@ -525,7 +525,7 @@ impl<M: Module> ParamSource for InitSource<M> {
             let value = value.ok_or_else(|| {
                 ShardError::Source(format!("the module has no parameter `{name}`"))
             })?;
-            let values = crate::transport::staging::to_f32(value.to_device(&device));
+            let values = crate::transport::staging::to_f32(value.to_device(&device))?;
             self.last = Some((name.to_string(), values));
         }
         let (_, values) = self.last.as_ref().expect("drawn above");

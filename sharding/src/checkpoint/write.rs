@@ -55,7 +55,8 @@ pub trait ShardView {
     fn pieces(&self) -> Vec<Piece>;
     /// For each of [`pieces`](Self::pieces) in turn: its master weights, then each optimizer
     /// state, copied to the host one at a time.
-    fn piece_values(&self) -> Box<dyn Iterator<Item = Vec<f32>> + '_>;
+    /// Each is the device's failure where reading it back failed.
+    fn piece_values(&self) -> Box<dyn Iterator<Item = Result<Vec<f32>, ShardError>> + '_>;
     /// This rank's error-feedback residuals as `(unit, hop, values)`.
     fn residual_tensors(&self) -> Vec<(usize, usize, Tensor<1>)>;
     /// The layout the residuals belong to (JSON), checked when they are read back.
@@ -383,12 +384,16 @@ pub fn save_async(
     let start = std::time::Instant::now();
     let job = SaveJob::begin(sharded, out_dir, step, options)?;
     let files = RankFiles::of(sharded, &job.tmp);
-    let values: Vec<Vec<f32>> = sharded.piece_values().collect();
+    let values: Vec<Vec<f32>> = sharded
+        .piece_values()
+        .collect::<Result<_, _>>()
+        .map_err(|e| job.discard(sharded.comm().rank(), e))?;
     let residuals: Vec<Vec<f32>> = sharded
         .residual_tensors()
         .into_iter()
         .map(|(_, _, t)| staging::to_f32(t))
-        .collect();
+        .collect::<Result<_, _>>()
+        .map_err(|e| job.discard(sharded.comm().rank(), e))?;
     let staged_bytes = 4
         * (values.iter().map(Vec::len).sum::<usize>()
             + residuals.iter().map(Vec::len).sum::<usize>()) as u64;
@@ -405,8 +410,8 @@ pub fn save_async(
             unsafe {
                 libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19);
             }
-            let mut values = values.into_iter();
-            let mut residuals = residuals.into_iter();
+            let mut values = values.into_iter().map(Ok);
+            let mut residuals = residuals.into_iter().map(Ok);
             let written = files.write(&mut || values.next(), &mut || residuals.next());
             let finished = job.finish(written);
             finished.map_err(|e| job.discard(rank, e))
@@ -644,8 +649,8 @@ impl RankFiles {
     /// state, of every range), then this rank's record of them (or of its error) for rank 0.
     fn write(
         &self,
-        shard: &mut dyn FnMut() -> Option<Vec<f32>>,
-        residuals: &mut dyn FnMut() -> Option<Vec<f32>>,
+        shard: &mut dyn FnMut() -> Option<Result<Vec<f32>, ShardError>>,
+        residuals: &mut dyn FnMut() -> Option<Result<Vec<f32>, ShardError>>,
     ) -> Result<(), ShardError> {
         let written = (|| -> Result<Record, ShardError> {
             if !self.tmp.is_dir() {
@@ -683,7 +688,10 @@ impl RankFiles {
 }
 
 impl FileHeader {
-    fn write(&self, next: &mut dyn FnMut() -> Option<Vec<f32>>) -> Result<FileEntry, ShardError> {
+    fn write(
+        &self,
+        next: &mut dyn FnMut() -> Option<Result<Vec<f32>, ShardError>>,
+    ) -> Result<FileEntry, ShardError> {
         let mut w = ShardWriter::create(&self.path, &self.metadata, &self.tensors, FileDtype::F32)?;
         for _ in &self.tensors {
             let values = next().ok_or_else(|| {
@@ -691,7 +699,7 @@ impl FileHeader {
                     "{}: fewer values than tensors",
                     self.path.display()
                 ))
-            })?;
+            })??;
             w.write(&values)?;
         }
         w.finish()

@@ -65,7 +65,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
     }
 
     /// The master weights, then each optimizer state, of one owned range, copied to the host.
-    fn read_piece(&self, piece: &OwnedPiece) -> Vec<Vec<f32>> {
+    fn read_piece(&self, piece: &OwnedPiece) -> Vec<Result<Vec<f32>, ShardError>> {
         let s = &self.optimizer[piece.unit].state;
         let part = |t: &Tensor<1>| staging::to_f32(t.clone().slice(piece.local.clone()));
         std::iter::once(&s.master)
@@ -143,7 +143,7 @@ impl<S: Staged<D>, const D: usize> ShardedModel<'_, S, D> {
         };
         let mut values = HashMap::new();
         for (unit, shard) in self.plan.units.iter().zip(&self.optimizer) {
-            let mine = staging::to_f32(shard.state.master.clone());
+            let mine = staging::to_f32(shard.state.master.clone())?;
             // Group index `i` holds elements `i * shard ..` of the padded unit (`Plan::shard_range`).
             let whole = match &group {
                 Some(g) if g.size() > 1 => g.all_gather(&mine)?,
@@ -202,7 +202,7 @@ impl<S: Staged<D>, const D: usize> ShardView for ShardedModel<'_, S, D> {
             .collect()
     }
 
-    fn piece_values(&self) -> Box<dyn Iterator<Item = Vec<f32>> + '_> {
+    fn piece_values(&self) -> Box<dyn Iterator<Item = Result<Vec<f32>, ShardError>> + '_> {
         let pieces = self.owned_pieces();
         Box::new(pieces.into_iter().flat_map(|p| self.read_piece(&p)))
     }

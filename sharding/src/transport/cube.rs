@@ -173,7 +173,7 @@ mod tests {
             let (again, back) = quantize_and_back(&x, format, block).expect("on the device");
             assert!(again.bit_eq(&q), "{format:?}");
             assert_eq!(
-                crate::transport::staging::to_f32(back),
+                crate::transport::staging::to_f32(back).unwrap(),
                 HostKernels.dequantize(&q),
                 "{format:?}: dequantized where the bytes were written"
             );
@@ -191,7 +191,7 @@ mod tests {
                     .flat_map(|p| HostKernels.dequantize_sum(std::slice::from_ref(p)))
                     .collect();
                 assert_eq!(
-                    crate::transport::staging::to_f32(joined),
+                    crate::transport::staging::to_f32(joined).unwrap(),
                     want,
                     "{format:?}"
                 );
@@ -199,7 +199,7 @@ mod tests {
             let parts = [q.clone(), q.clone()];
             let sum = dequantize_sum(&parts, &device).expect("on the device");
             assert_eq!(
-                crate::transport::staging::to_f32(sum),
+                crate::transport::staging::to_f32(sum).unwrap(),
                 HostKernels.dequantize_sum(&parts),
                 "{format:?}"
             );
@@ -222,7 +222,7 @@ mod tests {
             .map(|v| v + v)
             .collect();
         assert_eq!(
-            crate::transport::staging::to_f32(sum.clone() + sum),
+            crate::transport::staging::to_f32(sum.clone() + sum).unwrap(),
             doubled
         );
         // A flex tensor is not CubeCL's: the host kernels serve it.
@@ -253,7 +253,7 @@ mod tests {
                     let (again, back) = quantize_and_back(&part, format, block).expect("device");
                     assert!(again.bit_eq(&host), "{start}..+{len} {format:?} {block:?}");
                     assert_eq!(
-                        crate::transport::staging::to_f32(back),
+                        crate::transport::staging::to_f32(back).unwrap(),
                         HostKernels.dequantize(&host),
                         "{start}..+{len} {format:?} {block:?}"
                     );

@@ -8,23 +8,29 @@ use burn::tensor::{Device, Tensor};
 use ember_comm::quant::host::HostKernels;
 use ember_comm::quant::{BlockSize, QuantFormat, QuantKernels, Quantized};
 
+use crate::error::ShardError;
 use crate::transport::staging;
 
-/// `x` (f32) quantized blockwise; the result is host bytes, ready to send.
-pub(crate) fn quantize(x: Tensor<1>, format: QuantFormat, block: BlockSize) -> Quantized {
+/// `x` (f32) quantized blockwise; the result is host bytes, ready to send. A kernel that
+/// failed on the device to produce `x` is the error.
+pub(crate) fn quantize(
+    x: Tensor<1>,
+    format: QuantFormat,
+    block: BlockSize,
+) -> Result<Quantized, ShardError> {
     // On the device, the packed bytes and scales are what crosses to the host (its clock
     // starting once the kernels that produce `x` are done).
     #[cfg(feature = "cubecl")]
     {
-        staging::await_kernels(&x);
+        staging::await_kernels(&x)?;
         let start = std::time::Instant::now();
         if let Some(q) = crate::transport::cube::quantize(&x, format, block) {
             let wire = Quantized::wire_bytes(format, block, q.len);
             staging::record(staging::Way::ToHost, wire, start);
-            return q;
+            return Ok(q);
         }
     }
-    HostKernels.quantize(&staging::to_f32(x), format, block)
+    Ok(HostKernels.quantize(&staging::to_f32(x)?, format, block))
 }
 
 /// [`quantize`], and its values dequantized on `device` (what the quantization kept of `x`):
@@ -35,20 +41,20 @@ pub(crate) fn quantize_and_back(
     format: QuantFormat,
     block: BlockSize,
     device: &Device,
-) -> (Quantized, Tensor<1>) {
+) -> Result<(Quantized, Tensor<1>), ShardError> {
     #[cfg(feature = "cubecl")]
     {
-        staging::await_kernels(&x);
+        staging::await_kernels(&x)?;
         let start = std::time::Instant::now();
         if let Some((q, back)) = crate::transport::cube::quantize_and_back(&x, format, block) {
             let wire = Quantized::wire_bytes(format, block, q.len);
             staging::record(staging::Way::ToHost, wire, start);
-            return (q, back);
+            return Ok((q, back));
         }
     }
-    let q = quantize(x, format, block);
+    let q = quantize(x, format, block)?;
     let back = dequantize_sum(std::slice::from_ref(&q), device);
-    (q, back)
+    Ok((q, back))
 }
 
 /// The element-wise sum of the dequantized `parts` (same format, block and length), added in
@@ -118,20 +124,32 @@ impl DeviceKernels {
     }
 }
 
+/// A check's runtime has no way to say a device failed but to stop: the failure, named.
+fn or_stop<T>(r: Result<T, ShardError>) -> T {
+    r.unwrap_or_else(|e| panic!("the training path's kernels on the device: {e}"))
+}
+
 impl QuantKernels for DeviceKernels {
     fn name(&self) -> String {
         format!("training path on {}", self.device_name())
     }
 
     fn quantize(&self, x: &[f32], format: QuantFormat, block: BlockSize) -> Quantized {
-        quantize(staging::from_f32(x.to_vec(), &self.device), format, block)
+        or_stop(quantize(
+            staging::from_f32(x.to_vec(), &self.device),
+            format,
+            block,
+        ))
     }
 
     fn dequantize(&self, q: &Quantized) -> Vec<f32> {
-        staging::to_f32(dequantize_concat(std::slice::from_ref(q), &self.device))
+        or_stop(staging::to_f32(dequantize_concat(
+            std::slice::from_ref(q),
+            &self.device,
+        )))
     }
 
     fn dequantize_sum(&self, parts: &[Quantized]) -> Vec<f32> {
-        staging::to_f32(dequantize_sum(parts, &self.device))
+        or_stop(staging::to_f32(dequantize_sum(parts, &self.device)))
     }
 }

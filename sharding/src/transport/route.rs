@@ -62,12 +62,12 @@ impl HostForm {
     }
 
     /// Host values read from a device tensor (a crossing).
-    fn values_of(t: Tensor<1>) -> Self {
-        match host_values(t) {
+    fn values_of(t: Tensor<1>) -> Result<Self, ShardError> {
+        Ok(match host_values(t)? {
             Carry::F32(v) => HostForm::F32(Arc::new(v)),
             Carry::Bf16(v) => HostForm::Bf16(Arc::new(v)),
             _ => unreachable!("host values"),
-        }
+        })
     }
 
     /// Its all-gather over the group of `levels`, read where it is.
@@ -127,12 +127,22 @@ impl HostShards {
     /// Unit `u`'s, made by `read` at its first use this step. Where the device's memory is
     /// host memory (flex) nothing crosses and nothing is kept: every use reads it anew, so a
     /// step holds no second copy of the shards.
-    fn get_or(&self, u: usize, device: &Device, read: impl FnOnce() -> HostForm) -> HostForm {
+    fn get_or(
+        &self,
+        u: usize,
+        device: &Device,
+        read: impl FnOnce() -> Result<HostForm, ShardError>,
+    ) -> Result<HostForm, ShardError> {
         if !staging::has_own_memory(device) {
             return read();
         }
         let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        all[u].get_or_insert_with(read).clone()
+        if let Some(form) = &all[u] {
+            return Ok(form.clone());
+        }
+        let form = read()?;
+        all[u] = Some(form.clone());
+        Ok(form)
     }
 }
 
@@ -164,11 +174,11 @@ fn gather_plain_path(
 ) -> Result<Tensor<1>, ShardError> {
     Ok(match shard.dtype() {
         DType::BF16 => staging::from_bf16(
-            &all_gather_path(comm, &staging::to_bf16(shard), path)?,
+            &all_gather_path(comm, &staging::to_bf16(shard)?, path)?,
             device,
         ),
         _ => staging::from_f32(
-            all_gather_path(comm, &staging::to_f32(shard), path)?,
+            all_gather_path(comm, &staging::to_f32(shard)?, path)?,
             device,
         ),
     })
@@ -297,11 +307,11 @@ fn all_gather_carry(comm: &Comm, group: Levels, carry: Carry) -> Result<Carry, S
 }
 
 /// A unit's shard in the compute dtype as host values for a plain gather.
-fn host_values(shard: Tensor<1>) -> Carry {
-    match shard.dtype() {
-        DType::BF16 => Carry::Bf16(staging::to_bf16(shard)),
-        _ => Carry::F32(staging::to_f32(shard)),
-    }
+fn host_values(shard: Tensor<1>) -> Result<Carry, ShardError> {
+    Ok(match shard.dtype() {
+        DType::BF16 => Carry::Bf16(staging::to_bf16(shard)?),
+        _ => Carry::F32(staging::to_f32(shard)?),
+    })
 }
 
 /// A gathered host buffer in the G index order of `path` (`chunk` elements per rank; the
@@ -399,7 +409,7 @@ pub(crate) fn gather_flow<'e>(
             let copy = secondaries.get(u);
             Ok(match (copy, comm) {
                 (Secondary::Device(t), None) => Carry::Tensor(t),
-                (Secondary::Device(t), Some(c)) => all_gather_carry(c, group, host_values(*t))?,
+                (Secondary::Device(t), Some(c)) => all_gather_carry(c, group, host_values(*t)?)?,
                 (Secondary::Host(f), None) => f.to_carry(),
                 (Secondary::Host(f), Some(c)) => f.all_gather(c, group)?,
             })
@@ -433,7 +443,7 @@ pub(crate) fn gather_flow<'e>(
     let shard_len = plan.shard_len(u, plan.config.params());
     // The first stage starts from the shard's host form this step: its values, or its int8
     // wire form, read from the device by the unit's first gather of the step.
-    let read = move || -> HostForm {
+    let read = move || -> Result<HostForm, ShardError> {
         if !quantized {
             return HostForm::values_of(primary.clone());
         }
@@ -441,14 +451,14 @@ pub(crate) fn gather_flow<'e>(
             DType::F32 => primary.clone(),
             _ => primary.clone().cast(DType::F32),
         };
-        let q = kernels::quantize(x, QuantFormat::Int8, plan.block());
+        let q = kernels::quantize(x, QuantFormat::Int8, plan.block())?;
         let mut wire = Vec::with_capacity(Quantized::wire_bytes(q.format, q.block, q.len));
         q.write_wire(&mut wire);
-        HostForm::Bytes(Arc::new(wire))
+        Ok(HostForm::Bytes(Arc::new(wire)))
     };
     let finish = move |carry: Carry| -> Result<(), ShardError> {
         let carry = match carry {
-            Carry::Empty if quantized => shards.get_or(u, device, read).to_carry(),
+            Carry::Empty if quantized => shards.get_or(u, device, read)?.to_carry(),
             Carry::Empty => Carry::Tensor(Box::new(primary.clone())),
             other => other,
         };
@@ -489,7 +499,7 @@ pub(crate) fn gather_flow<'e>(
             hop,
             Box::new(move |c: &Comm, carry: Carry| {
                 if i == 0 {
-                    shards.get_or(u, device, read).all_gather(c, hop)
+                    shards.get_or(u, device, read)?.all_gather(c, hop)
                 } else {
                     all_gather_carry(c, hop, carry)
                 }
@@ -621,11 +631,11 @@ pub(crate) fn reduce_flow<'e>(
                 let g = c.try_group(scope(c, hop))?;
                 match (first, carry) {
                     (Some(t), _) if bf16 => {
-                        let buf = to_hop_order(topology, &path, &staging::to_bf16(t), layout);
+                        let buf = to_hop_order(topology, &path, &staging::to_bf16(t)?, layout);
                         Ok(Carry::Bf16(g.reduce_scatter(&buf, Reduce::Sum)?))
                     }
                     (Some(t), _) => {
-                        let buf = to_hop_order(topology, &path, &staging::to_f32(t), layout);
+                        let buf = to_hop_order(topology, &path, &staging::to_f32(t)?, layout);
                         Ok(Carry::F32(g.reduce_scatter(&buf, Reduce::Sum)?))
                     }
                     (None, Carry::F32(v)) => Ok(Carry::F32(g.reduce_scatter(&v, Reduce::Sum)?)),
@@ -656,12 +666,12 @@ pub(crate) fn reduce_flow<'e>(
                     }
                 }
                 let q = if feedback {
-                    let (q, back) = kernels::quantize_and_back(buf.clone(), format, block, device);
+                    let (q, back) = kernels::quantize_and_back(buf.clone(), format, block, device)?;
                     residuals.lock().unwrap_or_else(|e| e.into_inner())[u].per_hop[k] =
                         Some(buf - back);
                     q
                 } else {
-                    kernels::quantize(buf.clone(), format, block)
+                    kernels::quantize(buf.clone(), format, block)?
                 };
                 Ok(Carry::Tensor(Box::new(exchange(
                     &group, &q, block, device,
@@ -845,9 +855,9 @@ fn all_reduce_carry(
 ) -> Result<Carry, ShardError> {
     let g = c.try_group(scope(c, levels))?;
     Ok(if bf16 {
-        Carry::Bf16(g.all_reduce(&staging::to_bf16(t), Reduce::Sum)?)
+        Carry::Bf16(g.all_reduce(&staging::to_bf16(t)?, Reduce::Sum)?)
     } else {
-        Carry::F32(g.all_reduce(&staging::to_f32(t), Reduce::Sum)?)
+        Carry::F32(g.all_reduce(&staging::to_f32(t)?, Reduce::Sum)?)
     })
 }
 
@@ -984,6 +994,6 @@ mod tests {
             "{before} B in use with the unit, {after} B after it went"
         );
         let want: Vec<f32> = (1000..2000).map(|i| i as f32).collect();
-        assert_eq!(staging::to_f32(slice), want);
+        assert_eq!(staging::to_f32(slice).unwrap(), want);
     }
 }

@@ -11,6 +11,8 @@ use burn::tensor::{DType, Device, Tensor, TensorData, bf16};
 use ember_comm::Bf16;
 use serde::{Deserialize, Serialize};
 
+use crate::error::ShardError;
+
 /// Time and bytes of the crossings between device and host memory since the last
 /// [`Staging::take`], summed over every thread that stages (the training thread and the
 /// communication threads). A read first waits for the kernels that produce its tensor, on a
@@ -100,17 +102,23 @@ pub(crate) fn timed<T>(way: Way, device: &Device, bytes: usize, f: impl FnOnce()
 
 /// Waits for the kernels that produce `t` (by reading its first four bytes or fewer), on the
 /// clock of reads' waits, so that the crossing that follows is timed alone. Nothing to wait
-/// for on flex.
-pub(crate) fn await_kernels(t: &Tensor<1>) {
+/// for on flex. A kernel or an allocation that failed on the device is the error.
+pub(crate) fn await_kernels(t: &Tensor<1>) -> Result<(), ShardError> {
     let n = t.dims()[0];
     if !has_own_memory(&t.device()) || n == 0 {
-        return;
+        return Ok(());
     }
     let start = Instant::now();
     // A whole 4-byte word where there is one: some devices copy in words.
     let elems = (4 / t.dtype().size()).clamp(1, n);
-    drop(t.clone().slice(0..elems).into_data());
+    read(t.clone().slice(0..elems))?;
     TO_HOST_WAIT_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    Ok(())
+}
+
+/// `t`'s data on the host, or the device's failure as [`ShardError::Device`].
+fn read(t: Tensor<1>) -> Result<TensorData, ShardError> {
+    t.try_into_data().map_err(|e| ShardError::device(&e))
 }
 
 /// Whether `device` keeps tensors in memory of its own, which data crosses to reach MPI.
@@ -131,15 +139,15 @@ pub(crate) fn record(way: Way, bytes: usize, start: Instant) {
 }
 
 /// The values of an f32 tensor, on the host (cast from any other float dtype).
-pub(crate) fn to_f32(t: Tensor<1>) -> Vec<f32> {
+pub(crate) fn to_f32(t: Tensor<1>) -> Result<Vec<f32>, ShardError> {
     let bytes = t.dims()[0] * 4;
     let t = crate::transport::host::cast(t, DType::F32);
-    await_kernels(&t);
-    timed(Way::ToHost, &t.device(), bytes, || {
-        t.into_data()
-            .try_into_vec::<f32>()
-            .expect("an f32 tensor reads back as f32")
-    })
+    await_kernels(&t)?;
+    let device = t.device();
+    let data = timed(Way::ToHost, &device, bytes, || read(t))?;
+    Ok(data
+        .try_into_vec::<f32>()
+        .expect("an f32 tensor reads back as f32"))
 }
 
 /// An f32 tensor of `values` on `device`.
@@ -151,18 +159,19 @@ pub(crate) fn from_f32(values: Vec<f32>, device: &Device) -> Tensor<1> {
 }
 
 /// The values of a bf16 tensor as bf16 bits, on the host.
-pub(crate) fn to_bf16(t: Tensor<1>) -> Vec<Bf16> {
+pub(crate) fn to_bf16(t: Tensor<1>) -> Result<Vec<Bf16>, ShardError> {
     let t = if t.dtype() == DType::BF16 {
         t
     } else {
         t.cast(DType::BF16)
     };
-    await_kernels(&t);
-    let data = timed(Way::ToHost, &t.device(), t.dims()[0] * 2, || t.into_data());
-    bf16_of_burn(
+    await_kernels(&t)?;
+    let (device, bytes) = (t.device(), t.dims()[0] * 2);
+    let data = timed(Way::ToHost, &device, bytes, || read(t))?;
+    Ok(bf16_of_burn(
         data.try_into_vec::<bf16>()
             .expect("a bf16 tensor reads back as bf16"),
-    )
+    ))
 }
 
 /// A bf16 tensor of `values` on `device`.
@@ -314,12 +323,26 @@ mod tests {
     fn round_trips_on(device: Device) {
         let mut v = vec![1.5f32, -0.0, f32::MIN_POSITIVE, 3.0e38];
         v.extend((0..1001).map(|i| (i as f32 - 500.0) / 7.0));
-        assert_eq!(to_f32(from_f32(v.clone(), &device)), v);
+        assert_eq!(to_f32(from_f32(v.clone(), &device)).unwrap(), v);
         if device.supports_dtype(DType::BF16) {
             let b: Vec<Bf16> = v.iter().map(|&x| Bf16::from_f32(x)).collect();
             let t = from_bf16(&b, &device);
             assert_eq!(t.dtype(), DType::BF16);
-            assert_eq!(to_bf16(t), b);
+            assert_eq!(to_bf16(t).unwrap(), b);
         }
+    }
+
+    /// A tensor the device could not allocate (1 GiB, past wgpu's buffer limit) reads back as
+    /// the device's error, naming the cause, for the step to report, not as a panic.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn a_read_the_device_cannot_serve_is_an_error() {
+        let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        let t = Tensor::<1>::ones([1 << 28], (&device, DType::F32));
+        match to_f32(t.clone()) {
+            Err(ShardError::Device(why)) => assert!(!why.is_empty()),
+            other => panic!("a 1 GiB tensor on wgpu: {:?}", other.map(|v| v.len())),
+        }
+        assert!(matches!(to_bf16(t), Err(ShardError::Device(_))));
     }
 }
