@@ -19,10 +19,10 @@
 //! blocks are read four columns per load (a vector of four f32, the same for every unit of
 //! the cube): one shared-memory load per four multiply-adds instead of one per multiply-add,
 //! which bounded the kernels. The forward takes four keys at a time, four independent sums
-//! instead of one chain of `hd` dependent multiply-adds per score, and keeps its scores against
-//! the staged block in shared memory. On the H100 (`BENCHMARKS.md`) the first version, one column and
-//! one score at a time, ran at 6.3 TFLOP/s; `scripts/cuda-kernels` gives each kernel's
-//! registers and spills.
+//! instead of one chain of `hd` dependent multiply-adds per score, and keeps its scores
+//! against the staged block in shared memory. On the H100 (`BENCHMARKS.md`) the first
+//! version, one column and one score at a time, ran at 6.3 TFLOP/s; `scripts/cuda-kernels`
+//! gives each kernel's registers, spills and local-memory accesses.
 //!
 //! The kernels read the packed `[B, T, 3d]` projection in place (q, k and v of head `h` at
 //! columns `h hd`, `d + h hd`, `2d + h hd`) and write `[B, T, d]` and `[B, T, 3d]` directly:
@@ -125,8 +125,8 @@ fn dkdv_block_for(hd: usize) -> usize {
 /// every unit of the cube.
 type V4 = Vector<f32, Const<4>>;
 
-/// Columns `at..at + hd` of the packed projection, widened to f32, as `hd / 4` vectors from
-/// `slot` of `to`.
+/// Columns `at..at + hd` of the packed projection, widened to f32 and multiplied by `scale`,
+/// as `hd / 4` vectors from `slot` of `to`.
 #[cube]
 fn stage_row<E: Float>(
     qkv: &Tensor<E>,
@@ -158,8 +158,8 @@ fn masked(score: f32, live: bool) -> f32 {
     x
 }
 
-/// `sum += a . row`, the `hd` columns of `a` (registers) against the staged row of `hd / 4`
-/// vectors at `at`, in column order.
+/// `a . row`: the `hd` columns of `a` (registers) against the staged row of `hd / 4` vectors
+/// at `at`, summed in column order.
 #[cube]
 fn dot_row(a: &Array<f32>, rows: &Shared<[V4]>, at: usize, #[comptime] hd: usize) -> f32 {
     let mut sum = f32::new(0.0);
