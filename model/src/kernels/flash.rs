@@ -515,13 +515,17 @@ fn flash_backward_dkdv_kernel<E: Float>(
     }
 }
 
+/// One cube per block of `block` queries (or keys), per head and per sequence.
+fn grid(b: usize, t: usize, heads: usize, block: usize) -> CubeCount {
+    CubeCount::Static(t.div_ceil(block) as u32, heads as u32, b as u32)
+}
+
 /// The launch geometry of a packed projection: `(B, T, d, hd, block, cubes)`.
 fn geometry(qkv: &CubeTensor, n_head: usize) -> (usize, usize, usize, usize, usize, CubeCount) {
     let (b, t, d) = split_dims(&qkv.shape(), n_head);
     let hd = d / n_head;
     let block = block_for(hd);
-    let cubes = CubeCount::Static(t.div_ceil(block) as u32, n_head as u32, b as u32);
-    (b, t, d, hd, block, cubes)
+    (b, t, d, hd, block, grid(b, t, n_head, block))
 }
 
 impl FlashOps for CubeBackend {
@@ -600,7 +604,7 @@ impl FlashOps for CubeBackend {
         let block = dkdv_block_for(hd);
         flash_backward_dkdv_kernel::launch(
             &client,
-            CubeCount::Static(t.div_ceil(block) as u32, n_head as u32, b as u32),
+            grid(b, t, n_head, block),
             CubeDim::new_1d(2 * block as u32),
             qkv.into_tensor_arg(),
             dout.into_tensor_arg(),
@@ -681,7 +685,7 @@ pub(super) fn ahead(a: &mut Ahead) {
     let (b, t, d, heads) = (Ahead::B, Ahead::T, Ahead::D, Ahead::HEADS);
     let hd = d / heads;
     let block = block_for(hd);
-    let cubes = || CubeCount::Static(t.div_ceil(block) as u32, heads as u32, b as u32);
+    let cubes = || grid(b, t, heads, block);
     let dim = CubeDim::new_1d(block as u32);
     let scale = (hd as f32).sqrt().recip();
     let packed = [b, t, 3 * d];
@@ -739,7 +743,7 @@ pub(super) fn ahead(a: &mut Ahead) {
                 flash_backward_dkdv_kernel::create_dummy_kernel(
                     device,
                     target,
-                    CubeCount::Static(t.div_ceil(keys) as u32, heads as u32, b as u32),
+                    grid(b, t, heads, keys),
                     CubeDim::new_1d(2 * keys as u32),
                     tensor(&packed),
                     tensor(&[b, t, d]),

@@ -384,19 +384,20 @@ pub fn save_async(
     let start = std::time::Instant::now();
     let job = SaveJob::begin(sharded, out_dir, step, options)?;
     let files = RankFiles::of(sharded, &job.tmp);
-    let values: Vec<Vec<f32>> = sharded
-        .piece_values()
-        .collect::<Result<_, _>>()
-        .map_err(|e| job.discard(sharded.comm().rank(), e))?;
-    let residuals: Vec<Vec<f32>> = sharded
+    // A read the device fails goes to the writer as it is: its file is not written and this
+    // rank's record says why, so rank 0 fails the checkpoint as for any other rank's error.
+    let values: Vec<Result<Vec<f32>, ShardError>> = sharded.piece_values().collect();
+    let residuals: Vec<Result<Vec<f32>, ShardError>> = sharded
         .residual_tensors()
         .into_iter()
         .map(|(_, _, t)| staging::to_f32(t))
-        .collect::<Result<_, _>>()
-        .map_err(|e| job.discard(sharded.comm().rank(), e))?;
-    let staged_bytes = 4
-        * (values.iter().map(Vec::len).sum::<usize>()
-            + residuals.iter().map(Vec::len).sum::<usize>()) as u64;
+        .collect();
+    let staged_bytes = 4 * values
+        .iter()
+        .chain(&residuals)
+        .flatten()
+        .map(Vec::len)
+        .sum::<usize>() as u64;
     let blocked_s = start.elapsed().as_secs_f64();
     let dir = out_dir.join(step_dir_name(step));
     let rank = sharded.comm().rank();
@@ -410,8 +411,8 @@ pub fn save_async(
             unsafe {
                 libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19);
             }
-            let mut values = values.into_iter().map(Ok);
-            let mut residuals = residuals.into_iter().map(Ok);
+            let mut values = values.into_iter();
+            let mut residuals = residuals.into_iter();
             let written = files.write(&mut || values.next(), &mut || residuals.next());
             let finished = job.finish(written);
             finished.map_err(|e| job.discard(rank, e))

@@ -206,14 +206,18 @@ pub(crate) fn concat_f32(parts: Vec<Tensor<1>>) -> Tensor<1> {
     tensor(out)
 }
 
+/// `t`'s data on the host, or the device's failure (a runtime reports a failed launch or
+/// allocation at the first read after it) as [`ShardError::Device`](crate::error::ShardError).
+pub(crate) fn read(t: Tensor<1>) -> Result<TensorData, crate::error::ShardError> {
+    t.try_into_data()
+        .map_err(|e| crate::error::ShardError::device(&e))
+}
+
 /// The first element of `t` as f64 (NaN when it holds none). The device's failure to compute
 /// it (out of memory, most often: a runtime reports a failed launch at the first read after
 /// it) is an error.
 pub(crate) fn scalar(t: Tensor<1>) -> Result<f64, crate::error::ShardError> {
-    let data = t
-        .try_into_data()
-        .map_err(|e| crate::error::ShardError::device(&e))?;
-    Ok(data
+    Ok(read(t)?
         .convert::<f64>()
         .try_to_vec::<f64>()
         .map(|v| v[0])

@@ -111,14 +111,9 @@ pub(crate) fn await_kernels(t: &Tensor<1>) -> Result<(), ShardError> {
     let start = Instant::now();
     // A whole 4-byte word where there is one: some devices copy in words.
     let elems = (4 / t.dtype().size()).clamp(1, n);
-    read(t.clone().slice(0..elems))?;
+    crate::transport::host::read(t.clone().slice(0..elems))?;
     TO_HOST_WAIT_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
     Ok(())
-}
-
-/// `t`'s data on the host, or the device's failure as [`ShardError::Device`].
-fn read(t: Tensor<1>) -> Result<TensorData, ShardError> {
-    t.try_into_data().map_err(|e| ShardError::device(&e))
 }
 
 /// Whether `device` keeps tensors in memory of its own, which data crosses to reach MPI.
@@ -144,7 +139,9 @@ pub(crate) fn to_f32(t: Tensor<1>) -> Result<Vec<f32>, ShardError> {
     let t = crate::transport::host::cast(t, DType::F32);
     await_kernels(&t)?;
     let device = t.device();
-    let data = timed(Way::ToHost, &device, bytes, || read(t))?;
+    let data = timed(Way::ToHost, &device, bytes, || {
+        crate::transport::host::read(t)
+    })?;
     Ok(data
         .try_into_vec::<f32>()
         .expect("an f32 tensor reads back as f32"))
@@ -167,7 +164,9 @@ pub(crate) fn to_bf16(t: Tensor<1>) -> Result<Vec<Bf16>, ShardError> {
     };
     await_kernels(&t)?;
     let (device, bytes) = (t.device(), t.dims()[0] * 2);
-    let data = timed(Way::ToHost, &device, bytes, || read(t))?;
+    let data = timed(Way::ToHost, &device, bytes, || {
+        crate::transport::host::read(t)
+    })?;
     Ok(bf16_of_burn(
         data.try_into_vec::<bf16>()
             .expect("a bf16 tensor reads back as bf16"),
