@@ -24,9 +24,9 @@ use burn::nn::Linear;
 use burn::tensor::{DType, Device, DeviceKind, Int, Tensor, TensorData};
 use common::{leaf, rel_err, to_f64, values};
 use ember_model::kernels::{
-    causal_attention, composed_causal_attention, composed_linear_gelu,
-    composed_softmax_cross_entropy, layer_norm, linear_gelu, softmax_cross_entropy,
-    uses_cube_kernels,
+    CubeAttention, causal_attention, composed_causal_attention, composed_linear_gelu,
+    composed_softmax_cross_entropy, layer_norm, linear_gelu, set_cube_attention,
+    softmax_cross_entropy, uses_cube_kernels,
 };
 
 fn wgpu() -> Device {
@@ -100,13 +100,24 @@ fn rounded(v: &[f64], dtype: DType) -> Vec<f64> {
         .collect()
 }
 
+/// The ways attention runs on a CubeCL device that every check takes: the flash kernels, the
+/// products with every pair in one group, and the products one (sequence, head) pair per group.
+fn paths(t: usize) -> [CubeAttention; 3] {
+    [
+        CubeAttention::Flash,
+        CubeAttention::PRODUCTS,
+        CubeAttention::Products {
+            max_scores_bytes: (t * t * 4) as u64,
+        },
+    ]
+}
+
 fn check(b: usize, t: usize, heads: usize, hd: usize, dtype: DType, tol: f64) {
     let d3 = 3 * heads * hd;
     let qkv = values(b * t * d3, 7 + t as u64, 1.5);
     let w = values(b * t * d3 / 3, 11, 1.0);
     let qkv = rounded(&qkv, dtype);
     let w = rounded(&w, dtype);
-    let (y, g) = run(&qkv, &w, [b, t, d3], heads, wgpu(), dtype, true);
     let (want_y, want_g) = run(
         &qkv,
         &w,
@@ -116,16 +127,23 @@ fn check(b: usize, t: usize, heads: usize, hd: usize, dtype: DType, tol: f64) {
         DType::F64,
         false,
     );
-    let (ey, eg) = (rel_err(&y, &want_y), rel_err(&g, &want_g));
-    eprintln!("B {b} T {t} H {heads} hd {hd} {dtype:?}: output {ey:.2e}, gradient {eg:.2e}");
-    assert!(
-        ey < tol,
-        "{dtype:?} T {t} hd {hd}: output differs by {ey:e}"
-    );
-    assert!(
-        eg < tol,
-        "{dtype:?} T {t} hd {hd}: gradient differs by {eg:e}"
-    );
+    for path in paths(t) {
+        set_cube_attention(path);
+        let (y, g) = run(&qkv, &w, [b, t, d3], heads, wgpu(), dtype, true);
+        let (ey, eg) = (rel_err(&y, &want_y), rel_err(&g, &want_g));
+        eprintln!(
+            "{path:?}: B {b} T {t} H {heads} hd {hd} {dtype:?}: output {ey:.2e}, gradient {eg:.2e}"
+        );
+        assert!(
+            ey < tol,
+            "{path:?} {dtype:?} T {t} hd {hd}: output differs by {ey:e}"
+        );
+        assert!(
+            eg < tol,
+            "{path:?} {dtype:?} T {t} hd {hd}: gradient differs by {eg:e}"
+        );
+    }
+    set_cube_attention(CubeAttention::PRODUCTS);
 }
 
 /// f32: within 1e-5 of the f64 reference (relative to the largest element), which is a few
@@ -137,6 +155,8 @@ fn flash_attention_matches_the_composed_op_in_f32() {
     check(1, 50, 2, 32, DType::F32, 1e-5);
     check(1, 129, 2, 64, DType::F32, 1e-5);
     check(1, 40, 1, 80, DType::F32, 1e-5);
+    // Longer than a row kernel's units: the softmax strides over the row.
+    check(1, 300, 2, 32, DType::F32, 1e-5);
     // A head of 6 columns: the flash kernels take heads of a multiple of 8, so the composed op
     // runs.
     check(1, 33, 2, 6, DType::F32, 1e-5);
@@ -162,8 +182,9 @@ fn flash_attention_matches_the_composed_op_in_half_precision() {
 }
 
 /// What the autodiff graph keeps between forward and backward at `T = 1024`, one head of 64:
-/// the flash op its input, output and one log-sum-exp per query (under 1 MB here); the
-/// composed op also each head's `T x T` probabilities (4 MiB in f32).
+/// the flash op (either path) its input, output and one log-sum-exp per query (under 1 MB
+/// here); the composed op also each head's `T x T` probabilities (4 MiB in f32). The products'
+/// path holds its scores only during the call.
 #[test]
 fn flash_attention_keeps_no_t_by_t_tensor_for_backward() {
     let _device = device_lock();
@@ -181,10 +202,15 @@ fn flash_attention_keeps_no_t_by_t_tensor_for_backward() {
         })
     };
     let scores = (t * t * 4) as u64;
-    let flash = kept(true);
     let composed = kept(false);
-    eprintln!("kept after the forward: flash {flash} B, composed {composed} B, T x T {scores} B");
-    assert!(flash < scores / 4, "flash keeps {flash} B");
+    for path in [CubeAttention::Flash, CubeAttention::PRODUCTS] {
+        set_cube_attention(path);
+        let flash = kept(true);
+        eprintln!(
+            "kept after the forward: {path:?} {flash} B, composed {composed} B, T x T {scores} B"
+        );
+        assert!(flash < scores / 4, "{path:?} keeps {flash} B");
+    }
     assert!(
         composed >= scores,
         "the composed op keeps {composed} B: the check would not see T x T"
@@ -482,8 +508,11 @@ fn kernels_defined_ahead_are_the_ones_a_step_launches() {
         wgpu(),
         DType::F32,
     );
-    let grads = causal_attention(x.clone(), heads).sum().backward();
-    assert!(x.grad(&grads).is_some());
+    for path in [CubeAttention::Flash, CubeAttention::PRODUCTS] {
+        set_cube_attention(path);
+        let grads = causal_attention(x.clone(), heads).sum().backward();
+        assert!(x.grad(&grads).is_some());
+    }
     let targets: Vec<i64> = (0..t).map(|i| (i * 7 % v) as i64).collect();
     let logits = values(t * v, 42, 4.0);
     cross_entropy(&logits, &targets, [t, v], wgpu(), DType::F32, true);
@@ -510,5 +539,5 @@ fn kernels_defined_ahead_are_the_ones_a_step_launches() {
         missing.is_empty(),
         "defined ahead as no launch defines them: {missing:?}"
     );
-    assert_eq!(kernels.len(), 10, "{kernels:?}");
+    assert_eq!(kernels.len(), 16, "{kernels:?}");
 }

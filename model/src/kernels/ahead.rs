@@ -21,6 +21,7 @@ pub fn ahead(
         kernels: Vec::new(),
     };
     super::flash::ahead(&mut ahead);
+    super::attention_products::ahead(&mut ahead);
     super::cube_cross_entropy::ahead(&mut ahead);
     super::cube_gelu::ahead(&mut ahead);
     super::cube_layer_norm::ahead(&mut ahead);

@@ -47,16 +47,23 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::attention_products as products;
 use super::cube::{Ahead, elem_type};
 
 /// Causal attention of a packed projection, forward and backward, on CubeCL devices.
 #[backend_extension(Cube, Fusion, Autodiff)]
 pub trait FlashOps: Backend {
     /// Causal self-attention of a packed `[B, T, 3d]` projection into `[B, T, d]`, with
-    /// `1 / sqrt(d / n_head)` scaling; differentiable where the backend is.
+    /// `1 / sqrt(d / n_head)` scaling; differentiable where the backend is. `scores_cap` is
+    /// how the call runs ([`scores_cap`]): 0 on the flash kernels, else through the device's
+    /// products with a group's f32 scores up to that many bytes.
     #[fusion(default)]
-    fn flash_attention(qkv: FloatTensor<Self>, n_head: usize) -> FloatTensor<Self> {
-        Self::flash_forward(qkv, n_head).0
+    fn flash_attention(
+        qkv: FloatTensor<Self>,
+        n_head: usize,
+        scores_cap: u64,
+    ) -> FloatTensor<Self> {
+        Self::flash_forward(qkv, n_head, scores_cap).0
     }
 
     /// The output `[B, T, d]` and each query's log-sum-exp of its scaled scores, `[B, H, T]`
@@ -65,6 +72,7 @@ pub trait FlashOps: Backend {
     fn flash_forward(
         qkv: FloatTensor<Self>,
         n_head: usize,
+        scores_cap: u64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// The gradient of the packed projection, `[B, T, 3d]`, from the forward's output and
@@ -76,11 +84,12 @@ pub trait FlashOps: Backend {
         lse: FloatTensor<Self>,
         dout: FloatTensor<Self>,
         n_head: usize,
+        scores_cap: u64,
     ) -> FloatTensor<Self>;
 }
 
 /// The forward's outputs, described before it runs.
-fn forward_meta(qkv: &TensorSpec, n_head: &usize) -> (TensorSpec, TensorSpec) {
+fn forward_meta(qkv: &TensorSpec, n_head: &usize, _: &u64) -> (TensorSpec, TensorSpec) {
     let (b, t, d) = split_dims(&qkv.shape, *n_head);
     (
         TensorSpec::new(Shape::new([b, t, d]), qkv.dtype),
@@ -529,9 +538,12 @@ fn geometry(qkv: &CubeTensor, n_head: usize) -> (usize, usize, usize, usize, usi
 }
 
 impl FlashOps for CubeBackend {
-    fn flash_forward(qkv: CubeTensor, n_head: usize) -> (CubeTensor, CubeTensor) {
+    fn flash_forward(qkv: CubeTensor, n_head: usize, scores_cap: u64) -> (CubeTensor, CubeTensor) {
         let qkv = into_contiguous(qkv);
         let (b, t, d, hd, block, cubes) = geometry(&qkv, n_head);
+        if let Some(group) = products::group_for(b * n_head, t, scores_cap, &qkv) {
+            return products::forward(qkv, n_head, group);
+        }
         let (client, device, dtype) = (qkv.client.clone(), qkv.device.clone(), qkv.dtype);
         let out = empty_device_contiguous_dtype(
             client.clone(),
@@ -568,12 +580,16 @@ impl FlashOps for CubeBackend {
         lse: CubeTensor,
         dout: CubeTensor,
         n_head: usize,
+        scores_cap: u64,
     ) -> CubeTensor {
         let qkv = into_contiguous(qkv);
         let out = into_contiguous(out);
         let lse = into_contiguous(lse);
         let dout = into_contiguous(dout);
         let (b, t, d, hd, block, cubes) = geometry(&qkv, n_head);
+        if let Some(group) = products::group_for(b * n_head, t, scores_cap, &qkv) {
+            return products::backward(qkv, out, lse, dout, n_head, group);
+        }
         let (client, device, dtype) = (qkv.client.clone(), qkv.device.clone(), qkv.dtype);
         let scale = (hd as f32).sqrt().recip();
         let delta = empty_device_contiguous_dtype(
@@ -626,29 +642,37 @@ impl FlashOps for CubeBackend {
 struct FlashBackward;
 
 impl<B: FlashOps> Backward<B, 1> for FlashBackward {
-    /// The projection, the output, each query's log-sum-exp, and the head count.
-    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, usize);
+    /// The projection, the output, each query's log-sum-exp, the head count and the forward's
+    /// scores cap.
+    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, usize, u64);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [parent] = ops.parents;
         let dout = grads.consume::<B>(&ops.node);
         if let Some(parent) = parent {
-            let (qkv, out, lse, n_head) = ops.state;
-            grads.register::<B>(parent.id, B::flash_backward(qkv, out, lse, dout, n_head));
+            let (qkv, out, lse, n_head, cap) = ops.state;
+            let dqkv = B::flash_backward(qkv, out, lse, dout, n_head, cap);
+            grads.register::<B>(parent.id, dqkv);
         }
     }
 }
 
 impl<B: FlashOps, C: CheckpointStrategy> FlashOps for Autodiff<B, C> {
-    fn flash_attention(qkv: FloatTensor<Self>, n_head: usize) -> FloatTensor<Self> {
+    fn flash_attention(
+        qkv: FloatTensor<Self>,
+        n_head: usize,
+        scores_cap: u64,
+    ) -> FloatTensor<Self> {
         let input = qkv.primitive().clone();
         let prep = FlashBackward
             .prepare::<C>([qkv.node()])
             .compute_bound()
             .stateful();
-        let (out, lse) = B::flash_forward(input.clone(), n_head);
+        let (out, lse) = B::flash_forward(input.clone(), n_head, scores_cap);
         match prep {
-            OpsKind::Tracked(prep) => prep.finish((input, out.clone(), lse, n_head), out),
+            OpsKind::Tracked(prep) => {
+                prep.finish((input, out.clone(), lse, n_head, scores_cap), out)
+            }
             OpsKind::UnTracked(prep) => prep.finish(out),
         }
     }
@@ -657,8 +681,9 @@ impl<B: FlashOps, C: CheckpointStrategy> FlashOps for Autodiff<B, C> {
     fn flash_forward(
         qkv: FloatTensor<Self>,
         n_head: usize,
+        scores_cap: u64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (out, lse) = B::flash_forward(qkv.primitive().clone(), n_head);
+        let (out, lse) = B::flash_forward(qkv.primitive().clone(), n_head, scores_cap);
         (Self::from_inner(out), Self::from_inner(lse))
     }
 
@@ -669,6 +694,7 @@ impl<B: FlashOps, C: CheckpointStrategy> FlashOps for Autodiff<B, C> {
         lse: FloatTensor<Self>,
         dout: FloatTensor<Self>,
         n_head: usize,
+        scores_cap: u64,
     ) -> FloatTensor<Self> {
         Self::from_inner(B::flash_backward(
             qkv.primitive().clone(),
@@ -676,6 +702,7 @@ impl<B: FlashOps, C: CheckpointStrategy> FlashOps for Autodiff<B, C> {
             lse.primitive().clone(),
             dout.primitive().clone(),
             n_head,
+            scores_cap,
         ))
     }
 }

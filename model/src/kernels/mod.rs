@@ -20,6 +20,8 @@
 #[cfg(feature = "cubecl")]
 mod ahead;
 mod attention;
+#[cfg(feature = "cubecl")]
+mod attention_products;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod bf16;
@@ -55,6 +57,8 @@ use rayon::prelude::*;
 #[cfg(feature = "cubecl")]
 pub use ahead::ahead;
 use attention::Dims;
+#[cfg(feature = "cubecl")]
+pub use attention_products::{CubeAttention, cube_attention, set_cube_attention};
 use bf16::Precision;
 pub use bf16::{BF16_DOT_PAYS_FROM, bf16_dot_pays, has_bf16_dot};
 #[cfg(feature = "cubecl")]
@@ -232,7 +236,8 @@ pub fn causal_attention(qkv: Tensor<3>, n_head: usize) -> Tensor<3> {
     // The flash kernels read a head's columns four at a time, and split them in two halves.
     #[cfg(feature = "cubecl")]
     if uses_cube_kernels(&qkv) && (qkv.dims()[2] / 3 / n_head).is_multiple_of(8) {
-        return Tensor::from_dispatch(Dispatch::flash_attention(qkv.into_dispatch(), n_head));
+        let cap = attention_products::scores_cap(cube_attention());
+        return Tensor::from_dispatch(Dispatch::flash_attention(qkv.into_dispatch(), n_head, cap));
     }
     composed_causal_attention(qkv, n_head)
 }

@@ -1,0 +1,678 @@
+//! Causal attention on CubeCL devices through the device's matrix products: the scores of a
+//! group of heads as one batched product (cubek's matmul, on tensor cores where the device has
+//! them), the causal softmax as one kernel, and the output as a second product. Backward
+//! recomputes the scores from the saved log-sum-exp, as the flash kernels do, and takes the
+//! five products of attention's gradient the same way.
+//!
+//! The flash kernels (`flash.rs`) multiply on a unit's own arithmetic: on an H100 they ran at
+//! 6.3 TFLOP/s, where the same card's matmul ran at 141 (`BENCHMARKS.md`). Here the `T x T`
+//! scores of a group of heads exist for the length of one call, in f32: the group is as many
+//! (sequence, head) pairs as fit [`CubeAttention::Products`]'s byte cap for one score tensor
+//! (the backward holds two, the scores and their gradient, and the two in the tensor's dtype
+//! that the products read). Nothing of it outlives the call: the autodiff graph keeps what the
+//! flash kernels keep (the projection, the output and one log-sum-exp per query), and the
+//! forward's outputs are those of [`super::flash::FlashOps::flash_forward`] exactly, so either
+//! path's backward takes either path's forward.
+//!
+//! Precision is FlashAttention-2's: every product sums in f32; the scores and their gradient
+//! are f32; the probabilities and the scores' gradient are rounded to the tensor's dtype for
+//! the products that read them (a no-op in f32), and each result once to the tensor's dtype.
+//!
+//! The whole `T x T` of each head is multiplied, the masked upper triangle included; the
+//! softmax writes its zeros.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::calculate_cube_count_elemwise;
+use cubecl::prelude::*;
+
+use super::cube::{Ahead, ROW_UNITS, cube_max, cube_sum, elem_type, grid_row, row_cubes};
+
+/// How causal attention runs on CubeCL devices ([`set_cube_attention`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CubeAttention {
+    /// ember's flash kernels (`flash.rs`): no `T x T` tensor at any time, every product on
+    /// the units' own arithmetic.
+    Flash,
+    /// The scores and every product through the device's matmul, a group of heads at a time;
+    /// one group's f32 `T x T` scores take at most `max_scores_bytes` (and the device's
+    /// largest allocation). A sequence whose one head exceeds it takes the flash kernels.
+    Products {
+        /// The byte cap of one group's f32 scores.
+        max_scores_bytes: u64,
+    },
+}
+
+impl CubeAttention {
+    /// Products, with one group's scores up to 512 MiB: gpt2's 8 x 1024 tokens (96 heads of
+    /// 4 MiB) in one group.
+    pub const PRODUCTS: CubeAttention = CubeAttention::Products {
+        max_scores_bytes: 512 << 20,
+    };
+
+    /// The attention `EMBER_ATTENTION` names: `products` (the default) or `flash`; `None`
+    /// when it is unset. An error names any other value.
+    pub fn from_env() -> Result<Option<CubeAttention>, String> {
+        match std::env::var("EMBER_ATTENTION") {
+            Err(std::env::VarError::NotPresent) => Ok(None),
+            Ok(v) if v == "products" => Ok(Some(Self::PRODUCTS)),
+            Ok(v) if v == "flash" => Ok(Some(Self::Flash)),
+            Ok(v) => Err(format!(
+                "EMBER_ATTENTION is {v:?}: set it to `products` (attention through the \
+                 device's matrix products, the default) or `flash` (ember's flash kernels), \
+                 or unset it"
+            )),
+            Err(e) => Err(format!("EMBER_ATTENTION: {e}")),
+        }
+    }
+}
+
+/// How [`cube_attention`] answers, as [`scores_cap`] codes it; `u64::MAX` while unset (read
+/// from the environment at first use).
+static ATTENTION: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// Sets how causal attention runs on CubeCL devices for the calls made from now on, in the
+/// whole process (as PyTorch's `torch.backends.cuda.enable_flash_sdp`); a call's backward runs
+/// as its forward did. Both ways compute the same function and keep the same tensors for
+/// backward.
+pub fn set_cube_attention(attention: CubeAttention) {
+    ATTENTION.store(scores_cap(attention).min(u64::MAX - 1), Ordering::Relaxed);
+}
+
+/// How causal attention runs on CubeCL devices: as [`set_cube_attention`] last set it, else
+/// as `EMBER_ATTENTION` names it, else [`CubeAttention::PRODUCTS`]. An `EMBER_ATTENTION` that
+/// names neither (which the `ember` binary refuses at its start) leaves the default.
+pub fn cube_attention() -> CubeAttention {
+    if ATTENTION.load(Ordering::Relaxed) == u64::MAX {
+        let chosen = CubeAttention::from_env().ok().flatten();
+        set_cube_attention(chosen.unwrap_or(CubeAttention::PRODUCTS));
+    }
+    match ATTENTION.load(Ordering::Relaxed) {
+        0 => CubeAttention::Flash,
+        max_scores_bytes => CubeAttention::Products { max_scores_bytes },
+    }
+}
+
+/// The `scores_cap` argument of [`super::flash::FlashOps`] for `attention`: 0 for the flash
+/// kernels, else the products' byte cap for one group's scores.
+pub(crate) fn scores_cap(attention: CubeAttention) -> u64 {
+    match attention {
+        CubeAttention::Flash => 0,
+        CubeAttention::Products { max_scores_bytes } => max_scores_bytes.max(1),
+    }
+}
+
+/// (sequence, head) pairs per group of the products' path for `tasks` pairs of `t` queries
+/// under `scores_cap` ([`scores_cap`]), or `None` for the flash kernels: where the cap is 0, or
+/// one pair's f32 scores exceed it or the largest allocation of `like`'s device.
+pub(crate) fn group_for(
+    tasks: usize,
+    t: usize,
+    scores_cap: u64,
+    like: &CubeTensor,
+) -> Option<usize> {
+    if scores_cap == 0 {
+        return None;
+    }
+    let cap = scores_cap.min(like.client.properties().memory.max_page_size);
+    let one = (t * t * 4) as u64;
+    (one <= cap).then(|| ((cap / one) as usize).clamp(1, tasks.max(1)))
+}
+
+/// Units per cube of the element-wise kernels.
+const UNITS: u32 = 256;
+
+/// Q, K and V of the `len / (T hd)` (sequence, head) pairs from `first` on, from the packed
+/// `[B, T, 3d]` projection into three `[G, T, hd]` tensors, one unit per element.
+#[cube(launch, create_dummy_kernel)]
+fn split_qkv_kernel<E: Float>(
+    qkv: &Tensor<E>,
+    q: &mut Tensor<E>,
+    k: &mut Tensor<E>,
+    v: &mut Tensor<E>,
+    first: usize,
+    len: usize,
+    seq: usize,
+    #[comptime] hd: usize,
+    #[comptime] heads: usize,
+    #[define(E)] _dtype: ElemType,
+) {
+    let e = ABSOLUTE_POS;
+    if e < len {
+        let d = hd * heads;
+        let c = e % hd;
+        let i = (e / hd) % seq;
+        let task = first + e / (hd * seq);
+        let at = ((task / heads) * seq + i) * 3 * d + (task % heads) * hd + c;
+        q[e] = qkv[at];
+        k[e] = qkv[at + d];
+        v[e] = qkv[at + 2 * d];
+    }
+}
+
+/// The causal softmax of each row of the f32 scores `[G, T, T]` (scaled by `scale`) into the
+/// probabilities `p` in the tensor's dtype, zeros right of the diagonal, and each row's
+/// log-sum-exp into `lse` from row `first_row` on. A cube per row.
+#[cube(launch, create_dummy_kernel)]
+fn causal_softmax_kernel<E: Float>(
+    s: &Tensor<f32>,
+    p: &mut Tensor<E>,
+    lse: &mut Tensor<f32>,
+    first_row: usize,
+    rows: usize,
+    seq: usize,
+    scale: f32,
+    units_now: usize,
+    #[comptime] units: usize,
+    #[define(E)] _dtype: ElemType,
+) {
+    let r = grid_row();
+    let u = UNIT_POS_X as usize;
+    let mut shared = Shared::<[f32]>::new_slice(units);
+    let live = r < rows;
+    let base = r * seq;
+    // The row's query sees keys 0..=i.
+    let seen = (r % seq) + 1;
+
+    let mut m = f32::new(-1.0e30);
+    if live {
+        let mut j = u;
+        while j < seen {
+            m = max(m, s[base + j] * scale);
+            j += units;
+        }
+    }
+    let top = cube_max(m, &mut shared, units_now);
+    let mut sum = f32::new(0.0);
+    if live {
+        let mut j = u;
+        while j < seen {
+            sum += f32::exp(s[base + j] * scale - top);
+            j += units;
+        }
+    }
+    let l = top + f32::ln(cube_sum(sum, &mut shared, units_now));
+    if live {
+        let mut j = u;
+        while j < seq {
+            let mut x = f32::new(0.0);
+            if j < seen {
+                x = f32::exp(s[base + j] * scale - l);
+            }
+            p[base + j] = E::cast_from(x);
+            j += units;
+        }
+        if u == 0 {
+            lse[first_row + r] = l;
+        }
+    }
+}
+
+/// The `[G, T, hd]` heads `o` into their columns of the `[B, T, d]` output, one unit per
+/// element of `o`.
+#[cube(launch, create_dummy_kernel)]
+fn merge_heads_kernel<E: Float>(
+    o: &Tensor<E>,
+    out: &mut Tensor<E>,
+    first: usize,
+    len: usize,
+    seq: usize,
+    #[comptime] hd: usize,
+    #[comptime] heads: usize,
+    #[define(E)] _dtype: ElemType,
+) {
+    let e = ABSOLUTE_POS;
+    if e < len {
+        let c = e % hd;
+        let i = (e / hd) % seq;
+        let task = first + e / (hd * seq);
+        out[((task / heads) * seq + i) * hd * heads + (task % heads) * hd + c] = o[e];
+    }
+}
+
+/// The output's gradient `dout` (`[B, T, d]`) of the group's heads into `[G, T, hd]`, and
+/// each query's `D = rowsum(dO * O)` in f32, one unit per query.
+#[cube(launch, create_dummy_kernel)]
+fn output_gradient_kernel<E: Float>(
+    out: &Tensor<E>,
+    dout: &Tensor<E>,
+    d_o: &mut Tensor<E>,
+    delta: &mut Tensor<f32>,
+    first: usize,
+    rows: usize,
+    seq: usize,
+    #[comptime] hd: usize,
+    #[comptime] heads: usize,
+    #[define(E)] _dtype: ElemType,
+) {
+    let r = ABSOLUTE_POS;
+    if r < rows {
+        let i = r % seq;
+        let task = first + r / seq;
+        let at = ((task / heads) * seq + i) * hd * heads + (task % heads) * hd;
+        let mut sum = f32::new(0.0);
+        #[unroll]
+        for c in 0..hd {
+            let g = dout[at + c];
+            d_o[r * hd + c] = g;
+            sum += f32::cast_from(g) * f32::cast_from(out[at + c]);
+        }
+        delta[r] = sum;
+    }
+}
+
+/// From the f32 scores `s` and their product with the values `dp` (`[G, T, T]`), the
+/// probabilities `p = exp(scale s - lse)` and the unscaled scores' gradient
+/// `ds = scale p (dp - D)`, both in the tensor's dtype, zeros right of the diagonal; one unit
+/// per element.
+#[cube(launch, create_dummy_kernel)]
+fn score_gradient_kernel<E: Float>(
+    s: &Tensor<f32>,
+    dp: &Tensor<f32>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    p: &mut Tensor<E>,
+    ds: &mut Tensor<E>,
+    first_row: usize,
+    len: usize,
+    seq: usize,
+    scale: f32,
+    #[define(E)] _dtype: ElemType,
+) {
+    let e = ABSOLUTE_POS;
+    if e < len {
+        let r = e / seq;
+        let mut pv = f32::new(0.0);
+        let mut g = f32::new(0.0);
+        if e % seq <= r % seq {
+            pv = f32::exp(s[e] * scale - lse[first_row + r]);
+            g = scale * pv * (dp[e] - delta[r]);
+        }
+        p[e] = E::cast_from(pv);
+        ds[e] = E::cast_from(g);
+    }
+}
+
+/// The `[G, T, hd]` gradients of Q, K and V into their columns of the `[B, T, 3d]` gradient
+/// of the projection, one unit per element of each.
+#[cube(launch, create_dummy_kernel)]
+fn merge_gradients_kernel<E: Float>(
+    dq: &Tensor<E>,
+    dk: &Tensor<E>,
+    dv: &Tensor<E>,
+    dqkv: &mut Tensor<E>,
+    first: usize,
+    len: usize,
+    seq: usize,
+    #[comptime] hd: usize,
+    #[comptime] heads: usize,
+    #[define(E)] _dtype: ElemType,
+) {
+    let e = ABSOLUTE_POS;
+    if e < len {
+        let d = hd * heads;
+        let c = e % hd;
+        let i = (e / hd) % seq;
+        let task = first + e / (hd * seq);
+        let at = ((task / heads) * seq + i) * 3 * d + (task % heads) * hd + c;
+        dqkv[at] = dq[e];
+        dqkv[at + d] = dk[e];
+        dqkv[at + 2 * d] = dv[e];
+    }
+}
+
+/// The shapes of one call: sequences, their length, heads and the head width.
+#[derive(Clone, Copy)]
+struct Dims {
+    t: usize,
+    heads: usize,
+    hd: usize,
+}
+
+/// A new contiguous tensor of `shape` in `dtype` on `like`'s device.
+fn empty(like: &CubeTensor, shape: [usize; 3], dtype: DType) -> CubeTensor {
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::new(shape),
+        dtype,
+    )
+}
+
+/// `lhs rhs` (batched) into `out`, a fresh contiguous tensor: the products sum in f32
+/// whatever `out`'s dtype.
+fn product(lhs: CubeTensor, rhs: CubeTensor, out: CubeTensor) -> CubeTensor {
+    let dtype = out.dtype;
+    matmul(lhs, rhs, Some(out), MatmulStrategy::default(), dtype)
+        .expect("the device's matmul takes attention's products")
+}
+
+/// `t` with its last two dimensions swapped (a view).
+fn transposed(mut t: CubeTensor) -> CubeTensor {
+    t.meta.swap(1, 2);
+    t
+}
+
+/// Launch geometry of `len` elements, one unit each.
+fn elementwise(client: &cubecl::client::Client, len: usize) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new_1d(UNITS);
+    (calculate_cube_count_elemwise(client, len, dim), dim)
+}
+
+/// Q, K and V of `g` pairs from `first` on.
+fn split(qkv: &CubeTensor, first: usize, g: usize, dims: Dims) -> [CubeTensor; 3] {
+    let Dims { t, heads, hd } = dims;
+    let [q, k, v] = [(); 3].map(|_| empty(qkv, [g, t, hd], qkv.dtype));
+    let len = g * t * hd;
+    let (cubes, dim) = elementwise(&qkv.client, len);
+    split_qkv_kernel::launch(
+        &qkv.client,
+        cubes,
+        dim,
+        qkv.clone().into_tensor_arg(),
+        q.clone().into_tensor_arg(),
+        k.clone().into_tensor_arg(),
+        v.clone().into_tensor_arg(),
+        first,
+        len,
+        t,
+        hd,
+        heads,
+        elem_type(qkv.dtype),
+    );
+    [q, k, v]
+}
+
+/// The forward of a contiguous packed projection `[B, T, 3d]` in groups of `group` pairs:
+/// the output `[B, T, d]` and each query's log-sum-exp `[B, H, T]` in f32.
+pub(crate) fn forward(qkv: CubeTensor, heads: usize, group: usize) -> (CubeTensor, CubeTensor) {
+    let [b, t, d3] = qkv.meta.shape().dims::<3>();
+    let d = d3 / 3;
+    let dims = Dims {
+        t,
+        heads,
+        hd: d / heads,
+    };
+    let dtype = qkv.dtype;
+    let client = qkv.client.clone();
+    let out = empty(&qkv, [b, t, d], dtype);
+    let lse = empty(&qkv, [b, heads, t], DType::F32);
+    let scale = (dims.hd as f32).sqrt().recip();
+    let tasks = b * heads;
+    for first in (0..tasks).step_by(group) {
+        let g = group.min(tasks - first);
+        let [q, k, v] = split(&qkv, first, g, dims);
+        let s = product(q, transposed(k), empty(&qkv, [g, t, t], DType::F32));
+        let p = empty(&qkv, [g, t, t], dtype);
+        causal_softmax_kernel::launch(
+            &client,
+            row_cubes(g * t),
+            CubeDim::new_1d(ROW_UNITS as u32),
+            s.into_tensor_arg(),
+            p.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            first * t,
+            g * t,
+            t,
+            scale,
+            ROW_UNITS,
+            ROW_UNITS,
+            elem_type(dtype),
+        );
+        let o = product(p, v, empty(&qkv, [g, t, dims.hd], dtype));
+        let len = g * t * dims.hd;
+        let (cubes, dim) = elementwise(&client, len);
+        merge_heads_kernel::launch(
+            &client,
+            cubes,
+            dim,
+            o.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            first,
+            len,
+            t,
+            dims.hd,
+            heads,
+            elem_type(dtype),
+        );
+    }
+    (out, lse)
+}
+
+/// The gradient `[B, T, 3d]` of the contiguous packed projection from the forward's output
+/// and log-sum-exp and the output's gradient, in groups of `group` pairs.
+pub(crate) fn backward(
+    qkv: CubeTensor,
+    out: CubeTensor,
+    lse: CubeTensor,
+    dout: CubeTensor,
+    heads: usize,
+    group: usize,
+) -> CubeTensor {
+    let [b, t, d3] = qkv.meta.shape().dims::<3>();
+    let d = d3 / 3;
+    let dims = Dims {
+        t,
+        heads,
+        hd: d / heads,
+    };
+    let hd = dims.hd;
+    let dtype = qkv.dtype;
+    let client = qkv.client.clone();
+    let dqkv = empty(&qkv, [b, t, d3], dtype);
+    let scale = (hd as f32).sqrt().recip();
+    let tasks = b * heads;
+    for first in (0..tasks).step_by(group) {
+        let g = group.min(tasks - first);
+        let [q, k, v] = split(&qkv, first, g, dims);
+        let d_o = empty(&qkv, [g, t, hd], dtype);
+        let delta = empty(&qkv, [g, t, 1], DType::F32);
+        let (cubes, dim) = elementwise(&client, g * t);
+        output_gradient_kernel::launch(
+            &client,
+            cubes,
+            dim,
+            out.clone().into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            d_o.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            first,
+            g * t,
+            t,
+            hd,
+            heads,
+            elem_type(dtype),
+        );
+        let s = product(
+            q.clone(),
+            transposed(k.clone()),
+            empty(&qkv, [g, t, t], DType::F32),
+        );
+        let dp = product(
+            d_o.clone(),
+            transposed(v),
+            empty(&qkv, [g, t, t], DType::F32),
+        );
+        let p = empty(&qkv, [g, t, t], dtype);
+        let ds = empty(&qkv, [g, t, t], dtype);
+        let len = g * t * t;
+        let (cubes, dim) = elementwise(&client, len);
+        score_gradient_kernel::launch(
+            &client,
+            cubes,
+            dim,
+            s.into_tensor_arg(),
+            dp.into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.into_tensor_arg(),
+            p.clone().into_tensor_arg(),
+            ds.clone().into_tensor_arg(),
+            first * t,
+            len,
+            t,
+            scale,
+            elem_type(dtype),
+        );
+        let dv = product(transposed(p), d_o, empty(&qkv, [g, t, hd], dtype));
+        let dq = product(ds.clone(), k, empty(&qkv, [g, t, hd], dtype));
+        let dk = product(transposed(ds), q, empty(&qkv, [g, t, hd], dtype));
+        let len = g * t * hd;
+        let (cubes, dim) = elementwise(&client, len);
+        merge_gradients_kernel::launch(
+            &client,
+            cubes,
+            dim,
+            dq.into_tensor_arg(),
+            dk.into_tensor_arg(),
+            dv.into_tensor_arg(),
+            dqkv.clone().into_tensor_arg(),
+            first,
+            len,
+            t,
+            hd,
+            heads,
+            elem_type(dtype),
+        );
+    }
+    dqkv
+}
+
+/// The path's six kernels as a gpt2 step launches them ([`Ahead`]), the group being all of
+/// the step's 96 heads.
+pub(super) fn ahead(a: &mut Ahead) {
+    let (b, t, d, heads) = (Ahead::B, Ahead::T, Ahead::D, Ahead::HEADS);
+    let hd = d / heads;
+    let g = b * heads;
+    let dim = CubeDim::new_1d(UNITS);
+    let cubes = |len: usize| {
+        let x = len.div_ceil(UNITS as usize).clamp(1, 65_535) as u32;
+        CubeCount::Static(x, (len.div_ceil(UNITS as usize) as u32).div_ceil(x), 1)
+    };
+    let scale = (hd as f32).sqrt().recip();
+    let (heads_len, scores_len) = (g * t * hd, g * t * t);
+    for dtype in Ahead::DTYPES {
+        let tensor = |shape: &[usize]| Ahead::tensor(shape, dtype);
+        let f32s = |shape: &[usize]| Ahead::tensor(shape, DType::F32);
+        let e = elem_type(dtype);
+        a.push(format!("split_qkv {dtype:?} hd {hd}"), |device, target| {
+            split_qkv_kernel::create_dummy_kernel(
+                device,
+                target,
+                cubes(heads_len),
+                dim,
+                tensor(&[b, t, 3 * d]),
+                tensor(&[g, t, hd]),
+                tensor(&[g, t, hd]),
+                tensor(&[g, t, hd]),
+                0,
+                heads_len,
+                t,
+                hd,
+                heads,
+                e,
+            )
+        });
+        a.push(format!("causal_softmax {dtype:?}"), |device, target| {
+            causal_softmax_kernel::create_dummy_kernel(
+                device,
+                target,
+                row_cubes(g * t),
+                CubeDim::new_1d(ROW_UNITS as u32),
+                f32s(&[g, t, t]),
+                tensor(&[g, t, t]),
+                f32s(&[b, heads, t]),
+                0,
+                g * t,
+                t,
+                scale,
+                ROW_UNITS,
+                ROW_UNITS,
+                e,
+            )
+        });
+        a.push(
+            format!("merge_heads {dtype:?} hd {hd}"),
+            |device, target| {
+                merge_heads_kernel::create_dummy_kernel(
+                    device,
+                    target,
+                    cubes(heads_len),
+                    dim,
+                    tensor(&[g, t, hd]),
+                    tensor(&[b, t, d]),
+                    0,
+                    heads_len,
+                    t,
+                    hd,
+                    heads,
+                    e,
+                )
+            },
+        );
+        a.push(
+            format!("output_gradient {dtype:?} hd {hd}"),
+            |device, target| {
+                output_gradient_kernel::create_dummy_kernel(
+                    device,
+                    target,
+                    cubes(g * t),
+                    dim,
+                    tensor(&[b, t, d]),
+                    tensor(&[b, t, d]),
+                    tensor(&[g, t, hd]),
+                    f32s(&[g, t, 1]),
+                    0,
+                    g * t,
+                    t,
+                    hd,
+                    heads,
+                    e,
+                )
+            },
+        );
+        a.push(format!("score_gradient {dtype:?}"), |device, target| {
+            score_gradient_kernel::create_dummy_kernel(
+                device,
+                target,
+                cubes(scores_len),
+                dim,
+                f32s(&[g, t, t]),
+                f32s(&[g, t, t]),
+                f32s(&[b, heads, t]),
+                f32s(&[g, t, 1]),
+                tensor(&[g, t, t]),
+                tensor(&[g, t, t]),
+                0,
+                scores_len,
+                t,
+                scale,
+                e,
+            )
+        });
+        a.push(
+            format!("merge_gradients {dtype:?} hd {hd}"),
+            |device, target| {
+                merge_gradients_kernel::create_dummy_kernel(
+                    device,
+                    target,
+                    cubes(heads_len),
+                    dim,
+                    tensor(&[g, t, hd]),
+                    tensor(&[g, t, hd]),
+                    tensor(&[g, t, hd]),
+                    tensor(&[b, t, 3 * d]),
+                    0,
+                    heads_len,
+                    t,
+                    hd,
+                    heads,
+                    e,
+                )
+            },
+        );
+    }
+}
