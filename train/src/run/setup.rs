@@ -235,6 +235,7 @@ impl RunSetup {
                     "{}",
                     crate::run::kernel_cache::configure(config.device)?.line()
                 );
+                log0!(rank, "{}", cube_kernels_line()?);
             }
         }
         if config.dtype == Dtype::Bf16 && !device.supports_dtype(burn::tensor::DType::BF16) {
@@ -710,6 +711,28 @@ pub fn batch_plan(
             c.grad_accum,
             world * c.grad_accum
         )
+    })
+}
+
+/// Which of ember's CubeCL kernels the run takes, and how attention runs, for its first lines;
+/// an error names an `EMBER_ATTENTION` that names no way.
+#[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
+fn cube_kernels_line() -> CliResult<String> {
+    let attention = kernels::CubeAttention::from_env().map_err(usage)?;
+    if std::env::var("EMBER_CUBE_KERNELS").as_deref() == Ok("0") {
+        return Ok("ember's CubeCL kernels off (EMBER_CUBE_KERNELS=0): attention, LayerNorm, \
+                   GELU, cross-entropy and AdamW compose Burn's ops"
+            .to_string());
+    }
+    Ok(match attention.unwrap_or(kernels::CubeAttention::PRODUCTS) {
+        kernels::CubeAttention::Flash => {
+            "attention: ember's flash kernels (EMBER_ATTENTION=flash)".to_string()
+        }
+        kernels::CubeAttention::Products { max_scores_bytes } => format!(
+            "attention: through the device's matrix products, up to {} MiB of f32 scores a \
+             group of heads (EMBER_ATTENTION=flash for the flash kernels)",
+            max_scores_bytes >> 20
+        ),
     })
 }
 
