@@ -33,6 +33,11 @@ pub struct SelftestArgs {
     /// With --ptx: also write each kernel's PTX into this folder (for `ptxas`)
     #[arg(long, value_name = "DIR", requires = "ptx")]
     pub ptx_dir: Option<std::path::PathBuf>,
+    /// With --ptx: which of CubeCL's CUDA compilers: `llvm` (LLVM's NVPTX backend, to PTX) or
+    /// `cpp` (CUDA C++ source, which NVRTC compiles at run time: written as `.cu` files);
+    /// default: the one this binary's CUDA runtime uses
+    #[arg(long, value_name = "llvm|cpp", requires = "ptx", value_parser = ["llvm", "cpp"])]
+    pub ptx_compiler: Option<String>,
 }
 
 /// What `ember selftest` found.
@@ -52,7 +57,7 @@ struct Report {
 
 pub fn run(args: SelftestArgs) -> CliResult<()> {
     if let Some(sm) = args.ptx {
-        return ptx(sm, args.ptx_dir.as_deref(), args.json);
+        return ptx(sm, args.ptx_dir.as_deref(), args.ptx_compiler.as_deref(), args.json);
     }
     let start = Instant::now();
     let burn_device = device(args.device)?;
@@ -118,9 +123,24 @@ pub fn run(args: SelftestArgs) -> CliResult<()> {
 
 /// `--ptx SM`: every kernel compiled for compute capability `sm`, one line each.
 #[cfg(feature = "cuda")]
-fn ptx(sm: u32, dir: Option<&std::path::Path>, json: bool) -> CliResult<()> {
+fn ptx(
+    sm: u32,
+    dir: Option<&std::path::Path>,
+    compiler: Option<&str>,
+    json: bool,
+) -> CliResult<()> {
+    use cubecl::cuda::compiler::CudaBackend;
     let start = Instant::now();
-    let kernels = ember_train::tools::ptx::compile_all(sm, dir).map_err(|e| {
+    let backend = match compiler {
+        Some("cpp") => CudaBackend::Cpp,
+        Some(_) => CudaBackend::Llvm,
+        None => CudaBackend::default(),
+    };
+    let what = match backend {
+        CudaBackend::Llvm => "PTX (LLVM's NVPTX backend)",
+        CudaBackend::Cpp => "CUDA C++ (for NVRTC)",
+    };
+    let kernels = ember_train::tools::ptx::compile_all(sm, dir, backend).map_err(|e| {
         ember_train::error::usage(format!(
             "--ptx-dir {}: {e}",
             dir.map_or(String::new(), |d| d.display().to_string())
@@ -130,6 +150,7 @@ fn ptx(sm: u32, dir: Option<&std::path::Path>, json: bool) -> CliResult<()> {
     if json {
         let report = serde_json::json!({
             "sm": sm,
+            "compiler": format!("{backend:?}").to_lowercase(),
             "kernels": kernels,
             "passed": failed == 0,
             "seconds": start.elapsed().as_secs_f64(),
@@ -137,13 +158,18 @@ fn ptx(sm: u32, dir: Option<&std::path::Path>, json: bool) -> CliResult<()> {
         println!("{report}");
     } else {
         println!(
-            "{} kernels of ember's own compiled to PTX for sm_{sm} (modelled device, no GPU used):",
+            "{} kernels of ember's own compiled to {what} for sm_{sm} (modelled device, no GPU \
+             used):",
             kernels.len()
         );
+        let unit = match backend {
+            CudaBackend::Llvm => "PTX",
+            CudaBackend::Cpp => "C++",
+        };
         for k in &kernels {
             match &k.error {
                 None => println!(
-                    "  {}: {:.1} KiB of PTX, {} bytes of shared memory, {:.2} s",
+                    "  {}: {:.1} KiB of {unit}, {} bytes of shared memory, {:.2} s",
                     k.name,
                     k.ptx_bytes as f64 / 1024.0,
                     k.shared_bytes,
@@ -164,7 +190,7 @@ fn ptx(sm: u32, dir: Option<&std::path::Path>, json: bool) -> CliResult<()> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn ptx(_: u32, _: Option<&std::path::Path>, _: bool) -> CliResult<()> {
+fn ptx(_: u32, _: Option<&std::path::Path>, _: Option<&str>, _: bool) -> CliResult<()> {
     Err(ember_train::error::usage(
         "--ptx: this ember was built without CUDA; build it with `--features cuda` \
          (scripts/gpu-bundle does)",

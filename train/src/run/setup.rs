@@ -236,6 +236,10 @@ impl RunSetup {
                     crate::run::kernel_cache::configure(config.device)?.line()
                 );
                 log0!(rank, "{}", cube_kernels_line()?);
+                #[cfg(feature = "cuda")]
+                if matches!(config.device, DeviceKind::Cuda(_)) {
+                    log0!(rank, "{}", cuda_compiler_line()?);
+                }
             }
         }
         if config.dtype == Dtype::Bf16 && !device.supports_dtype(burn::tensor::DType::BF16) {
@@ -733,6 +737,35 @@ fn cube_kernels_line() -> CliResult<String> {
              group of heads (EMBER_ATTENTION=flash for the flash kernels)",
             max_scores_bytes >> 20
         ),
+    })
+}
+
+/// Which of CubeCL's compilers turns the run's kernels into what the CUDA driver loads, for
+/// the run's first lines; an error where it is NVRTC and no CUDA toolkit is found.
+#[cfg(feature = "cuda")]
+fn cuda_compiler_line() -> CliResult<String> {
+    use cubecl::cuda::compiler::CudaBackend;
+    Ok(match CudaBackend::default() {
+        CudaBackend::Llvm => "CUDA kernels: lowered to PTX by LLVM's NVPTX backend, which has no \
+                              TMA or asynchronous copies (a build with --features cuda-nvrtc \
+                              compiles them with NVRTC)"
+            .to_string(),
+        CudaBackend::Cpp => {
+            let root = cubecl::cuda::install::cuda_path()
+                .filter(|root| root.join("include").join("cuda_runtime.h").exists())
+                .ok_or_else(|| {
+                    usage(
+                        "--device cuda: this ember compiles its CUDA kernels with NVRTC, which \
+                         needs a CUDA toolkit's headers: set CUDA_PATH to one (the folder \
+                         holding include/cuda_runtime.h), or use a build without \
+                         --features cuda-nvrtc",
+                    )
+                })?;
+            format!(
+                "CUDA kernels: CUDA C++ compiled by NVRTC, with the headers of {}",
+                root.display()
+            )
+        }
     })
 }
 

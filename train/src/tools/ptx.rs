@@ -58,8 +58,9 @@ pub struct PtxKernel {
 }
 
 /// The properties CubeCL's CUDA runtime reports on an H100-class device of compute
-/// capability `sm` (80 or more), and the compile options it uses there.
-pub fn device(sm: u32) -> (Target, CudaCompilationOptions) {
+/// capability `sm` (80 or more) with `backend` as its compiler (the LLVM backend narrows them
+/// to what it lowers), and the compile options it uses there.
+pub fn device(sm: u32, backend: CudaBackend) -> (Target, CudaCompilationOptions) {
     let arch = CudaArchitecture {
         version: sm,
         tensor_cores: true,
@@ -150,7 +151,9 @@ pub fn device(sm: u32) -> (Target, CudaCompilationOptions) {
         cubecl_cpp::cuda::supported_mma_combinations(&arch),
         &mut props,
     );
-    restrict_features(&mut props, GpuTarget::Nvptx);
+    if backend == CudaBackend::Llvm {
+        restrict_features(&mut props, GpuTarget::Nvptx);
+    }
     let options = CudaCompilationOptions {
         cpp: CompilationOptions {
             warp_size: 32,
@@ -174,15 +177,23 @@ pub fn kernels(target: &Target) -> Vec<(String, Box<dyn CubeKernel>)> {
     all
 }
 
-/// Compiles every kernel for compute capability `sm`, writing each one's PTX into `dir` when
-/// given.
-pub fn compile_all(sm: u32, dir: Option<&Path>) -> std::io::Result<Vec<PtxKernel>> {
-    let (target, options) = device(sm);
+/// Compiles every kernel for compute capability `sm` with `backend`, writing each one's PTX
+/// (LLVM) or CUDA C++ source (C++, for NVRTC) into `dir` when given.
+pub fn compile_all(
+    sm: u32,
+    dir: Option<&Path>,
+    backend: CudaBackend,
+) -> std::io::Result<Vec<PtxKernel>> {
+    let (target, options) = device(sm, backend);
     let limit = target.device.hardware.max_shared_memory_size;
     if let Some(dir) = dir {
         std::fs::create_dir_all(dir)?;
     }
-    let mut compiler = CudaCompiler::new(CudaBackend::Llvm);
+    let mut compiler = CudaCompiler::new(backend);
+    let extension = match backend {
+        CudaBackend::Llvm => "ptx",
+        CudaBackend::Cpp => "cu",
+    };
     let mut out = Vec::new();
     for (name, kernel) in kernels(&target) {
         let start = Instant::now();
@@ -205,7 +216,7 @@ pub fn compile_all(sm: u32, dir: Option<&Path>) -> std::io::Result<Vec<PtxKernel
                     ));
                 }
                 if let Some(dir) = dir {
-                    let file = dir.join(format!("{}.ptx", file_name(&k.name)));
+                    let file = dir.join(format!("{}.{extension}", file_name(&k.name)));
                     std::fs::write(&file, &ptx)?;
                     k.file = Some(file.display().to_string());
                 }
@@ -237,7 +248,9 @@ fn compile(
                     .collect();
                 Ok((ptx, module.shared_memory_size))
             }
-            Ok(CudaRepresentation::Cpp(_)) => Err("compiled to C++, not PTX".to_string()),
+            Ok(CudaRepresentation::Cpp(kernel)) => {
+                Ok((kernel.source.into_bytes(), kernel.shared_memory_size))
+            }
             Err(e) => Err(format!("{e}")),
         }
     }))
