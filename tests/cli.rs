@@ -516,6 +516,36 @@ fn bad_input_gets_a_clear_message_and_exit_code() {
         2,
         "cannot be used with",
     );
+    refused(
+        &["selftest", "--ptx", "90", "--ptx-compiler", "nvcc"],
+        2,
+        "--ptx-compiler",
+    );
+    // How attention runs on a CubeCL device: `products` or `flash`, nothing else.
+    if cfg!(feature = "wgpu") {
+        let args = [
+            "train",
+            "--device",
+            "wgpu",
+            "--max-iters",
+            "1",
+            "--eval-interval",
+            "0",
+        ];
+        let out = ember_with(
+            &[&args[..], &["--out-dir", path(&t("attention"))]].concat(),
+            &[("EMBER_ATTENTION", "fast")],
+            Duration::from_secs(300),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains("EMBER_ATTENTION is \"fast\"") && stderr.contains("`flash`"),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(!t("attention").join("metrics.jsonl").exists());
+    }
 }
 
 #[test]

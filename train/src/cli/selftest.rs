@@ -57,7 +57,12 @@ struct Report {
 
 pub fn run(args: SelftestArgs) -> CliResult<()> {
     if let Some(sm) = args.ptx {
-        return ptx(sm, args.ptx_dir.as_deref(), args.ptx_compiler.as_deref(), args.json);
+        return ptx(
+            sm,
+            args.ptx_dir.as_deref(),
+            args.ptx_compiler.as_deref(),
+            args.json,
+        );
     }
     let start = Instant::now();
     let burn_device = device(args.device)?;

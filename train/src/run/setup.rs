@@ -722,22 +722,24 @@ pub fn batch_plan(
 /// an error names an `EMBER_ATTENTION` that names no way.
 #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
 fn cube_kernels_line() -> CliResult<String> {
-    let attention = kernels::CubeAttention::from_env().map_err(usage)?;
-    if std::env::var("EMBER_CUBE_KERNELS").as_deref() == Ok("0") {
-        return Ok("ember's CubeCL kernels off (EMBER_CUBE_KERNELS=0): attention, LayerNorm, \
-                   GELU, cross-entropy and AdamW compose Burn's ops"
-            .to_string());
-    }
-    Ok(match attention.unwrap_or(kernels::CubeAttention::PRODUCTS) {
-        kernels::CubeAttention::Flash => {
-            "attention: ember's flash kernels (EMBER_ATTENTION=flash)".to_string()
-        }
-        kernels::CubeAttention::Products { max_scores_bytes } => format!(
+    use kernels::CubeAttention;
+    let attention = CubeAttention::from_env().map_err(usage)?;
+    let line = if std::env::var("EMBER_CUBE_KERNELS").as_deref() == Ok("0") {
+        "ember's CubeCL kernels off (EMBER_CUBE_KERNELS=0): attention, LayerNorm, GELU, \
+         cross-entropy and AdamW compose Burn's ops"
+            .to_string()
+    } else if let CubeAttention::Products { max_scores_bytes } =
+        attention.unwrap_or(CubeAttention::PRODUCTS)
+    {
+        format!(
             "attention: through the device's matrix products, up to {} MiB of f32 scores a \
              group of heads (EMBER_ATTENTION=flash for the flash kernels)",
             max_scores_bytes >> 20
-        ),
-    })
+        )
+    } else {
+        "attention: ember's flash kernels (EMBER_ATTENTION=flash)".to_string()
+    };
+    Ok(line)
 }
 
 /// Which of CubeCL's compilers turns the run's kernels into what the CUDA driver loads, for
