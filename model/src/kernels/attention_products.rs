@@ -7,9 +7,10 @@
 //! The flash kernels (`flash.rs`) multiply on a unit's own arithmetic: on an H100 they ran at
 //! 6.3 TFLOP/s, where the same card's matmul ran at 141 (`BENCHMARKS.md`). Here the `T x T`
 //! scores of a group of heads exist for the length of one call, in f32: the group is as many
-//! (sequence, head) pairs as fit [`CubeAttention::Products`]'s byte cap for one score tensor
-//! (the backward holds two, the scores and their gradient, and the two in the tensor's dtype
-//! that the products read). Nothing of it outlives the call: the autodiff graph keeps what the
+//! (sequence, head) pairs as fit [`CubeAttention::Products`]'s byte cap for one score tensor.
+//! The backward holds two, the scores and their gradient; in f32 the probabilities and the
+//! scores' gradient are written over them, in bf16 and f16 beside them in the tensor's dtype
+//! (which the products read). Nothing of it outlives the call: the autodiff graph keeps what the
 //! flash kernels keep (the projection, the output and one log-sum-exp per query), and the
 //! forward's outputs are those of [`super::flash::FlashOps::flash_forward`] exactly, so either
 //! path's backward takes either path's forward.
@@ -156,10 +157,11 @@ fn split_qkv_kernel<E: Float>(
 
 /// The causal softmax of each row of the f32 scores `[G, T, T]` (scaled by `scale`) into the
 /// probabilities `p` in the tensor's dtype, zeros right of the diagonal, and each row's
-/// log-sum-exp into `lse` from row `first_row` on. A cube per row.
+/// log-sum-exp into `lse` from row `first_row` on. A cube per row. `in_place` (f32 tensors)
+/// writes the probabilities over the scores instead, and leaves `p` alone.
 #[cube(launch, create_dummy_kernel)]
 fn causal_softmax_kernel<E: Float>(
-    s: &Tensor<f32>,
+    s: &mut Tensor<f32>,
     p: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
     first_row: usize,
@@ -168,6 +170,7 @@ fn causal_softmax_kernel<E: Float>(
     scale: f32,
     units_now: usize,
     #[comptime] units: usize,
+    #[comptime] in_place: bool,
     #[define(E)] _dtype: ElemType,
 ) {
     let r = grid_row();
@@ -199,17 +202,28 @@ fn causal_softmax_kernel<E: Float>(
     if live {
         let mut j = u;
         while j < seq {
-            let mut x = f32::new(0.0);
-            if j < seen {
-                x = f32::exp(s[base + j] * scale - l);
+            let x = seen_exp(s[base + j] * scale - l, j < seen);
+            if in_place {
+                s[base + j] = x;
+            } else {
+                p[base + j] = E::cast_from(x);
             }
-            p[base + j] = E::cast_from(x);
             j += units;
         }
         if u == 0 {
             lse[first_row + r] = l;
         }
     }
+}
+
+/// `exp(x)` for a key the query sees, else 0.
+#[cube]
+fn seen_exp(x: f32, seen: bool) -> f32 {
+    let mut v = f32::new(0.0);
+    if seen {
+        v = f32::exp(x);
+    }
+    v
 }
 
 /// The `[G, T, hd]` heads `o` into their columns of the `[B, T, d]` output, one unit per
@@ -268,11 +282,12 @@ fn output_gradient_kernel<E: Float>(
 /// From the f32 scores `s` and their product with the values `dp` (`[G, T, T]`), the
 /// probabilities `p = exp(scale s - lse)` and the unscaled scores' gradient
 /// `ds = scale p (dp - D)`, both in the tensor's dtype, zeros right of the diagonal; one unit
-/// per element.
+/// per element. `in_place` (f32 tensors) writes them over `s` and `dp` instead, and leaves `p`
+/// and `ds` alone.
 #[cube(launch, create_dummy_kernel)]
 fn score_gradient_kernel<E: Float>(
-    s: &Tensor<f32>,
-    dp: &Tensor<f32>,
+    s: &mut Tensor<f32>,
+    dp: &mut Tensor<f32>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     p: &mut Tensor<E>,
@@ -281,19 +296,21 @@ fn score_gradient_kernel<E: Float>(
     len: usize,
     seq: usize,
     scale: f32,
+    #[comptime] in_place: bool,
     #[define(E)] _dtype: ElemType,
 ) {
     let e = ABSOLUTE_POS;
     if e < len {
         let r = e / seq;
-        let mut pv = f32::new(0.0);
-        let mut g = f32::new(0.0);
-        if e % seq <= r % seq {
-            pv = f32::exp(s[e] * scale - lse[first_row + r]);
-            g = scale * pv * (dp[e] - delta[r]);
+        let pv = seen_exp(s[e] * scale - lse[first_row + r], e % seq <= r % seq);
+        let g = scale * pv * (dp[e] - delta[r]);
+        if in_place {
+            s[e] = pv;
+            dp[e] = g;
+        } else {
+            p[e] = E::cast_from(pv);
+            ds[e] = E::cast_from(g);
         }
-        p[e] = E::cast_from(pv);
-        ds[e] = E::cast_from(g);
     }
 }
 
@@ -341,6 +358,25 @@ fn empty(like: &CubeTensor, shape: [usize; 3], dtype: DType) -> CubeTensor {
         Shape::new(shape),
         dtype,
     )
+}
+
+/// Whether the probabilities and the scores' gradient of `dtype` are written over the f32
+/// scores they come from (f32), rather than into tensors of their own (the products read them
+/// in `dtype`).
+fn in_place(dtype: DType) -> bool {
+    dtype == DType::F32
+}
+
+/// The tensor of `dtype` the kernels write probabilities (or the scores' gradient) into, beside
+/// the f32 scores `s`: one of `s`'s shape, or, where they are written over `s`, a placeholder
+/// of one element that the kernel leaves alone.
+fn scores_like(s: &CubeTensor, dtype: DType) -> CubeTensor {
+    let shape = if in_place(dtype) {
+        [1, 1, 1]
+    } else {
+        s.meta.shape().dims::<3>()
+    };
+    empty(s, shape, dtype)
 }
 
 /// `lhs rhs` (batched) into `out`, a fresh contiguous tensor: the products sum in f32
@@ -407,12 +443,12 @@ pub(crate) fn forward(qkv: CubeTensor, heads: usize, group: usize) -> (CubeTenso
         let g = group.min(tasks - first);
         let [q, k, v] = split(&qkv, first, g, dims);
         let s = product(q, transposed(k), empty(&qkv, [g, t, t], DType::F32));
-        let p = empty(&qkv, [g, t, t], dtype);
+        let p = scores_like(&s, dtype);
         causal_softmax_kernel::launch(
             &client,
             row_cubes(g * t),
             CubeDim::new_1d(ROW_UNITS as u32),
-            s.into_tensor_arg(),
+            s.clone().into_tensor_arg(),
             p.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             first * t,
@@ -421,8 +457,10 @@ pub(crate) fn forward(qkv: CubeTensor, heads: usize, group: usize) -> (CubeTenso
             scale,
             ROW_UNITS,
             ROW_UNITS,
+            in_place(dtype),
             elem_type(dtype),
         );
+        let p = if in_place(dtype) { s } else { p };
         let o = product(p, v, empty(&qkv, [g, t, dims.hd], dtype));
         let len = g * t * dims.hd;
         let (cubes, dim) = elementwise(&client, len);
@@ -497,16 +535,16 @@ pub(crate) fn backward(
             transposed(v),
             empty(&qkv, [g, t, t], DType::F32),
         );
-        let p = empty(&qkv, [g, t, t], dtype);
-        let ds = empty(&qkv, [g, t, t], dtype);
+        let p = scores_like(&s, dtype);
+        let ds = scores_like(&s, dtype);
         let len = g * t * t;
         let (cubes, dim) = elementwise(&client, len);
         score_gradient_kernel::launch(
             &client,
             cubes,
             dim,
-            s.into_tensor_arg(),
-            dp.into_tensor_arg(),
+            s.clone().into_tensor_arg(),
+            dp.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             delta.into_tensor_arg(),
             p.clone().into_tensor_arg(),
@@ -515,8 +553,10 @@ pub(crate) fn backward(
             len,
             t,
             scale,
+            in_place(dtype),
             elem_type(dtype),
         );
+        let (p, ds) = if in_place(dtype) { (s, dp) } else { (p, ds) };
         let dv = product(transposed(p), d_o, empty(&qkv, [g, t, hd], dtype));
         let dq = product(ds.clone(), k, empty(&qkv, [g, t, hd], dtype));
         let dk = product(transposed(ds), q, empty(&qkv, [g, t, hd], dtype));
@@ -591,6 +631,7 @@ pub(super) fn ahead(a: &mut Ahead) {
                 scale,
                 ROW_UNITS,
                 ROW_UNITS,
+                in_place(dtype),
                 e,
             )
         });
@@ -650,6 +691,7 @@ pub(super) fn ahead(a: &mut Ahead) {
                 scores_len,
                 t,
                 scale,
+                in_place(dtype),
                 e,
             )
         });
