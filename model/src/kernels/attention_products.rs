@@ -127,6 +127,24 @@ pub(crate) fn group_for(
 /// Units per cube of the element-wise kernels.
 const UNITS: u32 = 256;
 
+/// Where element `e` of the `[G, T, hd]` heads of the pairs from `first` on lies in a packed
+/// `[B, T, parts d]` tensor, in its first `d` columns (pair `b H + h` is head `h` of sequence
+/// `b`).
+#[cube]
+fn packed_index(
+    e: usize,
+    first: usize,
+    seq: usize,
+    #[comptime] hd: usize,
+    #[comptime] heads: usize,
+    #[comptime] parts: usize,
+) -> usize {
+    let c = e % hd;
+    let i = (e / hd) % seq;
+    let task = first + e / (hd * seq);
+    ((task / heads) * seq + i) * parts * hd * heads + (task % heads) * hd + c
+}
+
 /// Q, K and V of the `len / (T hd)` (sequence, head) pairs from `first` on, from the packed
 /// `[B, T, 3d]` projection into three `[G, T, hd]` tensors, one unit per element.
 #[cube(launch, create_dummy_kernel)]
@@ -145,10 +163,7 @@ fn split_qkv_kernel<E: Float>(
     let e = ABSOLUTE_POS;
     if e < len {
         let d = hd * heads;
-        let c = e % hd;
-        let i = (e / hd) % seq;
-        let task = first + e / (hd * seq);
-        let at = ((task / heads) * seq + i) * 3 * d + (task % heads) * hd + c;
+        let at = packed_index(e, first, seq, hd, heads, 3usize);
         q[e] = qkv[at];
         k[e] = qkv[at + d];
         v[e] = qkv[at + 2 * d];
@@ -241,10 +256,7 @@ fn merge_heads_kernel<E: Float>(
 ) {
     let e = ABSOLUTE_POS;
     if e < len {
-        let c = e % hd;
-        let i = (e / hd) % seq;
-        let task = first + e / (hd * seq);
-        out[((task / heads) * seq + i) * hd * heads + (task % heads) * hd + c] = o[e];
+        out[packed_index(e, first, seq, hd, heads, 1usize)] = o[e];
     }
 }
 
@@ -265,9 +277,7 @@ fn output_gradient_kernel<E: Float>(
 ) {
     let r = ABSOLUTE_POS;
     if r < rows {
-        let i = r % seq;
-        let task = first + r / seq;
-        let at = ((task / heads) * seq + i) * hd * heads + (task % heads) * hd;
+        let at = packed_index(r * hd, first, seq, hd, heads, 1usize);
         let mut sum = f32::new(0.0);
         #[unroll]
         for c in 0..hd {
@@ -332,10 +342,7 @@ fn merge_gradients_kernel<E: Float>(
     let e = ABSOLUTE_POS;
     if e < len {
         let d = hd * heads;
-        let c = e % hd;
-        let i = (e / hd) % seq;
-        let task = first + e / (hd * seq);
-        let at = ((task / heads) * seq + i) * 3 * d + (task % heads) * hd + c;
+        let at = packed_index(e, first, seq, hd, heads, 3usize);
         dqkv[at] = dq[e];
         dqkv[at + d] = dk[e];
         dqkv[at + 2 * d] = dv[e];
