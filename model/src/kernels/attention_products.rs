@@ -108,20 +108,21 @@ pub(crate) fn scores_cap(attention: CubeAttention) -> u64 {
 }
 
 /// (sequence, head) pairs per group of the products' path for `tasks` pairs of `t` queries
-/// under `scores_cap` ([`scores_cap`]), or `None` for the flash kernels: where the cap is 0, or
-/// one pair's f32 scores exceed it or the largest allocation of `like`'s device.
-pub(crate) fn group_for(
-    tasks: usize,
-    t: usize,
-    scores_cap: u64,
-    like: &CubeTensor,
-) -> Option<usize> {
+/// under `scores_cap` ([`scores_cap`]) on a device whose largest allocation is `max_alloc`
+/// bytes, or `None` for the flash kernels: where the cap is 0, or one pair's f32 scores exceed
+/// it or the largest allocation.
+pub(crate) fn group_for(tasks: usize, t: usize, scores_cap: u64, max_alloc: u64) -> Option<usize> {
     if scores_cap == 0 {
         return None;
     }
-    let cap = scores_cap.min(like.client.properties().memory.max_page_size);
+    let cap = scores_cap.min(max_alloc);
     let one = (t * t * 4) as u64;
     (one <= cap).then(|| ((cap / one) as usize).clamp(1, tasks.max(1)))
+}
+
+/// The largest allocation of `t`'s device, in bytes.
+pub(crate) fn max_alloc(t: &CubeTensor) -> u64 {
+    t.client.properties().memory.max_page_size
 }
 
 /// Units per cube of the element-wise kernels.
@@ -723,5 +724,34 @@ pub(super) fn ahead(a: &mut Ahead) {
                 )
             },
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// gpt2's step (96 pairs of 1024 queries, 4 MiB of scores each) is one group under the
+    /// default cap; a smaller cap or allocation splits it; a pair over either, or the flash
+    /// setting, takes the flash kernels.
+    #[test]
+    fn groups_hold_as_many_pairs_as_the_cap_and_the_device_allow() {
+        let cap = scores_cap(CubeAttention::PRODUCTS);
+        assert_eq!(cap, 512 << 20);
+        assert_eq!(group_for(96, 1024, cap, u64::MAX), Some(96));
+        assert_eq!(group_for(96, 1024, cap, 128 << 20), Some(32));
+        assert_eq!(group_for(96, 1024, 4 << 20, u64::MAX), Some(1));
+        assert_eq!(group_for(96, 1024, (4 << 20) - 1, u64::MAX), None);
+        assert_eq!(group_for(96, 1024, cap, (4 << 20) - 1), None);
+        assert_eq!(group_for(1, 11_585, cap, u64::MAX), Some(1));
+        assert_eq!(group_for(1, 11_586, cap, u64::MAX), None);
+        assert_eq!(scores_cap(CubeAttention::Flash), 0);
+        assert_eq!(group_for(96, 1024, 0, u64::MAX), None);
+        // A cap of 0 bytes for the products is not the flash setting's 0.
+        let tiny = CubeAttention::Products {
+            max_scores_bytes: 0,
+        };
+        assert_eq!(scores_cap(tiny), 1);
+        assert_eq!(group_for(96, 1, scores_cap(tiny), u64::MAX), None);
     }
 }

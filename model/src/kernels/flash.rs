@@ -541,7 +541,9 @@ impl FlashOps for CubeBackend {
     fn flash_forward(qkv: CubeTensor, n_head: usize, scores_cap: u64) -> (CubeTensor, CubeTensor) {
         let qkv = into_contiguous(qkv);
         let (b, t, d, hd, block, cubes) = geometry(&qkv, n_head);
-        if let Some(group) = products::group_for(b * n_head, t, scores_cap, &qkv) {
+        if let Some(group) =
+            products::group_for(b * n_head, t, scores_cap, products::max_alloc(&qkv))
+        {
             return products::forward(qkv, n_head, group);
         }
         let (client, device, dtype) = (qkv.client.clone(), qkv.device.clone(), qkv.dtype);
@@ -587,7 +589,9 @@ impl FlashOps for CubeBackend {
         let lse = into_contiguous(lse);
         let dout = into_contiguous(dout);
         let (b, t, d, hd, block, cubes) = geometry(&qkv, n_head);
-        if let Some(group) = products::group_for(b * n_head, t, scores_cap, &qkv) {
+        if let Some(group) =
+            products::group_for(b * n_head, t, scores_cap, products::max_alloc(&qkv))
+        {
             return products::backward(qkv, out, lse, dout, n_head, group);
         }
         let (client, device, dtype) = (qkv.client.clone(), qkv.device.clone(), qkv.dtype);
