@@ -596,10 +596,7 @@ pub(super) fn ahead(a: &mut Ahead) {
     let hd = d / heads;
     let g = b * heads;
     let dim = CubeDim::new_1d(UNITS);
-    let cubes = |len: usize| {
-        let x = len.div_ceil(UNITS as usize).clamp(1, 65_535) as u32;
-        CubeCount::Static(x, (len.div_ceil(UNITS as usize) as u32).div_ceil(x), 1)
-    };
+    let cubes = |len: usize| row_cubes(len.div_ceil(UNITS as usize));
     let scale = (hd as f32).sqrt().recip();
     let (heads_len, scores_len) = (g * t * hd, g * t * t);
     for dtype in Ahead::DTYPES {
