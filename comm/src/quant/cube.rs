@@ -311,14 +311,16 @@ impl CubeKernels {
     }
 
     /// Quantizes the `len` f32 values of `input`, a buffer on this client, blockwise. Only the
-    /// packed values and the scales come back to the host: the bytes a collective sends.
+    /// packed values and the scales come back to the host: the bytes a collective sends. The
+    /// error is the device's, where it could not run the kernels or read their output back (a
+    /// buffer it could not allocate, `input`'s included).
     pub fn quantize_device(
         &self,
         input: Handle,
         len: usize,
         format: QuantFormat,
         block: BlockSize,
-    ) -> Quantized {
+    ) -> Result<Quantized, String> {
         self.quantize_and_dequantize(input, len, format, block, None)
     }
 
@@ -333,7 +335,7 @@ impl CubeKernels {
         format: QuantFormat,
         block: BlockSize,
         back: Handle,
-    ) -> Quantized {
+    ) -> Result<Quantized, String> {
         self.quantize_and_dequantize(input, len, format, block, Some(back))
     }
 
@@ -344,15 +346,15 @@ impl CubeKernels {
         format: QuantFormat,
         block: BlockSize,
         back: Option<Handle>,
-    ) -> Quantized {
+    ) -> Result<Quantized, String> {
         if len == 0 {
-            return Quantized {
+            return Ok(Quantized {
                 format,
                 block,
                 len: 0,
                 data: Vec::new(),
                 scales: Vec::new(),
-            };
+            });
         }
         let n_scales = len.div_ceil(block.get());
         let n_words = words(format, len);
@@ -401,22 +403,24 @@ impl CubeKernels {
             }
         }
         // Both buffers in one read: one wait for the kernels, one copy back.
-        let mut read = client
+        let [scales, data]: [_; 2] = client
             .read(vec![scales_h, out_h])
-            .unwrap_or_else(|e| panic!("reading quantized bytes back from the device: {e:?}"));
-        let mut data = read.pop().expect("two buffers read").to_vec();
-        let scales = u32::from_bytes(&read.pop().expect("two buffers read"))
+            .map_err(|e| format!("reading quantized bytes back from the device: {e:?}"))?
+            .try_into()
+            .map_err(|v: Vec<_>| format!("the device read back {} buffers of 2", v.len()))?;
+        let mut data = data.to_vec();
+        let scales = u32::from_bytes(&scales)
             .iter()
             .map(|&b| f32::from_bits(b))
             .collect();
         data.truncate(format.data_bytes(len));
-        Quantized {
+        Ok(Quantized {
             format,
             block,
             len,
             data,
             scales,
-        }
+        })
     }
 
     /// Writes the element-wise sum of the dequantized `parts` (same format, block and length
@@ -478,12 +482,14 @@ impl QuantKernels for CubeKernels {
         self.name.clone()
     }
 
+    /// A device failure stops the check that called it, named (the trait has no error).
     fn quantize(&self, x: &[f32], format: QuantFormat, block: BlockSize) -> Quantized {
-        if x.is_empty() {
-            return self.quantize_device(self.client.empty(4), 0, format, block);
-        }
-        let input = self.client.create_from_slice(f32::as_bytes(x));
+        let input = match x.is_empty() {
+            true => self.client.empty(4),
+            false => self.client.create_from_slice(f32::as_bytes(x)),
+        };
         self.quantize_device(input, x.len(), format, block)
+            .unwrap_or_else(|e| panic!("{}: {e}", self.name))
     }
 
     fn dequantize(&self, q: &Quantized) -> Vec<f32> {
@@ -517,8 +523,9 @@ mod tests {
                     let at = format!("{len} of 2048, {format:?}, {block:?}");
                     let input = kernels.client.create_from_slice(f32::as_bytes(&big));
                     let back = kernels.client.create_from_slice(f32::as_bytes(&big));
-                    let q =
-                        kernels.quantize_device_and_back(input, len, format, block, back.clone());
+                    let q = kernels
+                        .quantize_device_and_back(input, len, format, block, back.clone())
+                        .unwrap();
                     let want = HostKernels.quantize(&big[..len], format, block);
                     assert!(q.bit_eq(&want), "{at}");
                     let back = f32::from_bytes(&kernels.client.read_one_unchecked(back)).to_vec();
@@ -533,5 +540,19 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Kernels handed a buffer the device could not allocate (1 GiB, past wgpu's buffer limit)
+    /// answer with the device's error, not a panic.
+    #[test]
+    fn a_buffer_the_device_could_not_allocate_quantizes_to_an_error() {
+        let kernels = CubeKernels::wgpu().expect("the wgpu feature is on");
+        let block = BlockSize::new(64).unwrap();
+        let input = kernels.client.empty(1 << 30);
+        let err = kernels
+            .quantize_device(input, 1 << 28, QuantFormat::Int8, block)
+            .map(|q| q.len)
+            .unwrap_err();
+        assert!(err.contains("reading quantized bytes back"), "{err}");
     }
 }

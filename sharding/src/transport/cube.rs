@@ -14,6 +14,8 @@ use burn_cubecl::{Cube, CubeBackend};
 use ember_comm::quant::cube::CubeKernels;
 use ember_comm::quant::{BlockSize, QuantFormat, Quantized};
 
+use crate::error::ShardError;
+
 /// The CubeCL tensor behind `t`; `None` off CubeCL.
 fn resolve(t: Tensor<1>) -> Option<CubeTensor> {
     let fused = t.try_into_primitive::<Cube>().ok()?;
@@ -32,19 +34,29 @@ fn kernels(t: &CubeTensor) -> CubeKernels {
     CubeKernels::on(t.client.clone(), "burn")
 }
 
-/// `x` (f32) quantized on its device.
-pub(crate) fn quantize(x: &Tensor<1>, format: QuantFormat, block: BlockSize) -> Option<Quantized> {
+/// `x` (f32) quantized on its device; the device's failure to run the kernels or read their
+/// output back is the error. `None` off CubeCL.
+pub(crate) fn quantize(
+    x: &Tensor<1>,
+    format: QuantFormat,
+    block: BlockSize,
+) -> Option<Result<Quantized, ShardError>> {
     let (p, n) = primitive(x)?;
-    Some(kernels(&p).quantize_device(p.handle.clone(), n, format, block))
+    Some(
+        kernels(&p)
+            .quantize_device(p.handle.clone(), n, format, block)
+            .map_err(ShardError::Device),
+    )
 }
 
 /// `x` (f32) quantized on its device, and the quantized values dequantized there into a new
-/// tensor, from the bytes where the kernels wrote them (none cross back to the device).
+/// tensor, from the bytes where the kernels wrote them (none cross back to the device). The
+/// error as for [`quantize`]; `None` off CubeCL.
 pub(crate) fn quantize_and_back(
     x: &Tensor<1>,
     format: QuantFormat,
     block: BlockSize,
-) -> Option<(Quantized, Tensor<1>)> {
+) -> Option<Result<(Quantized, Tensor<1>), ShardError>> {
     let (p, n) = primitive(x)?;
     let (back, out) = output(n, &x.device())?;
     let q = kernels(&p).quantize_device_and_back(
@@ -54,7 +66,7 @@ pub(crate) fn quantize_and_back(
         block,
         out.handle.clone(),
     );
-    Some((q, back))
+    Some(q.map(|q| (q, back)).map_err(ShardError::Device))
 }
 
 /// A new f32 tensor of `len` elements on `device`, and the CubeCL tensor that holds its
@@ -165,12 +177,16 @@ mod tests {
         let x = crate::transport::staging::from_f32(values.clone(), &device);
         let block = BlockSize::new(64).unwrap();
         for format in [QuantFormat::Int8, QuantFormat::Int4] {
-            let q = quantize(&x, format, block).expect("a wgpu tensor takes the CubeCL path");
+            let q = quantize(&x, format, block)
+                .expect("a wgpu tensor takes the CubeCL path")
+                .unwrap();
             assert!(
                 q.bit_eq(&HostKernels.quantize(&values, format, block)),
                 "{format:?}"
             );
-            let (again, back) = quantize_and_back(&x, format, block).expect("on the device");
+            let (again, back) = quantize_and_back(&x, format, block)
+                .expect("on the device")
+                .unwrap();
             assert!(again.bit_eq(&q), "{format:?}");
             assert_eq!(
                 crate::transport::staging::to_f32(back).unwrap(),
@@ -213,7 +229,9 @@ mod tests {
         // that queued operations then read.
         let lazy = x.clone() * 2.0 + 1.0;
         let twice: Vec<f32> = values.iter().map(|v| v * 2.0 + 1.0).collect();
-        let q = quantize(&lazy, QuantFormat::Int8, block).expect("on the device");
+        let q = quantize(&lazy, QuantFormat::Int8, block)
+            .expect("on the device")
+            .unwrap();
         assert!(q.bit_eq(&HostKernels.quantize(&twice, QuantFormat::Int8, block)));
         let sum = dequantize_sum(std::slice::from_ref(&q), &device).expect("on the device");
         let doubled: Vec<f32> = HostKernels
@@ -247,10 +265,14 @@ mod tests {
             for block in [8, 64, 2048] {
                 let block = BlockSize::new(block).unwrap();
                 for format in [QuantFormat::Int8, QuantFormat::Int4] {
-                    let q = quantize(&part, format, block).expect("on the device");
+                    let q = quantize(&part, format, block)
+                        .expect("on the device")
+                        .unwrap();
                     let host = HostKernels.quantize(want, format, block);
                     assert!(q.bit_eq(&host), "{start}..+{len} {format:?} {block:?}");
-                    let (again, back) = quantize_and_back(&part, format, block).expect("device");
+                    let (again, back) = quantize_and_back(&part, format, block)
+                        .expect("device")
+                        .unwrap();
                     assert!(again.bit_eq(&host), "{start}..+{len} {format:?} {block:?}");
                     assert_eq!(
                         crate::transport::staging::to_f32(back).unwrap(),
@@ -260,5 +282,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A tensor the device could not allocate (1 GiB, past wgpu's buffer limit) quantizes to
+    /// the device's error, for the step to report, not a panic.
+    #[test]
+    fn a_tensor_the_device_could_not_allocate_quantizes_to_an_error() {
+        let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        let t = Tensor::<1>::ones([1 << 28], (&device, DType::F32));
+        let block = BlockSize::new(64).unwrap();
+        match quantize(&t, QuantFormat::Int8, block) {
+            Some(Err(ShardError::Device(why))) => assert!(!why.is_empty()),
+            other => panic!("{:?}", other.map(|r| r.map(|q| q.len))),
+        }
+        assert!(matches!(
+            quantize_and_back(&t, QuantFormat::Int4, block),
+            Some(Err(ShardError::Device(_)))
+        ));
     }
 }

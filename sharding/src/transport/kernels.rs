@@ -25,6 +25,7 @@ pub(crate) fn quantize(
         staging::await_kernels(&x)?;
         let start = std::time::Instant::now();
         if let Some(q) = crate::transport::cube::quantize(&x, format, block) {
+            let q = q?;
             let wire = Quantized::wire_bytes(format, block, q.len);
             staging::record(staging::Way::ToHost, wire, start);
             return Ok(q);
@@ -46,7 +47,8 @@ pub(crate) fn quantize_and_back(
     {
         staging::await_kernels(&x)?;
         let start = std::time::Instant::now();
-        if let Some((q, back)) = crate::transport::cube::quantize_and_back(&x, format, block) {
+        if let Some(r) = crate::transport::cube::quantize_and_back(&x, format, block) {
+            let (q, back) = r?;
             let wire = Quantized::wire_bytes(format, block, q.len);
             staging::record(staging::Way::ToHost, wire, start);
             return Ok((q, back));
