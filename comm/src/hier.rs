@@ -89,13 +89,14 @@ pub fn all_gather_path<T: Element>(
     path: &Path,
 ) -> Result<Vec<T>, CommError> {
     let hops = live_hops(comm, path)?;
-    let mut buf = shard.to_vec();
+    // The first hop sends from the caller's buffer, each later one from the hop before's.
+    let mut buf = std::borrow::Cow::Borrowed(shard);
     for group in hops.iter().rev() {
-        buf = group.all_gather(&buf)?;
+        buf = std::borrow::Cow::Owned(group.all_gather(&buf)?);
     }
     if hops.len() <= 1 {
         // With at most one hop moving data the hop order is the natural order.
-        return Ok(buf);
+        return Ok(buf.into_owned());
     }
     Ok(from_hop_order(comm.topology(), path, &buf, shard.len()))
 }

@@ -250,6 +250,30 @@ pub fn to_hop_order<T: Copy + Default>(
     data: &[T],
     layout: ShardLayout,
 ) -> Vec<T> {
+    in_hop_order(topology, path, data, layout).into_owned()
+}
+
+/// [`to_hop_order`], borrowing `data` as it is where that changes nothing: no padding, and
+/// every chunk already at its position (a path with one hop that moves data, say).
+pub fn in_hop_order<'a, T: Copy + Default>(
+    topology: &Topology,
+    path: &Path,
+    data: &'a [T],
+    layout: ShardLayout,
+) -> std::borrow::Cow<'a, [T]> {
+    let chunks = layout.padded().checked_div(layout.shard).unwrap_or(0);
+    if data.len() == layout.padded() && (0..chunks).all(|r| path.chunk_position(topology, r) == r) {
+        return std::borrow::Cow::Borrowed(data);
+    }
+    std::borrow::Cow::Owned(permuted(topology, path, data, layout))
+}
+
+fn permuted<T: Copy + Default>(
+    topology: &Topology,
+    path: &Path,
+    data: &[T],
+    layout: ShardLayout,
+) -> Vec<T> {
     let padded = pad_zeros(data, layout.padded());
     let mut out = vec![T::default(); layout.padded()];
     permute(
@@ -393,6 +417,35 @@ mod tests {
         let t = Topology::parse("2x4x1").unwrap();
         let path = Path::new(&t, &[0, 1, 2]).unwrap();
         assert!((0..4).all(|i| path.chunk_position(&t, i) == i));
+    }
+
+    /// The hop order borrows the caller's buffer only where it is the buffer's own order, and
+    /// equals the permuted copy everywhere.
+    #[test]
+    fn hop_order_borrows_only_where_nothing_moves() {
+        let t = Topology::parse("2x2x2").unwrap();
+        let data: Vec<f32> = (0..16).map(|i| i as f32).collect();
+        for path in all_paths(&t, 3) {
+            for (len, layout) in [
+                (16, ShardLayout::new(16, 8, 1)),
+                (13, ShardLayout::new(13, 8, 1)),
+            ] {
+                let got = in_hop_order(&t, &path, &data[..len], layout);
+                assert_eq!(&got[..], &permuted(&t, &path, &data[..len], layout)[..]);
+                let identity = (0..8).all(|r| path.chunk_position(&t, r) == r);
+                let borrowed = matches!(got, std::borrow::Cow::Borrowed(_));
+                assert_eq!(borrowed, identity && len == 16, "{:?} {len}", path.bounds());
+            }
+        }
+        // One path of each kind: the flat one is the natural order, one over two hops is not.
+        assert!(matches!(
+            in_hop_order(&t, &Path::flat(&t), &data, ShardLayout::new(16, 8, 1)),
+            std::borrow::Cow::Borrowed(_)
+        ));
+        assert!(matches!(
+            in_hop_order(&t, &Path::per_level(&t), &data, ShardLayout::new(16, 8, 1)),
+            std::borrow::Cow::Owned(_)
+        ));
     }
 
     #[test]

@@ -208,9 +208,20 @@ pub(crate) fn concat_f32(parts: Vec<Tensor<1>>) -> Tensor<1> {
 
 /// `t`'s data on the host, or the device's failure (a runtime reports a failed launch or
 /// allocation at the first read after it) as [`ShardError::Device`](crate::error::ShardError).
+///
+/// A CubeCL runtime reads lazily: its data holds the tensor's buffer until first accessed,
+/// and only then waits for the kernels that write it and copies it (into pinned host memory,
+/// on CUDA). The data is accessed here, so that the wait and the copy happen inside this call
+/// (on the clock of whoever times it) and a failure met there is this call's error.
 pub(crate) fn read(t: Tensor<1>) -> Result<TensorData, crate::error::ShardError> {
-    t.try_into_data()
-        .map_err(|e| crate::error::ShardError::device(&e))
+    let data = t
+        .try_into_data()
+        .map_err(|e| crate::error::ShardError::device(&e))?;
+    #[cfg(feature = "cubecl")]
+    data.bytes()
+        .read(cubecl::bytes::Reader::new())
+        .map_err(|e| crate::error::ShardError::device(&e))?;
+    Ok(data)
 }
 
 /// The first element of `t` as f64 (NaN when it holds none). The device's failure to compute

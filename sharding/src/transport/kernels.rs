@@ -31,7 +31,7 @@ pub(crate) fn quantize(
             return Ok(q);
         }
     }
-    Ok(HostKernels.quantize(&staging::to_f32(x)?, format, block))
+    Ok(HostKernels.quantize(&staging::read_f32(x)?, format, block))
 }
 
 /// [`quantize`], and its values dequantized on `device` (what the quantization kept of `x`):

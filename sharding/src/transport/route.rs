@@ -15,7 +15,7 @@ use burn::tensor::{DType, Device, Tensor};
 use ember_comm::collective::Reduce;
 use ember_comm::hier::all_gather_path;
 use ember_comm::path::Path;
-use ember_comm::path::{from_hop_order, to_hop_order};
+use ember_comm::path::{from_hop_order, in_hop_order};
 use ember_comm::quant::{BlockSize, QuantFormat, Quantized};
 use ember_comm::{Bf16, ShardLayout};
 use ember_comm::{Comm, Group, Scope};
@@ -174,11 +174,11 @@ fn gather_plain_path(
 ) -> Result<Tensor<1>, ShardError> {
     Ok(match shard.dtype() {
         DType::BF16 => staging::from_bf16(
-            &all_gather_path(comm, &staging::to_bf16(shard)?, path)?,
+            &all_gather_path(comm, &staging::read_bf16(shard)?, path)?,
             device,
         ),
         _ => staging::from_f32(
-            all_gather_path(comm, &staging::to_f32(shard)?, path)?,
+            all_gather_path(comm, &staging::read_f32(shard)?, path)?,
             device,
         ),
     })
@@ -631,11 +631,13 @@ pub(crate) fn reduce_flow<'e>(
                 let g = c.try_group(scope(c, hop))?;
                 match (first, carry) {
                     (Some(t), _) if bf16 => {
-                        let buf = to_hop_order(topology, &path, &staging::to_bf16(t)?, layout);
+                        let values = staging::read_bf16(t)?;
+                        let buf = in_hop_order(topology, &path, &values, layout);
                         Ok(Carry::Bf16(g.reduce_scatter(&buf, Reduce::Sum)?))
                     }
                     (Some(t), _) => {
-                        let buf = to_hop_order(topology, &path, &staging::to_f32(t)?, layout);
+                        let values = staging::read_f32(t)?;
+                        let buf = in_hop_order(topology, &path, &values, layout);
                         Ok(Carry::F32(g.reduce_scatter(&buf, Reduce::Sum)?))
                     }
                     (None, Carry::F32(v)) => Ok(Carry::F32(g.reduce_scatter(&v, Reduce::Sum)?)),
@@ -855,9 +857,9 @@ fn all_reduce_carry(
 ) -> Result<Carry, ShardError> {
     let g = c.try_group(scope(c, levels))?;
     Ok(if bf16 {
-        Carry::Bf16(g.all_reduce(&staging::to_bf16(t)?, Reduce::Sum)?)
+        Carry::Bf16(g.all_reduce(&staging::read_bf16(t)?, Reduce::Sum)?)
     } else {
-        Carry::F32(g.all_reduce(&staging::to_f32(t)?, Reduce::Sum)?)
+        Carry::F32(g.all_reduce(&staging::read_f32(t)?, Reduce::Sum)?)
     })
 }
 

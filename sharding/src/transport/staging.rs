@@ -133,18 +133,82 @@ pub(crate) fn record(way: Way, bytes: usize, start: Instant) {
     count.fetch_add(bytes as u64, Ordering::Relaxed);
 }
 
-/// The values of an f32 tensor, on the host (cast from any other float dtype).
+/// The values of an f32 tensor, on the host (cast from any other float dtype), as a vector of
+/// their own: where the runtime read them into a buffer of its own (pinned memory, on CUDA),
+/// copied out of it, on the crossing's clock. [`read_f32`] lends them where they landed.
 pub(crate) fn to_f32(t: Tensor<1>) -> Result<Vec<f32>, ShardError> {
     let bytes = t.dims()[0] * 4;
     let t = crate::transport::host::cast(t, DType::F32);
     await_kernels(&t)?;
     let device = t.device();
-    let data = timed(Way::ToHost, &device, bytes, || {
+    timed(Way::ToHost, &device, bytes, || {
+        crate::transport::host::read(t)?
+            .try_into_vec::<f32>()
+            .map_err(|e| ShardError::device(&e))
+    })
+}
+
+/// Host values read back from a device tensor, left where the read put them (on CUDA, the
+/// runtime's pinned buffer, handed back to its pool when this is dropped; on flex, the
+/// tensor's own buffer): an MPI call that only reads them takes them without a copy into a
+/// vector. `E` is `f32` or [`Bf16`].
+pub(crate) struct HostRead<E> {
+    data: TensorData,
+    element: std::marker::PhantomData<E>,
+}
+
+impl std::ops::Deref for HostRead<f32> {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        self.data
+            .as_slice::<f32>()
+            .expect("read as f32 and accessed when read")
+    }
+}
+
+impl std::ops::Deref for HostRead<Bf16> {
+    type Target = [Bf16];
+
+    fn deref(&self) -> &[Bf16] {
+        let values = self
+            .data
+            .as_slice::<bf16>()
+            .expect("read as bf16 and accessed when read");
+        // SAFETY: `Bf16` and `bf16` are both `repr(transparent)` over `u16`: the same size and
+        // alignment, every bit pattern valid in both.
+        unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<Bf16>(), values.len()) }
+    }
+}
+
+/// The values of an f32 tensor (cast from any other float dtype) on the host, where the read
+/// put them: [`to_f32`] without the copy into a vector of their own.
+pub(crate) fn read_f32(t: Tensor<1>) -> Result<HostRead<f32>, ShardError> {
+    let t = crate::transport::host::cast(t, DType::F32);
+    read_as(t, 4)
+}
+
+/// The values of a tensor as bf16 bits on the host (cast from any other float dtype), where
+/// the read put them: [`to_bf16`] without the copy into a vector of their own.
+pub(crate) fn read_bf16(t: Tensor<1>) -> Result<HostRead<Bf16>, ShardError> {
+    let t = match t.dtype() {
+        DType::BF16 => t,
+        _ => t.cast(DType::BF16),
+    };
+    read_as(t, 2)
+}
+
+/// `t` read back on the crossing's clock, after the wait for its kernels on theirs.
+fn read_as<E>(t: Tensor<1>, size: usize) -> Result<HostRead<E>, ShardError> {
+    await_kernels(&t)?;
+    let device = t.device();
+    let data = timed(Way::ToHost, &device, t.dims()[0] * size, || {
         crate::transport::host::read(t)
     })?;
-    Ok(data
-        .try_into_vec::<f32>()
-        .expect("an f32 tensor reads back as f32"))
+    Ok(HostRead {
+        data,
+        element: std::marker::PhantomData,
+    })
 }
 
 /// An f32 tensor of `values` on `device`.
@@ -164,13 +228,12 @@ pub(crate) fn to_bf16(t: Tensor<1>) -> Result<Vec<Bf16>, ShardError> {
     };
     await_kernels(&t)?;
     let (device, bytes) = (t.device(), t.dims()[0] * 2);
-    let data = timed(Way::ToHost, &device, bytes, || {
-        crate::transport::host::read(t)
+    let values = timed(Way::ToHost, &device, bytes, || {
+        crate::transport::host::read(t)?
+            .try_into_vec::<bf16>()
+            .map_err(|e| ShardError::device(&e))
     })?;
-    Ok(bf16_of_burn(
-        data.try_into_vec::<bf16>()
-            .expect("a bf16 tensor reads back as bf16"),
-    ))
+    Ok(bf16_of_burn(values))
 }
 
 /// A bf16 tensor of `values` on `device`.
@@ -205,7 +268,9 @@ pub(crate) fn tensor_bytes(t: &Tensor<1>) -> u64 {
 }
 
 /// The rate of each kind of crossing an MPI call makes, measured through the functions the
-/// engine stages with: f32 and bf16 tensors of `bytes` bytes each way.
+/// engine stages with: f32 and bf16 tensors of `bytes` bytes each way. Reads are those of
+/// the gathers, reductions and all-reduces: the values left where the runtime's read put them
+/// ([`read_f32`], [`read_bf16`]).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct CrossingRates {
     /// Bytes per crossing.
@@ -250,9 +315,9 @@ pub fn crossing_rates(
         .collect();
     let rounds = rounds.max(1);
     let to_device_f32 = timed_write(rounds, &sync, || f32s.clone(), |v| from_f32(v, device))?;
-    let to_host_f32 = timed_read(rounds, &sync, || from_f32(f32s.clone(), device), to_f32)?;
+    let to_host_f32 = timed_read(rounds, &sync, || from_f32(f32s.clone(), device), read_f32)?;
     let to_device_bf16 = timed_write(rounds, &sync, || (), |()| from_bf16(&bf16s, device))?;
-    let to_host_bf16 = timed_read(rounds, &sync, || from_bf16(&bf16s, device), to_bf16)?;
+    let to_host_bf16 = timed_read(rounds, &sync, || from_bf16(&bf16s, device), read_bf16)?;
     let rate = |seconds: f64| (n * 4) as f64 / seconds;
     Ok(CrossingRates {
         bytes: (n * 4) as u64,
@@ -323,11 +388,16 @@ mod tests {
         let mut v = vec![1.5f32, -0.0, f32::MIN_POSITIVE, 3.0e38];
         v.extend((0..1001).map(|i| (i as f32 - 500.0) / 7.0));
         assert_eq!(to_f32(from_f32(v.clone(), &device)).unwrap(), v);
+        assert_eq!(&read_f32(from_f32(v.clone(), &device)).unwrap()[..], &v[..]);
         if device.supports_dtype(DType::BF16) {
             let b: Vec<Bf16> = v.iter().map(|&x| Bf16::from_f32(x)).collect();
             let t = from_bf16(&b, &device);
             assert_eq!(t.dtype(), DType::BF16);
+            assert_eq!(&read_bf16(t.clone()).unwrap()[..], &b[..]);
             assert_eq!(to_bf16(t).unwrap(), b);
+            // An f32 tensor read as bf16 is cast on its device first, rounding to nearest even.
+            let cast = read_bf16(from_f32(v.clone(), &device)).unwrap();
+            assert_eq!(&cast[..], &b[..]);
         }
     }
 
@@ -342,6 +412,34 @@ mod tests {
             Err(ShardError::Device(why)) => assert!(!why.is_empty()),
             other => panic!("a 1 GiB tensor on wgpu: {:?}", other.map(|v| v.len())),
         }
-        assert!(matches!(to_bf16(t), Err(ShardError::Device(_))));
+        assert!(matches!(to_bf16(t.clone()), Err(ShardError::Device(_))));
+        assert!(matches!(read_f32(t.clone()), Err(ShardError::Device(_))));
+        assert!(matches!(read_bf16(t), Err(ShardError::Device(_))));
+    }
+
+    /// A read's clock holds the copy: a CubeCL runtime reads lazily, at the data's first
+    /// access, so the read the engine times must make that access itself. 64 MiB computed on
+    /// the device arrive inside `read_f32`'s call: summing them afterwards takes less time
+    /// than the call did (a lazy read would return at once and cross during the sum). The
+    /// counters are process-wide and other tests cross beside this one, so only this thread's
+    /// clock is held exactly.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn reads_cross_inside_their_own_calls() {
+        let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        let n = 16 << 20;
+        let t = Tensor::<1>::ones([n], (&device, DType::F32)) * 3.0;
+        Staging::take();
+        let start = Instant::now();
+        let values = read_f32(t).unwrap();
+        let call = start.elapsed().as_secs_f64();
+        let taken = Staging::take();
+        let start = Instant::now();
+        let sum: f64 = values.iter().map(|&x| f64::from(x)).sum();
+        let after = start.elapsed().as_secs_f64();
+        assert_eq!(sum, 3.0 * n as f64);
+        assert!(after < call, "{after} s to sum the values after a read of {call} s");
+        assert!(taken.to_host_bytes >= (n * 4) as u64);
+        assert!(taken.this_thread_seconds > 0.0 && taken.this_thread_seconds <= call);
     }
 }
