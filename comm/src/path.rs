@@ -294,14 +294,27 @@ pub fn from_hop_order<T: Copy + Default>(
     chunk: usize,
 ) -> Vec<T> {
     let mut out = vec![T::default(); gathered.len()];
+    from_hop_order_into(topology, path, gathered, chunk, &mut out);
+    out
+}
+
+/// [`from_hop_order`] into `out`, a buffer of `gathered`'s length (memory staged for a
+/// device, say).
+pub fn from_hop_order_into<T: Copy>(
+    topology: &Topology,
+    path: &Path,
+    gathered: &[T],
+    chunk: usize,
+    out: &mut [T],
+) {
+    assert_eq!(out.len(), gathered.len(), "a reordering keeps the length");
     permute(
         gathered,
-        &mut out,
+        out,
         chunk,
         |r| path.chunk_position(topology, r),
         Direction::Gather,
     );
-    out
 }
 
 /// Every path over the group of levels `0..hi`: all boundary lists `[0, ..., hi]`

@@ -15,7 +15,7 @@ use burn::tensor::{DType, Device, Tensor};
 use ember_comm::collective::Reduce;
 use ember_comm::hier::all_gather_path;
 use ember_comm::path::Path;
-use ember_comm::path::{from_hop_order, in_hop_order};
+use ember_comm::path::{from_hop_order, from_hop_order_into, in_hop_order};
 use ember_comm::quant::{BlockSize, QuantFormat, Quantized};
 use ember_comm::{Bf16, ShardLayout};
 use ember_comm::{Comm, Group, Scope};
@@ -46,9 +46,31 @@ fn path_of(plan: &Plan) -> Result<Path, ShardError> {
 /// compute dtype, or int8 wire forms.
 #[derive(Debug, Clone)]
 pub(crate) enum HostForm {
-    F32(Arc<Vec<f32>>),
-    Bf16(Arc<Vec<Bf16>>),
+    F32(Arc<Values<f32>>),
+    Bf16(Arc<Values<Bf16>>),
     Bytes(Arc<Vec<u8>>),
+}
+
+/// Host values a step keeps: where a read from the device put them (CUDA's pinned buffer, no
+/// copy into a vector), or a vector of their own.
+#[derive(Debug)]
+pub(crate) enum Values<E> {
+    Read(staging::HostRead<E>),
+    Own(Vec<E>),
+}
+
+impl<E> std::ops::Deref for Values<E>
+where
+    staging::HostRead<E>: std::ops::Deref<Target = [E]>,
+{
+    type Target = [E];
+
+    fn deref(&self) -> &[E] {
+        match self {
+            Values::Read(r) => r,
+            Values::Own(v) => v,
+        }
+    }
 }
 
 impl HostForm {
@@ -61,22 +83,39 @@ impl HostForm {
         }
     }
 
-    /// Host values read from a device tensor (a crossing).
+    /// Host values read from a device tensor in its dtype (a crossing), left where the read
+    /// put them.
     fn values_of(t: Tensor<1>) -> Result<Self, ShardError> {
-        Ok(match host_values(t)? {
-            Carry::F32(v) => HostForm::F32(Arc::new(v)),
-            Carry::Bf16(v) => HostForm::Bf16(Arc::new(v)),
-            _ => unreachable!("host values"),
+        Ok(match t.dtype() {
+            DType::BF16 => HostForm::Bf16(Arc::new(Values::Read(staging::read_bf16(t)?))),
+            _ => HostForm::F32(Arc::new(Values::Read(staging::read_f32(t)?))),
         })
     }
 
-    /// Its all-gather over the group of `levels`, read where it is.
-    fn all_gather(&self, c: &Comm, levels: Levels) -> Result<Carry, ShardError> {
+    /// Its all-gather over the group of `levels`, read where it is. Values land in memory
+    /// staged for `device` where `last` says the gather is the one whose result goes up
+    /// (no host copy between MPI's buffer and the device's); otherwise in a vector.
+    fn all_gather(
+        &self,
+        c: &Comm,
+        levels: Levels,
+        last: Option<&Device>,
+    ) -> Result<Carry, ShardError> {
         let g = c.try_group(scope(c, levels))?;
-        Ok(match self {
-            HostForm::F32(v) => Carry::F32(g.all_gather(&v[..])?),
-            HostForm::Bf16(v) => Carry::Bf16(g.all_gather(&v[..])?),
-            HostForm::Bytes(v) => Carry::Bytes(g.all_gather(&v[..])?),
+        Ok(match (self, last) {
+            (HostForm::F32(v), Some(device)) => {
+                let mut out = staging::Staged::new(DType::F32, v.len() * g.size(), device);
+                g.all_gather_into(&v[..], out.f32s_mut())?;
+                Carry::Staged(out)
+            }
+            (HostForm::Bf16(v), Some(device)) => {
+                let mut out = staging::Staged::new(DType::BF16, v.len() * g.size(), device);
+                g.all_gather_into(&v[..], out.bf16s_mut())?;
+                Carry::Staged(out)
+            }
+            (HostForm::F32(v), None) => Carry::F32(g.all_gather(&v[..])?),
+            (HostForm::Bf16(v), None) => Carry::Bf16(g.all_gather(&v[..])?),
+            (HostForm::Bytes(v), _) => Carry::Bytes(g.all_gather(&v[..])?),
         })
     }
 
@@ -211,6 +250,8 @@ pub(crate) enum Carry {
     Bf16(Vec<Bf16>),
     /// Host bytes (int8 wire forms).
     Bytes(Vec<u8>),
+    /// Host values (f32 or bf16) in memory staged for the device they go up to.
+    Staged(staging::Staged),
 }
 
 /// One stage of a job: a collective on one group, run by that group's thread.
@@ -302,24 +343,34 @@ fn all_gather_carry(comm: &Comm, group: Levels, carry: Carry) -> Result<Carry, S
         Carry::F32(v) => Carry::F32(g.all_gather(&v)?),
         Carry::Bf16(v) => Carry::Bf16(g.all_gather(&v)?),
         Carry::Bytes(v) => Carry::Bytes(g.all_gather(&v)?),
-        Carry::Empty | Carry::Tensor(_) => unreachable!("stages carry host buffers"),
-    })
-}
-
-/// A unit's shard in the compute dtype as host values for a plain gather.
-fn host_values(shard: Tensor<1>) -> Result<Carry, ShardError> {
-    Ok(match shard.dtype() {
-        DType::BF16 => Carry::Bf16(staging::to_bf16(shard)?),
-        _ => Carry::F32(staging::to_f32(shard)?),
+        Carry::Empty | Carry::Tensor(_) | Carry::Staged(_) => {
+            unreachable!("stages carry host buffers")
+        }
     })
 }
 
 /// A gathered host buffer in the G index order of `path` (`chunk` elements per rank; the
-/// gather concatenated in hop order when more than one hop moved data).
-fn in_g_order(plan: &Plan, path: &Path, carry: Carry, chunk: usize, hops: usize) -> Carry {
+/// gather concatenated in hop order when more than one hop moved data), reordered into memory
+/// staged for `device`.
+fn in_g_order(
+    plan: &Plan,
+    path: &Path,
+    carry: Carry,
+    chunk: usize,
+    hops: usize,
+    device: &Device,
+) -> Carry {
     match carry {
-        Carry::F32(v) if hops > 1 => Carry::F32(from_hop_order(&plan.topology, path, &v, chunk)),
-        Carry::Bf16(v) if hops > 1 => Carry::Bf16(from_hop_order(&plan.topology, path, &v, chunk)),
+        Carry::F32(v) if hops > 1 => {
+            let mut out = staging::Staged::new(DType::F32, v.len(), device);
+            from_hop_order_into(&plan.topology, path, &v, chunk, out.f32s_mut());
+            Carry::Staged(out)
+        }
+        Carry::Bf16(v) if hops > 1 => {
+            let mut out = staging::Staged::new(DType::BF16, v.len(), device);
+            from_hop_order_into(&plan.topology, path, &v, chunk, out.bf16s_mut());
+            Carry::Staged(out)
+        }
         other => other,
     }
 }
@@ -329,6 +380,7 @@ fn upload(carry: Carry, device: &Device) -> Tensor<1> {
     match carry {
         Carry::F32(v) => staging::from_f32(v, device),
         Carry::Bf16(v) => staging::from_bf16(&v, device),
+        Carry::Staged(s) => s.upload(),
         Carry::Tensor(t) => *t,
         Carry::Empty | Carry::Bytes(_) => unreachable!("a plain gather carries values"),
     }
@@ -349,8 +401,12 @@ fn cut_host_values(
     }
     let range = plan.shard_range(u, span, rank);
     Some(Secondary::Host(match values {
-        Carry::F32(v) => HostForm::F32(Arc::new(v[range].to_vec())),
-        Carry::Bf16(v) => HostForm::Bf16(Arc::new(v[range].to_vec())),
+        Carry::F32(v) => HostForm::F32(Arc::new(Values::Own(v[range].to_vec()))),
+        Carry::Bf16(v) => HostForm::Bf16(Arc::new(Values::Own(v[range].to_vec()))),
+        Carry::Staged(s) if s.dtype() == DType::BF16 => {
+            HostForm::Bf16(Arc::new(Values::Own(s.bf16s()[range].to_vec())))
+        }
+        Carry::Staged(s) => HostForm::F32(Arc::new(Values::Own(s.f32s()[range].to_vec()))),
         _ => return None,
     }))
 }
@@ -409,9 +465,11 @@ pub(crate) fn gather_flow<'e>(
             let copy = secondaries.get(u);
             Ok(match (copy, comm) {
                 (Secondary::Device(t), None) => Carry::Tensor(t),
-                (Secondary::Device(t), Some(c)) => all_gather_carry(c, group, host_values(*t)?)?,
+                (Secondary::Device(t), Some(c)) => {
+                    HostForm::values_of(*t)?.all_gather(c, group, Some(device))?
+                }
                 (Secondary::Host(f), None) => f.to_carry(),
-                (Secondary::Host(f), Some(c)) => f.all_gather(c, group)?,
+                (Secondary::Host(f), Some(c)) => f.all_gather(c, group, Some(device))?,
             })
         };
         let finish = move |carry: Carry| {
@@ -477,7 +535,7 @@ pub(crate) fn gather_flow<'e>(
                 (full, Some(gathered))
             }
             other => {
-                let ordered = in_g_order(plan, &path, other, shard_len, live);
+                let ordered = in_g_order(plan, &path, other, shard_len, live, device);
                 copy = keep.and_then(|span| cut_host_values(plan, u, span, rank, &ordered));
                 (upload(ordered, device), None)
             }
@@ -499,7 +557,10 @@ pub(crate) fn gather_flow<'e>(
             hop,
             Box::new(move |c: &Comm, carry: Carry| {
                 if i == 0 {
-                    shards.get_or(u, device, read)?.all_gather(c, hop)
+                    // A one-hop gather's result goes up as it lands; several hops' is
+                    // reordered into staged memory at the end (`in_g_order`).
+                    let last = (live == 1).then_some(device);
+                    shards.get_or(u, device, read)?.all_gather(c, hop, last)
                 } else {
                     all_gather_carry(c, hop, carry)
                 }

@@ -152,6 +152,7 @@ pub(crate) fn to_f32(t: Tensor<1>) -> Result<Vec<f32>, ShardError> {
 /// runtime's pinned buffer, handed back to its pool when this is dropped; on flex, the
 /// tensor's own buffer): an MPI call that only reads them takes them without a copy into a
 /// vector. `E` is `f32` or [`Bf16`].
+#[derive(Debug)]
 pub(crate) struct HostRead<E> {
     data: TensorData,
     element: std::marker::PhantomData<E>,
@@ -189,7 +190,7 @@ pub(crate) fn read_f32(t: Tensor<1>) -> Result<HostRead<f32>, ShardError> {
 }
 
 /// The values of a tensor as bf16 bits on the host (cast from any other float dtype), where
-/// the read put them: [`to_bf16`] without the copy into a vector of their own.
+/// the read put them.
 pub(crate) fn read_bf16(t: Tensor<1>) -> Result<HostRead<Bf16>, ShardError> {
     let t = match t.dtype() {
         DType::BF16 => t,
@@ -219,23 +220,6 @@ pub(crate) fn from_f32(values: Vec<f32>, device: &Device) -> Tensor<1> {
     })
 }
 
-/// The values of a bf16 tensor as bf16 bits, on the host.
-pub(crate) fn to_bf16(t: Tensor<1>) -> Result<Vec<Bf16>, ShardError> {
-    let t = if t.dtype() == DType::BF16 {
-        t
-    } else {
-        t.cast(DType::BF16)
-    };
-    await_kernels(&t)?;
-    let (device, bytes) = (t.device(), t.dims()[0] * 2);
-    let values = timed(Way::ToHost, &device, bytes, || {
-        crate::transport::host::read(t)?
-            .try_into_vec::<bf16>()
-            .map_err(|e| ShardError::device(&e))
-    })?;
-    Ok(bf16_of_burn(values))
-}
-
 /// A bf16 tensor of `values` on `device`.
 pub(crate) fn from_bf16(values: &[Bf16], device: &Device) -> Tensor<1> {
     let n = values.len();
@@ -245,21 +229,133 @@ pub(crate) fn from_bf16(values: &[Bf16], device: &Device) -> Tensor<1> {
     })
 }
 
+/// Host memory for values on their way to a device, for an MPI call to fill before they go
+/// up. On a runtime that stages host data in memory of its own (CUDA: page-locked memory from
+/// the pool of the calling thread's stream, reused from step to step), that memory: the write
+/// then copies from it directly, with no host copy between MPI's buffer and the device's. On
+/// other devices (wgpu, flex) a vector, which a write takes as it would any.
+pub(crate) struct Staged {
+    data: TensorData,
+    device: Device,
+}
+
+impl Staged {
+    /// `len` elements of `dtype` (f32 or bf16) for `device`, their values unspecified until
+    /// filled.
+    pub(crate) fn new(dtype: DType, len: usize, device: &Device) -> Self {
+        let device = device.clone();
+        #[cfg(feature = "cubecl")]
+        if has_own_memory(&device) && len > 0 {
+            let bytes = len * dtype.size();
+            // SAFETY: the placeholder is never read: the runtime's staging replaces it with a
+            // buffer of its own (copying nothing from it), or it is dropped below.
+            let placeholder = unsafe {
+                burn::tensor::Bytes::from_controller(Box::new(cube_staging::Unfilled(bytes)), bytes)
+            };
+            let mut data = TensorData::from_bytes(placeholder, [len], dtype);
+            device.staging(std::iter::once(&mut data));
+            if data.bytes().property() != burn::tensor::AllocationProperty::Other {
+                return Self { data, device };
+            }
+        }
+        let data = match dtype {
+            DType::BF16 => TensorData::new(vec![bf16::ZERO; len], [len]),
+            _ => TensorData::new(vec![0f32; len], [len]),
+        };
+        Self { data, device }
+    }
+
+    /// Whether the buffer is the runtime's page-locked memory.
+    pub(crate) fn is_pinned(&self) -> bool {
+        self.data.bytes().property() == burn::tensor::AllocationProperty::Pinned
+    }
+
+    /// The element type.
+    pub(crate) fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+
+    /// The values, f32.
+    pub(crate) fn f32s(&self) -> &[f32] {
+        self.data.as_slice::<f32>().expect("staged as f32")
+    }
+
+    /// The values, f32, to fill.
+    pub(crate) fn f32s_mut(&mut self) -> &mut [f32] {
+        self.data.as_mut_slice::<f32>().expect("staged as f32")
+    }
+
+    /// The values as bf16 bits.
+    pub(crate) fn bf16s(&self) -> &[Bf16] {
+        let values = self.data.as_slice::<bf16>().expect("staged as bf16");
+        // SAFETY: `Bf16` and `bf16` are both `repr(transparent)` over `u16`.
+        unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<Bf16>(), values.len()) }
+    }
+
+    /// The values as bf16 bits, to fill.
+    pub(crate) fn bf16s_mut(&mut self) -> &mut [Bf16] {
+        let values = self.data.as_mut_slice::<bf16>().expect("staged as bf16");
+        // SAFETY: as in `bf16s`.
+        unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<Bf16>(), values.len()) }
+    }
+
+    /// The values as a tensor on the device, on the crossing's clock.
+    pub(crate) fn upload(self) -> Tensor<1> {
+        let Self { data, device } = self;
+        let (dtype, bytes) = (data.dtype(), data.bytes().len());
+        timed(Way::ToDevice, &device, bytes, || {
+            Tensor::from_data(data, (&device, dtype))
+        })
+    }
+}
+
+#[cfg(feature = "cubecl")]
+mod cube_staging {
+    use std::mem::MaybeUninit;
+
+    use cubecl::bytes::{AccessError, AccessPolicy, AllocationController, AllocationProperty};
+
+    /// The stand-in for a buffer of this many bytes that a runtime's staging replaces with its
+    /// own: it holds no memory, and copies nothing into the replacement (MPI fills it after).
+    pub(super) struct Unfilled(pub(super) usize);
+
+    impl AllocationController for Unfilled {
+        fn alloc_align(&self) -> usize {
+            1
+        }
+
+        fn property(&self) -> AllocationProperty {
+            AllocationProperty::Other
+        }
+
+        unsafe fn memory_mut(
+            &mut self,
+            _policy: AccessPolicy,
+        ) -> Result<&mut [MaybeUninit<u8>], AccessError> {
+            Err(AccessError::Read(
+                "a staging placeholder holds no memory".into(),
+            ))
+        }
+
+        fn memory(&self, _policy: AccessPolicy) -> Result<&[MaybeUninit<u8>], AccessError> {
+            Err(AccessError::Read(
+                "a staging placeholder holds no memory".into(),
+            ))
+        }
+
+        fn capacity(&self) -> usize {
+            self.0
+        }
+
+        unsafe fn copy_into(&self, _buf: &mut [u8]) {}
+    }
+}
+
 /// `values` as Burn's bf16 elements, in one copy (`Bf16` and `bf16` are both the bits as a
 /// `u16`). A loop building bytes moved about 1 GB/s, and bytes handed to a tensor were copied
 /// once more.
 fn burn_bf16_of(values: &[Bf16]) -> Vec<bf16> {
     values.iter().map(|b| bf16::from_bits(b.0)).collect()
-}
-
-/// `values` as `Bf16`, taking the vector over without a copy.
-fn bf16_of_burn(values: Vec<bf16>) -> Vec<Bf16> {
-    let mut values = std::mem::ManuallyDrop::new(values);
-    let (ptr, len, cap) = (values.as_mut_ptr(), values.len(), values.capacity());
-    // SAFETY: `Bf16` and `bf16` are both `repr(transparent)` over `u16`: the same size and
-    // alignment, every bit pattern valid in both; the vector's allocation is handed over whole
-    // (the original is never dropped).
-    unsafe { Vec::from_raw_parts(ptr.cast::<Bf16>(), len, cap) }
 }
 
 /// Bytes a tensor of `numel` elements of `dtype` takes.
@@ -270,7 +366,8 @@ pub(crate) fn tensor_bytes(t: &Tensor<1>) -> u64 {
 /// The rate of each kind of crossing an MPI call makes, measured through the functions the
 /// engine stages with: f32 and bf16 tensors of `bytes` bytes each way. Reads are those of
 /// the gathers, reductions and all-reduces: the values left where the runtime's read put them
-/// ([`read_f32`], [`read_bf16`]).
+/// ([`read_f32`], [`read_bf16`]); writes those of the gathers: values in memory staged for
+/// the device ([`Staged`]).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct CrossingRates {
     /// Bytes per crossing.
@@ -283,6 +380,9 @@ pub struct CrossingRates {
     pub to_host_bf16: f64,
     /// Bytes per second of host bf16 bits written to a device tensor.
     pub to_device_bf16: f64,
+    /// Whether the runtime staged the writes' values in its page-locked memory (CUDA).
+    #[serde(default)]
+    pub staged_pinned: bool,
 }
 
 /// [`CrossingRates`] on `device`: for each kind, the median of `rounds` crossings, each timed
@@ -314,9 +414,21 @@ pub fn crossing_rates(
         .map(|i| Bf16::from_f32((i % 1000) as f32))
         .collect();
     let rounds = rounds.max(1);
-    let to_device_f32 = timed_write(rounds, &sync, || f32s.clone(), |v| from_f32(v, device))?;
+    // A write's values are filled into its staged memory untimed, as MPI's receive fills it.
+    let staged_f32 = || {
+        let mut s = Staged::new(DType::F32, n, device);
+        s.f32s_mut().copy_from_slice(&f32s);
+        s
+    };
+    let staged_bf16 = || {
+        let mut s = Staged::new(DType::BF16, 2 * n, device);
+        s.bf16s_mut().copy_from_slice(&bf16s);
+        s
+    };
+    let staged_pinned = staged_f32().is_pinned();
+    let to_device_f32 = timed_write(rounds, &sync, staged_f32, Staged::upload)?;
     let to_host_f32 = timed_read(rounds, &sync, || from_f32(f32s.clone(), device), read_f32)?;
-    let to_device_bf16 = timed_write(rounds, &sync, || (), |()| from_bf16(&bf16s, device))?;
+    let to_device_bf16 = timed_write(rounds, &sync, staged_bf16, Staged::upload)?;
     let to_host_bf16 = timed_read(rounds, &sync, || from_bf16(&bf16s, device), read_bf16)?;
     let rate = |seconds: f64| (n * 4) as f64 / seconds;
     Ok(CrossingRates {
@@ -325,6 +437,7 @@ pub fn crossing_rates(
         to_device_f32: rate(to_device_f32),
         to_host_bf16: rate(to_host_bf16),
         to_device_bf16: rate(to_device_bf16),
+        staged_pinned,
     })
 }
 
@@ -384,6 +497,35 @@ mod tests {
         round_trips_on(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice));
     }
 
+    /// Staged memory filled and written up gives the device the values it holds, in f32 and
+    /// bf16, on every device (where the runtime stages nothing of its own, a vector).
+    #[test]
+    fn staged_values_go_up_as_filled() {
+        staged_on(Device::flex());
+        #[cfg(feature = "wgpu")]
+        staged_on(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice));
+    }
+
+    fn staged_on(device: Device) {
+        let v: Vec<f32> = (0..1003).map(|i| (i as f32 - 500.0) / 7.0).collect();
+        let mut s = Staged::new(DType::F32, v.len(), &device);
+        assert!(!s.is_pinned(), "no page-locked memory off CUDA");
+        s.f32s_mut().copy_from_slice(&v);
+        let t = s.upload();
+        assert_eq!(t.dtype(), DType::F32);
+        assert_eq!(to_f32(t).unwrap(), v);
+        if device.supports_dtype(DType::BF16) {
+            let b: Vec<Bf16> = v.iter().map(|&x| Bf16::from_f32(x)).collect();
+            let mut s = Staged::new(DType::BF16, b.len(), &device);
+            s.bf16s_mut().copy_from_slice(&b);
+            assert_eq!(s.bf16s(), &b[..]);
+            let t = s.upload();
+            assert_eq!(t.dtype(), DType::BF16);
+            assert_eq!(&read_bf16(t).unwrap()[..], &b[..]);
+        }
+        assert_eq!(Staged::new(DType::F32, 0, &device).upload().dims(), [0]);
+    }
+
     fn round_trips_on(device: Device) {
         let mut v = vec![1.5f32, -0.0, f32::MIN_POSITIVE, 3.0e38];
         v.extend((0..1001).map(|i| (i as f32 - 500.0) / 7.0));
@@ -393,8 +535,7 @@ mod tests {
             let b: Vec<Bf16> = v.iter().map(|&x| Bf16::from_f32(x)).collect();
             let t = from_bf16(&b, &device);
             assert_eq!(t.dtype(), DType::BF16);
-            assert_eq!(&read_bf16(t.clone()).unwrap()[..], &b[..]);
-            assert_eq!(to_bf16(t).unwrap(), b);
+            assert_eq!(&read_bf16(t).unwrap()[..], &b[..]);
             // An f32 tensor read as bf16 is cast on its device first, rounding to nearest even.
             let cast = read_bf16(from_f32(v.clone(), &device)).unwrap();
             assert_eq!(&cast[..], &b[..]);
@@ -412,7 +553,6 @@ mod tests {
             Err(ShardError::Device(why)) => assert!(!why.is_empty()),
             other => panic!("a 1 GiB tensor on wgpu: {:?}", other.map(|v| v.len())),
         }
-        assert!(matches!(to_bf16(t.clone()), Err(ShardError::Device(_))));
         assert!(matches!(read_f32(t.clone()), Err(ShardError::Device(_))));
         assert!(matches!(read_bf16(t), Err(ShardError::Device(_))));
     }
@@ -438,7 +578,10 @@ mod tests {
         let sum: f64 = values.iter().map(|&x| f64::from(x)).sum();
         let after = start.elapsed().as_secs_f64();
         assert_eq!(sum, 3.0 * n as f64);
-        assert!(after < call, "{after} s to sum the values after a read of {call} s");
+        assert!(
+            after < call,
+            "{after} s to sum the values after a read of {call} s"
+        );
         assert!(taken.to_host_bytes >= (n * 4) as u64);
         assert!(taken.this_thread_seconds > 0.0 && taken.this_thread_seconds <= call);
     }
