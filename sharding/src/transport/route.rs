@@ -26,6 +26,7 @@ use crate::plan::schedule::Source;
 use crate::plan::{Levels, Plan, levels_of};
 use crate::transport::kernels;
 use crate::transport::staging;
+use crate::transport::staging::Staged;
 
 /// The communicator scope of a group of levels.
 pub(crate) fn scope(comm: &Comm, levels: Levels) -> Scope {
@@ -104,12 +105,12 @@ impl HostForm {
         let g = c.try_group(scope(c, levels))?;
         Ok(match (self, last) {
             (HostForm::F32(v), Some(device)) => {
-                let mut out = staging::Staged::new(DType::F32, v.len() * g.size(), device);
+                let mut out = Staged::new(DType::F32, v.len() * g.size(), device);
                 g.all_gather_into(&v[..], out.f32s_mut())?;
                 Carry::Staged(out)
             }
             (HostForm::Bf16(v), Some(device)) => {
-                let mut out = staging::Staged::new(DType::BF16, v.len() * g.size(), device);
+                let mut out = Staged::new(DType::BF16, v.len() * g.size(), device);
                 g.all_gather_into(&v[..], out.bf16s_mut())?;
                 Carry::Staged(out)
             }
@@ -251,7 +252,7 @@ pub(crate) enum Carry {
     /// Host bytes (int8 wire forms).
     Bytes(Vec<u8>),
     /// Host values (f32 or bf16) in memory staged for the device they go up to.
-    Staged(staging::Staged),
+    Staged(Staged),
 }
 
 /// One stage of a job: a collective on one group, run by that group's thread.
@@ -362,12 +363,12 @@ fn in_g_order(
 ) -> Carry {
     match carry {
         Carry::F32(v) if hops > 1 => {
-            let mut out = staging::Staged::new(DType::F32, v.len(), device);
+            let mut out = Staged::new(DType::F32, v.len(), device);
             from_hop_order_into(&plan.topology, path, &v, chunk, out.f32s_mut());
             Carry::Staged(out)
         }
         Carry::Bf16(v) if hops > 1 => {
-            let mut out = staging::Staged::new(DType::BF16, v.len(), device);
+            let mut out = Staged::new(DType::BF16, v.len(), device);
             from_hop_order_into(&plan.topology, path, &v, chunk, out.bf16s_mut());
             Carry::Staged(out)
         }
@@ -681,28 +682,41 @@ pub(crate) fn reduce_flow<'e>(
             )
         }
     };
+    let across = Levels {
+        lo: cfg.optimizer().0,
+        hi: depth,
+    };
+    let g_across = across.size(topology);
     let mut grad = Some(grad);
     for (i, &(k, hop)) in live.iter().enumerate() {
         let first = (i == 0).then(|| grad.take().expect("one first stage"));
         let hop_ordered = hop_ordered.clone();
         let path = path.clone();
+        // The path's last hop, whose shard goes up to the device as it is (nothing across,
+        // nothing kept for a later micro-batch), reduces into memory staged for the device.
+        let last = i + 1 == live.len() && g_across == 1 && !(inner_only && beyond.is_some());
         let stage: StageFn<'e> = match format {
             None => Box::new(move |c: &Comm, carry: Carry| {
                 let layout = ShardLayout::new(n, p, 1);
                 let g = c.try_group(scope(c, hop))?;
+                let to = last.then_some(device);
                 match (first, carry) {
                     (Some(t), _) if bf16 => {
                         let values = staging::read_bf16(t)?;
                         let buf = in_hop_order(topology, &path, &values, layout);
-                        Ok(Carry::Bf16(g.reduce_scatter(&buf, Reduce::Sum)?))
+                        reduce_scatter_to(&g, &buf, to, DType::BF16, Staged::bf16s_mut, Carry::Bf16)
                     }
                     (Some(t), _) => {
                         let values = staging::read_f32(t)?;
                         let buf = in_hop_order(topology, &path, &values, layout);
-                        Ok(Carry::F32(g.reduce_scatter(&buf, Reduce::Sum)?))
+                        reduce_scatter_to(&g, &buf, to, DType::F32, Staged::f32s_mut, Carry::F32)
                     }
-                    (None, Carry::F32(v)) => Ok(Carry::F32(g.reduce_scatter(&v, Reduce::Sum)?)),
-                    (None, Carry::Bf16(v)) => Ok(Carry::Bf16(g.reduce_scatter(&v, Reduce::Sum)?)),
+                    (None, Carry::F32(v)) => {
+                        reduce_scatter_to(&g, &v, to, DType::F32, Staged::f32s_mut, Carry::F32)
+                    }
+                    (None, Carry::Bf16(v)) => {
+                        reduce_scatter_to(&g, &v, to, DType::BF16, Staged::bf16s_mut, Carry::Bf16)
+                    }
                     _ => unreachable!("an unquantized reduce-scatter carries values"),
                 }
             }),
@@ -761,11 +775,6 @@ pub(crate) fn reduce_flow<'e>(
             }),
         });
     }
-    let across = Levels {
-        lo: cfg.optimizer().0,
-        hi: depth,
-    };
-    let g_across = across.size(topology);
     let expect = plan.shard_len(u, cfg.optimizer());
     let name = plan.units[u].name.clone();
     // After the path: this rank's shard, averaged over the path's group.
@@ -774,6 +783,14 @@ pub(crate) fn reduce_flow<'e>(
             // A group of one owns the whole unit, and its mean over one rank is itself.
             (_, Some(g)) => g,
             (c @ (Carry::F32(_) | Carry::Bf16(_)), None) => host_to_f32(c, device) / p as f32,
+            (Carry::Staged(s), None) => {
+                let t = s.upload();
+                let t = match t.dtype() {
+                    DType::F32 => t,
+                    _ => t.cast(DType::F32),
+                };
+                t / p as f32
+            }
             (Carry::Tensor(t), None) => *t / p as f32,
             _ => unreachable!("the path's last stage carries the shard"),
         }
@@ -833,6 +850,26 @@ pub(crate) fn reduce_flow<'e>(
             Ok(())
         }),
     })
+}
+
+/// The sum over `g` of every member's `send`, scattered (this rank's part): into memory staged
+/// for `to` where given (the shard goes up as it lands), else a vector (`host`).
+fn reduce_scatter_to<T: ember_comm::Element>(
+    g: &Group<'_>,
+    send: &[T],
+    to: Option<&Device>,
+    dtype: DType,
+    staged: fn(&mut Staged) -> &mut [T],
+    host: fn(Vec<T>) -> Carry,
+) -> Result<Carry, ShardError> {
+    match to {
+        Some(device) if send.len().is_multiple_of(g.size()) => {
+            let mut out = Staged::new(dtype, send.len() / g.size(), device);
+            g.reduce_scatter_into(send, staged(&mut out), Reduce::Sum)?;
+            Ok(Carry::Staged(out))
+        }
+        _ => Ok(host(g.reduce_scatter(send, Reduce::Sum)?)),
+    }
 }
 
 /// Each unit's gradient accumulated inside the gradient path over a step's earlier
