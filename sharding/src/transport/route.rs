@@ -47,31 +47,9 @@ fn path_of(plan: &Plan) -> Result<Path, ShardError> {
 /// compute dtype, or int8 wire forms.
 #[derive(Debug, Clone)]
 pub(crate) enum HostForm {
-    F32(Arc<Values<f32>>),
-    Bf16(Arc<Values<Bf16>>),
+    F32(Arc<Vec<f32>>),
+    Bf16(Arc<Vec<Bf16>>),
     Bytes(Arc<Vec<u8>>),
-}
-
-/// Host values a step keeps: where a read from the device put them (CUDA's pinned buffer, no
-/// copy into a vector), or a vector of their own.
-#[derive(Debug)]
-pub(crate) enum Values<E> {
-    Read(staging::HostRead<E>),
-    Own(Vec<E>),
-}
-
-impl<E> std::ops::Deref for Values<E>
-where
-    staging::HostRead<E>: std::ops::Deref<Target = [E]>,
-{
-    type Target = [E];
-
-    fn deref(&self) -> &[E] {
-        match self {
-            Values::Read(r) => r,
-            Values::Own(v) => v,
-        }
-    }
 }
 
 impl HostForm {
@@ -84,12 +62,13 @@ impl HostForm {
         }
     }
 
-    /// Host values read from a device tensor in its dtype (a crossing), left where the read
-    /// put them.
+    /// Host values read from a device tensor in its dtype (a crossing), as values of their
+    /// own: a step keeps them (`HostShards`), and values left where the runtime's read put
+    /// them would keep the tensor's device buffer too.
     fn values_of(t: Tensor<1>) -> Result<Self, ShardError> {
         Ok(match t.dtype() {
-            DType::BF16 => HostForm::Bf16(Arc::new(Values::Read(staging::read_bf16(t)?))),
-            _ => HostForm::F32(Arc::new(Values::Read(staging::read_f32(t)?))),
+            DType::BF16 => HostForm::Bf16(Arc::new(staging::to_bf16(t)?)),
+            _ => HostForm::F32(Arc::new(staging::to_f32(t)?)),
         })
     }
 
@@ -402,12 +381,12 @@ fn cut_host_values(
     }
     let range = plan.shard_range(u, span, rank);
     Some(Secondary::Host(match values {
-        Carry::F32(v) => HostForm::F32(Arc::new(Values::Own(v[range].to_vec()))),
-        Carry::Bf16(v) => HostForm::Bf16(Arc::new(Values::Own(v[range].to_vec()))),
+        Carry::F32(v) => HostForm::F32(Arc::new(v[range].to_vec())),
+        Carry::Bf16(v) => HostForm::Bf16(Arc::new(v[range].to_vec())),
         Carry::Staged(s) if s.dtype() == DType::BF16 => {
-            HostForm::Bf16(Arc::new(Values::Own(s.bf16s()[range].to_vec())))
+            HostForm::Bf16(Arc::new(s.bf16s()[range].to_vec()))
         }
-        Carry::Staged(s) => HostForm::F32(Arc::new(Values::Own(s.f32s()[range].to_vec()))),
+        Carry::Staged(s) => HostForm::F32(Arc::new(s.f32s()[range].to_vec())),
         _ => return None,
     }))
 }

@@ -148,10 +148,30 @@ pub(crate) fn to_f32(t: Tensor<1>) -> Result<Vec<f32>, ShardError> {
     })
 }
 
+/// The values of a tensor as bf16 bits on the host (cast from any other float dtype), as a
+/// vector of their own, copied out of the runtime's buffer on the crossing's clock.
+pub(crate) fn to_bf16(t: Tensor<1>) -> Result<Vec<Bf16>, ShardError> {
+    let t = if t.dtype() == DType::BF16 {
+        t
+    } else {
+        t.cast(DType::BF16)
+    };
+    await_kernels(&t)?;
+    let (device, bytes) = (t.device(), t.dims()[0] * 2);
+    let values = timed(Way::ToHost, &device, bytes, || {
+        crate::transport::host::read(t)?
+            .try_into_vec::<bf16>()
+            .map_err(|e| ShardError::device(&e))
+    })?;
+    Ok(bf16_of_burn(values))
+}
+
 /// Host values read back from a device tensor, left where the read put them (on CUDA, the
 /// runtime's pinned buffer, handed back to its pool when this is dropped; on flex, the
 /// tensor's own buffer): an MPI call that only reads them takes them without a copy into a
-/// vector. `E` is `f32` or [`Bf16`].
+/// vector. `E` is `f32` or [`Bf16`]. The runtime's read keeps the tensor's device buffer
+/// alive as long as its values: hold one for the call that sends them, not across a step
+/// ([`to_f32`] and [`to_bf16`] give values of their own).
 #[derive(Debug)]
 pub(crate) struct HostRead<E> {
     data: TensorData,
@@ -202,10 +222,16 @@ pub(crate) fn read_bf16(t: Tensor<1>) -> Result<HostRead<Bf16>, ShardError> {
 /// `t` read back on the crossing's clock, after the wait for its kernels on theirs.
 fn read_as<E>(t: Tensor<1>, size: usize) -> Result<HostRead<E>, ShardError> {
     await_kernels(&t)?;
-    let device = t.device();
+    let (device, dtype) = (t.device(), t.dtype());
     let data = timed(Way::ToHost, &device, t.dims()[0] * size, || {
         crate::transport::host::read(t)
     })?;
+    if data.dtype() != dtype {
+        return Err(ShardError::Device(format!(
+            "a {dtype:?} tensor read back as {:?}",
+            data.dtype()
+        )));
+    }
     Ok(HostRead {
         data,
         element: std::marker::PhantomData,
@@ -243,9 +269,13 @@ impl Staged {
     /// `len` elements of `dtype` (f32 or bf16) for `device`, their values unspecified until
     /// filled.
     pub(crate) fn new(dtype: DType, len: usize, device: &Device) -> Self {
+        debug_assert!(
+            matches!(dtype, DType::F32 | DType::BF16),
+            "staged {dtype:?}"
+        );
         let device = device.clone();
         #[cfg(feature = "cubecl")]
-        if has_own_memory(&device) && len > 0 {
+        if has_own_memory(&device) && len > 0 && !cube_staging::stages_nothing(&device) {
             let bytes = len * dtype.size();
             // SAFETY: the placeholder is never read: the runtime's staging replaces it with a
             // buffer of its own (copying nothing from it), or it is dropped below.
@@ -257,6 +287,8 @@ impl Staged {
             if data.bytes().property() != burn::tensor::AllocationProperty::Other {
                 return Self { data, device };
             }
+            // Asking costs a round trip to the device's server: asked once per device.
+            cube_staging::remember_stages_nothing(&device);
         }
         let data = match dtype {
             DType::BF16 => TensorData::new(vec![bf16::ZERO; len], [len]),
@@ -313,7 +345,25 @@ impl Staged {
 mod cube_staging {
     use std::mem::MaybeUninit;
 
+    use burn::tensor::Device;
     use cubecl::bytes::{AccessError, AccessPolicy, AllocationController, AllocationProperty};
+
+    /// Devices whose runtime stages no host memory of its own (wgpu's).
+    static STAGES_NOTHING: std::sync::Mutex<Vec<Device>> = std::sync::Mutex::new(Vec::new());
+
+    pub(super) fn stages_nothing(device: &Device) -> bool {
+        STAGES_NOTHING
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(device)
+    }
+
+    pub(super) fn remember_stages_nothing(device: &Device) {
+        let mut all = STAGES_NOTHING.lock().unwrap_or_else(|e| e.into_inner());
+        if !all.contains(device) {
+            all.push(device.clone());
+        }
+    }
 
     /// The stand-in for a buffer of this many bytes that a runtime's staging replaces with its
     /// own: it holds no memory, and copies nothing into the replacement (MPI fills it after).
@@ -356,6 +406,16 @@ mod cube_staging {
 /// once more.
 fn burn_bf16_of(values: &[Bf16]) -> Vec<bf16> {
     values.iter().map(|b| bf16::from_bits(b.0)).collect()
+}
+
+/// `values` as `Bf16`, taking the vector over without a copy.
+fn bf16_of_burn(values: Vec<bf16>) -> Vec<Bf16> {
+    let mut values = std::mem::ManuallyDrop::new(values);
+    let (ptr, len, cap) = (values.as_mut_ptr(), values.len(), values.capacity());
+    // SAFETY: `Bf16` and `bf16` are both `repr(transparent)` over `u16`: the same size and
+    // alignment, every bit pattern valid in both; the vector's allocation is handed over whole
+    // (the original is never dropped).
+    unsafe { Vec::from_raw_parts(ptr.cast::<Bf16>(), len, cap) }
 }
 
 /// Bytes a tensor of `numel` elements of `dtype` takes.
@@ -425,7 +485,7 @@ pub fn crossing_rates(
         s.bf16s_mut().copy_from_slice(&bf16s);
         s
     };
-    let staged_pinned = staged_f32().is_pinned();
+    let staged_pinned = Staged::new(DType::F32, n, device).is_pinned();
     let to_device_f32 = timed_write(rounds, &sync, staged_f32, Staged::upload)?;
     let to_host_f32 = timed_read(rounds, &sync, || from_f32(f32s.clone(), device), read_f32)?;
     let to_device_bf16 = timed_write(rounds, &sync, staged_bf16, Staged::upload)?;
@@ -535,7 +595,8 @@ mod tests {
             let b: Vec<Bf16> = v.iter().map(|&x| Bf16::from_f32(x)).collect();
             let t = from_bf16(&b, &device);
             assert_eq!(t.dtype(), DType::BF16);
-            assert_eq!(&read_bf16(t).unwrap()[..], &b[..]);
+            assert_eq!(&read_bf16(t.clone()).unwrap()[..], &b[..]);
+            assert_eq!(to_bf16(t).unwrap(), b);
             // An f32 tensor read as bf16 is cast on its device first, rounding to nearest even.
             let cast = read_bf16(from_f32(v.clone(), &device)).unwrap();
             assert_eq!(&cast[..], &b[..]);
@@ -553,6 +614,7 @@ mod tests {
             Err(ShardError::Device(why)) => assert!(!why.is_empty()),
             other => panic!("a 1 GiB tensor on wgpu: {:?}", other.map(|v| v.len())),
         }
+        assert!(matches!(to_bf16(t.clone()), Err(ShardError::Device(_))));
         assert!(matches!(read_f32(t.clone()), Err(ShardError::Device(_))));
         assert!(matches!(read_bf16(t), Err(ShardError::Device(_))));
     }
