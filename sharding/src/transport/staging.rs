@@ -425,9 +425,9 @@ pub(crate) fn tensor_bytes(t: &Tensor<1>) -> u64 {
 
 /// The rate of each kind of crossing an MPI call makes, measured through the functions the
 /// engine stages with: f32 and bf16 tensors of `bytes` bytes each way. Reads are those of
-/// the gathers, reductions and all-reduces: the values left where the runtime's read put them
-/// ([`read_f32`], [`read_bf16`]); writes those of the gathers: values in memory staged for
-/// the device ([`Staged`]).
+/// the reductions and all-reduces: the values left where the runtime's read put them
+/// (`read_f32`, `read_bf16`); writes those of the gathers and of the reductions' last hops:
+/// values in memory staged for the device (`Staged`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct CrossingRates {
     /// Bytes per crossing.
