@@ -82,20 +82,10 @@ impl HostForm {
         last: Option<&Device>,
     ) -> Result<Carry, ShardError> {
         let g = c.try_group(scope(c, levels))?;
-        Ok(match (self, last) {
-            (HostForm::F32(v), Some(device)) => {
-                let mut out = Staged::new(DType::F32, v.len() * g.size(), device);
-                g.all_gather_into(&v[..], out.f32s_mut())?;
-                Carry::Staged(out)
-            }
-            (HostForm::Bf16(v), Some(device)) => {
-                let mut out = Staged::new(DType::BF16, v.len() * g.size(), device);
-                g.all_gather_into(&v[..], out.bf16s_mut())?;
-                Carry::Staged(out)
-            }
-            (HostForm::F32(v), None) => Carry::F32(g.all_gather(&v[..])?),
-            (HostForm::Bf16(v), None) => Carry::Bf16(g.all_gather(&v[..])?),
-            (HostForm::Bytes(v), _) => Carry::Bytes(g.all_gather(&v[..])?),
+        Ok(match self {
+            HostForm::F32(v) => all_gather_to(&g, v, last, Carry::F32)?,
+            HostForm::Bf16(v) => all_gather_to(&g, v, last, Carry::Bf16)?,
+            HostForm::Bytes(v) => Carry::Bytes(g.all_gather(&v[..])?),
         })
     }
 
@@ -340,17 +330,20 @@ fn in_g_order(
     hops: usize,
     device: &Device,
 ) -> Carry {
+    fn reorder<T: staging::Crossing>(
+        plan: &Plan,
+        path: &Path,
+        v: &[T],
+        chunk: usize,
+        device: &Device,
+    ) -> Carry {
+        let mut out = Staged::new::<T>(v.len(), device);
+        from_hop_order_into(&plan.topology, path, v, chunk, out.values_mut());
+        Carry::Staged(out)
+    }
     match carry {
-        Carry::F32(v) if hops > 1 => {
-            let mut out = Staged::new(DType::F32, v.len(), device);
-            from_hop_order_into(&plan.topology, path, &v, chunk, out.f32s_mut());
-            Carry::Staged(out)
-        }
-        Carry::Bf16(v) if hops > 1 => {
-            let mut out = Staged::new(DType::BF16, v.len(), device);
-            from_hop_order_into(&plan.topology, path, &v, chunk, out.bf16s_mut());
-            Carry::Staged(out)
-        }
+        Carry::F32(v) if hops > 1 => reorder(plan, path, &v, chunk, device),
+        Carry::Bf16(v) if hops > 1 => reorder(plan, path, &v, chunk, device),
         other => other,
     }
 }
@@ -384,9 +377,9 @@ fn cut_host_values(
         Carry::F32(v) => HostForm::F32(Arc::new(v[range].to_vec())),
         Carry::Bf16(v) => HostForm::Bf16(Arc::new(v[range].to_vec())),
         Carry::Staged(s) if s.dtype() == DType::BF16 => {
-            HostForm::Bf16(Arc::new(s.bf16s()[range].to_vec()))
+            HostForm::Bf16(Arc::new(s.values()[range].to_vec()))
         }
-        Carry::Staged(s) => HostForm::F32(Arc::new(s.f32s()[range].to_vec())),
+        Carry::Staged(s) => HostForm::F32(Arc::new(s.values()[range].to_vec())),
         _ => return None,
     }))
 }
@@ -683,19 +676,15 @@ pub(crate) fn reduce_flow<'e>(
                     (Some(t), _) if bf16 => {
                         let values = staging::read_bf16(t)?;
                         let buf = in_hop_order(topology, &path, &values, layout);
-                        reduce_scatter_to(&g, &buf, to, DType::BF16, Staged::bf16s_mut, Carry::Bf16)
+                        reduce_scatter_to(&g, &buf, to, Carry::Bf16)
                     }
                     (Some(t), _) => {
                         let values = staging::read_f32(t)?;
                         let buf = in_hop_order(topology, &path, &values, layout);
-                        reduce_scatter_to(&g, &buf, to, DType::F32, Staged::f32s_mut, Carry::F32)
+                        reduce_scatter_to(&g, &buf, to, Carry::F32)
                     }
-                    (None, Carry::F32(v)) => {
-                        reduce_scatter_to(&g, &v, to, DType::F32, Staged::f32s_mut, Carry::F32)
-                    }
-                    (None, Carry::Bf16(v)) => {
-                        reduce_scatter_to(&g, &v, to, DType::BF16, Staged::bf16s_mut, Carry::Bf16)
-                    }
+                    (None, Carry::F32(v)) => reduce_scatter_to(&g, &v, to, Carry::F32),
+                    (None, Carry::Bf16(v)) => reduce_scatter_to(&g, &v, to, Carry::Bf16),
                     _ => unreachable!("an unquantized reduce-scatter carries values"),
                 }
             }),
@@ -833,21 +822,37 @@ pub(crate) fn reduce_flow<'e>(
 
 /// The sum over `g` of every member's `send`, scattered (this rank's part): into memory staged
 /// for `to` where given (the shard goes up as it lands), else a vector (`host`).
-fn reduce_scatter_to<T: ember_comm::Element>(
+fn reduce_scatter_to<T: ember_comm::Element + staging::Crossing>(
     g: &Group<'_>,
     send: &[T],
     to: Option<&Device>,
-    dtype: DType,
-    staged: fn(&mut Staged) -> &mut [T],
     host: fn(Vec<T>) -> Carry,
 ) -> Result<Carry, ShardError> {
     match to {
         Some(device) if send.len().is_multiple_of(g.size()) => {
-            let mut out = Staged::new(dtype, send.len() / g.size(), device);
-            g.reduce_scatter_into(send, staged(&mut out), Reduce::Sum)?;
+            let mut out = Staged::new::<T>(send.len() / g.size(), device);
+            g.reduce_scatter_into(send, out.values_mut(), Reduce::Sum)?;
             Ok(Carry::Staged(out))
         }
         _ => Ok(host(g.reduce_scatter(send, Reduce::Sum)?)),
+    }
+}
+
+/// Every member's `shard` over `g`, in group order: into memory staged for `to` where given
+/// (the unit goes up as it lands), else a vector (`host`).
+fn all_gather_to<T: ember_comm::Element + staging::Crossing>(
+    g: &Group<'_>,
+    shard: &[T],
+    to: Option<&Device>,
+    host: fn(Vec<T>) -> Carry,
+) -> Result<Carry, ShardError> {
+    match to {
+        Some(device) => {
+            let mut out = Staged::new::<T>(shard.len() * g.size(), device);
+            g.all_gather_into(shard, out.values_mut())?;
+            Ok(Carry::Staged(out))
+        }
+        None => Ok(host(g.all_gather(shard)?)),
     }
 }
 

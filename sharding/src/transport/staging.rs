@@ -133,109 +133,140 @@ pub(crate) fn record(way: Way, bytes: usize, start: Instant) {
     count.fetch_add(bytes as u64, Ordering::Relaxed);
 }
 
+/// The elements a crossing carries: f32, and bf16 as its bits ([`Bf16`]), each viewed in the
+/// host data of its dtype.
+pub(crate) trait Crossing: Copy {
+    /// The dtype of the data the values live in.
+    const DTYPE: DType;
+
+    /// The values of `data`, which is of [`Self::DTYPE`].
+    fn view(data: &TensorData) -> &[Self];
+
+    /// The values of `data`, which is of [`Self::DTYPE`], to fill.
+    fn view_mut(data: &mut TensorData) -> &mut [Self];
+
+    /// Host data of `len` zeros.
+    fn zeros(len: usize) -> TensorData;
+}
+
+impl Crossing for f32 {
+    const DTYPE: DType = DType::F32;
+
+    fn view(data: &TensorData) -> &[f32] {
+        data.as_slice::<f32>().expect("host data of f32")
+    }
+
+    fn view_mut(data: &mut TensorData) -> &mut [f32] {
+        data.as_mut_slice::<f32>().expect("host data of f32")
+    }
+
+    fn zeros(len: usize) -> TensorData {
+        TensorData::new(vec![0f32; len], [len])
+    }
+}
+
+impl Crossing for Bf16 {
+    const DTYPE: DType = DType::BF16;
+
+    fn view(data: &TensorData) -> &[Bf16] {
+        let values = data.as_slice::<bf16>().expect("host data of bf16");
+        // SAFETY: `Bf16` and `bf16` are both `repr(transparent)` over `u16`: the same size and
+        // alignment, every bit pattern valid in both.
+        unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<Bf16>(), values.len()) }
+    }
+
+    fn view_mut(data: &mut TensorData) -> &mut [Bf16] {
+        let values = data.as_mut_slice::<bf16>().expect("host data of bf16");
+        // SAFETY: as in `view`.
+        unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<Bf16>(), values.len()) }
+    }
+
+    fn zeros(len: usize) -> TensorData {
+        TensorData::new(vec![bf16::ZERO; len], [len])
+    }
+}
+
+/// `t` cast to `E`'s dtype and read back, after the wait for its kernels on their clock, and
+/// made by `keep` into what the caller keeps, on the crossing's clock: a copy out of the
+/// runtime's buffer is part of the crossing.
+fn read_with<E: Crossing, R>(
+    t: Tensor<1>,
+    keep: impl FnOnce(TensorData) -> Result<R, ShardError>,
+) -> Result<R, ShardError> {
+    let t = crate::transport::host::cast(t, E::DTYPE);
+    await_kernels(&t)?;
+    let (device, bytes) = (t.device(), t.dims()[0] * E::DTYPE.size());
+    timed(Way::ToHost, &device, bytes, || {
+        let data = crate::transport::host::read(t)?;
+        if data.dtype() != E::DTYPE {
+            return Err(ShardError::Device(format!(
+                "a {:?} tensor read back as {:?}",
+                E::DTYPE,
+                data.dtype()
+            )));
+        }
+        keep(data)
+    })
+}
+
 /// The values of an f32 tensor, on the host (cast from any other float dtype), as a vector of
 /// their own: where the runtime read them into a buffer of its own (pinned memory, on CUDA),
-/// copied out of it, on the crossing's clock. [`read_f32`] lends them where they landed.
+/// copied out of it. [`read_f32`] lends them where they landed.
 pub(crate) fn to_f32(t: Tensor<1>) -> Result<Vec<f32>, ShardError> {
-    let bytes = t.dims()[0] * 4;
-    let t = crate::transport::host::cast(t, DType::F32);
-    await_kernels(&t)?;
-    let device = t.device();
-    timed(Way::ToHost, &device, bytes, || {
-        crate::transport::host::read(t)?
-            .try_into_vec::<f32>()
+    read_with::<f32, _>(t, |data| {
+        data.try_into_vec::<f32>()
             .map_err(|e| ShardError::device(&e))
     })
 }
 
 /// The values of a tensor as bf16 bits on the host (cast from any other float dtype), as a
-/// vector of their own, copied out of the runtime's buffer on the crossing's clock.
+/// vector of their own, copied out of the runtime's buffer.
 pub(crate) fn to_bf16(t: Tensor<1>) -> Result<Vec<Bf16>, ShardError> {
-    let t = if t.dtype() == DType::BF16 {
-        t
-    } else {
-        t.cast(DType::BF16)
-    };
-    await_kernels(&t)?;
-    let (device, bytes) = (t.device(), t.dims()[0] * 2);
-    let values = timed(Way::ToHost, &device, bytes, || {
-        crate::transport::host::read(t)?
-            .try_into_vec::<bf16>()
+    read_with::<Bf16, _>(t, |data| {
+        data.try_into_vec::<bf16>()
+            .map(bf16_of_burn)
             .map_err(|e| ShardError::device(&e))
-    })?;
-    Ok(bf16_of_burn(values))
+    })
 }
 
 /// Host values read back from a device tensor, left where the read put them (on CUDA, the
 /// runtime's pinned buffer, handed back to its pool when this is dropped; on flex, the
 /// tensor's own buffer): an MPI call that only reads them takes them without a copy into a
-/// vector. `E` is `f32` or [`Bf16`]. The runtime's read keeps the tensor's device buffer
-/// alive as long as its values: hold one for the call that sends them, not across a step
-/// ([`to_f32`] and [`to_bf16`] give values of their own).
-#[derive(Debug)]
+/// vector. The runtime's read keeps the tensor's device buffer alive as long as its values:
+/// hold one for the call that sends them, not across a step ([`to_f32`] and [`to_bf16`] give
+/// values of their own).
 pub(crate) struct HostRead<E> {
     data: TensorData,
     element: std::marker::PhantomData<E>,
 }
 
-impl std::ops::Deref for HostRead<f32> {
-    type Target = [f32];
+impl<E: Crossing> std::ops::Deref for HostRead<E> {
+    type Target = [E];
 
-    fn deref(&self) -> &[f32] {
-        self.data
-            .as_slice::<f32>()
-            .expect("read as f32 and accessed when read")
+    fn deref(&self) -> &[E] {
+        E::view(&self.data)
     }
 }
 
-impl std::ops::Deref for HostRead<Bf16> {
-    type Target = [Bf16];
-
-    fn deref(&self) -> &[Bf16] {
-        let values = self
-            .data
-            .as_slice::<bf16>()
-            .expect("read as bf16 and accessed when read");
-        // SAFETY: `Bf16` and `bf16` are both `repr(transparent)` over `u16`: the same size and
-        // alignment, every bit pattern valid in both.
-        unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<Bf16>(), values.len()) }
-    }
-}
-
-/// The values of an f32 tensor (cast from any other float dtype) on the host, where the read
-/// put them: [`to_f32`] without the copy into a vector of their own.
-pub(crate) fn read_f32(t: Tensor<1>) -> Result<HostRead<f32>, ShardError> {
-    let t = crate::transport::host::cast(t, DType::F32);
-    read_as(t, 4)
-}
-
-/// The values of a tensor as bf16 bits on the host (cast from any other float dtype), where
-/// the read put them.
-pub(crate) fn read_bf16(t: Tensor<1>) -> Result<HostRead<Bf16>, ShardError> {
-    let t = match t.dtype() {
-        DType::BF16 => t,
-        _ => t.cast(DType::BF16),
-    };
-    read_as(t, 2)
-}
-
-/// `t` read back on the crossing's clock, after the wait for its kernels on theirs.
-fn read_as<E>(t: Tensor<1>, size: usize) -> Result<HostRead<E>, ShardError> {
-    await_kernels(&t)?;
-    let (device, dtype) = (t.device(), t.dtype());
-    let data = timed(Way::ToHost, &device, t.dims()[0] * size, || {
-        crate::transport::host::read(t)
-    })?;
-    if data.dtype() != dtype {
-        return Err(ShardError::Device(format!(
-            "a {dtype:?} tensor read back as {:?}",
-            data.dtype()
-        )));
-    }
-    Ok(HostRead {
-        data,
-        element: std::marker::PhantomData,
+/// The values of a tensor as `E` (cast from any other float dtype) on the host, where the
+/// read put them: [`to_f32`] and [`to_bf16`] without the copy into a vector of their own.
+fn read_in_place<E: Crossing>(t: Tensor<1>) -> Result<HostRead<E>, ShardError> {
+    read_with::<E, _>(t, |data| {
+        Ok(HostRead {
+            data,
+            element: std::marker::PhantomData,
+        })
     })
+}
+
+/// [`read_in_place`] as f32.
+pub(crate) fn read_f32(t: Tensor<1>) -> Result<HostRead<f32>, ShardError> {
+    read_in_place(t)
+}
+
+/// [`read_in_place`] as bf16 bits.
+pub(crate) fn read_bf16(t: Tensor<1>) -> Result<HostRead<Bf16>, ShardError> {
+    read_in_place(t)
 }
 
 /// An f32 tensor of `values` on `device`.
@@ -266,14 +297,9 @@ pub(crate) struct Staged {
 }
 
 impl Staged {
-    /// `len` elements of `dtype` (f32 or bf16) for `device`, their values unspecified until
-    /// filled.
-    pub(crate) fn new(dtype: DType, len: usize, device: &Device) -> Self {
-        debug_assert!(
-            matches!(dtype, DType::F32 | DType::BF16),
-            "staged {dtype:?}"
-        );
-        let device = device.clone();
+    /// `len` elements of `E` for `device`, their values unspecified until filled.
+    pub(crate) fn new<E: Crossing>(len: usize, device: &Device) -> Self {
+        let (dtype, device) = (E::DTYPE, device.clone());
         #[cfg(feature = "cubecl")]
         if has_own_memory(&device) && len > 0 && !cube_staging::stages_nothing(&device) {
             let bytes = len * dtype.size();
@@ -290,11 +316,10 @@ impl Staged {
             // Asking costs a round trip to the device's server: asked once per device.
             cube_staging::remember_stages_nothing(&device);
         }
-        let data = match dtype {
-            DType::BF16 => TensorData::new(vec![bf16::ZERO; len], [len]),
-            _ => TensorData::new(vec![0f32; len], [len]),
-        };
-        Self { data, device }
+        Self {
+            data: E::zeros(len),
+            device,
+        }
     }
 
     /// Whether the buffer is the runtime's page-locked memory.
@@ -307,28 +332,14 @@ impl Staged {
         self.data.dtype()
     }
 
-    /// The values, f32.
-    pub(crate) fn f32s(&self) -> &[f32] {
-        self.data.as_slice::<f32>().expect("staged as f32")
+    /// The values, of `E`'s dtype, the one the buffer was made for.
+    pub(crate) fn values<E: Crossing>(&self) -> &[E] {
+        E::view(&self.data)
     }
 
-    /// The values, f32, to fill.
-    pub(crate) fn f32s_mut(&mut self) -> &mut [f32] {
-        self.data.as_mut_slice::<f32>().expect("staged as f32")
-    }
-
-    /// The values as bf16 bits.
-    pub(crate) fn bf16s(&self) -> &[Bf16] {
-        let values = self.data.as_slice::<bf16>().expect("staged as bf16");
-        // SAFETY: `Bf16` and `bf16` are both `repr(transparent)` over `u16`.
-        unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<Bf16>(), values.len()) }
-    }
-
-    /// The values as bf16 bits, to fill.
-    pub(crate) fn bf16s_mut(&mut self) -> &mut [Bf16] {
-        let values = self.data.as_mut_slice::<bf16>().expect("staged as bf16");
-        // SAFETY: as in `bf16s`.
-        unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<Bf16>(), values.len()) }
+    /// The values, of `E`'s dtype, the one the buffer was made for, to fill.
+    pub(crate) fn values_mut<E: Crossing>(&mut self) -> &mut [E] {
+        E::view_mut(&mut self.data)
     }
 
     /// The values as a tensor on the device, on the crossing's clock.
@@ -476,16 +487,16 @@ pub fn crossing_rates(
     let rounds = rounds.max(1);
     // A write's values are filled into its staged memory untimed, as MPI's receive fills it.
     let staged_f32 = || {
-        let mut s = Staged::new(DType::F32, n, device);
-        s.f32s_mut().copy_from_slice(&f32s);
+        let mut s = Staged::new::<f32>(n, device);
+        s.values_mut().copy_from_slice(&f32s);
         s
     };
     let staged_bf16 = || {
-        let mut s = Staged::new(DType::BF16, 2 * n, device);
-        s.bf16s_mut().copy_from_slice(&bf16s);
+        let mut s = Staged::new::<Bf16>(2 * n, device);
+        s.values_mut().copy_from_slice(&bf16s);
         s
     };
-    let staged_pinned = Staged::new(DType::F32, n, device).is_pinned();
+    let staged_pinned = Staged::new::<f32>(n, device).is_pinned();
     let to_device_f32 = timed_write(rounds, &sync, staged_f32, Staged::upload)?;
     let to_host_f32 = timed_read(rounds, &sync, || from_f32(f32s.clone(), device), read_f32)?;
     let to_device_bf16 = timed_write(rounds, &sync, staged_bf16, Staged::upload)?;
@@ -568,22 +579,22 @@ mod tests {
 
     fn staged_on(device: Device) {
         let v: Vec<f32> = (0..1003).map(|i| (i as f32 - 500.0) / 7.0).collect();
-        let mut s = Staged::new(DType::F32, v.len(), &device);
+        let mut s = Staged::new::<f32>(v.len(), &device);
         assert!(!s.is_pinned(), "no page-locked memory off CUDA");
-        s.f32s_mut().copy_from_slice(&v);
+        s.values_mut().copy_from_slice(&v);
         let t = s.upload();
         assert_eq!(t.dtype(), DType::F32);
         assert_eq!(to_f32(t).unwrap(), v);
         if device.supports_dtype(DType::BF16) {
             let b: Vec<Bf16> = v.iter().map(|&x| Bf16::from_f32(x)).collect();
-            let mut s = Staged::new(DType::BF16, b.len(), &device);
-            s.bf16s_mut().copy_from_slice(&b);
-            assert_eq!(s.bf16s(), &b[..]);
+            let mut s = Staged::new::<Bf16>(b.len(), &device);
+            s.values_mut().copy_from_slice(&b);
+            assert_eq!(s.values::<Bf16>(), &b[..]);
             let t = s.upload();
             assert_eq!(t.dtype(), DType::BF16);
             assert_eq!(&read_bf16(t).unwrap()[..], &b[..]);
         }
-        assert_eq!(Staged::new(DType::F32, 0, &device).upload().dims(), [0]);
+        assert_eq!(Staged::new::<f32>(0, &device).upload().dims(), [0]);
     }
 
     fn round_trips_on(device: Device) {
