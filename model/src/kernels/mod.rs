@@ -260,6 +260,24 @@ pub fn uses_cube_kernels<const D: usize>(x: &Tensor<D>) -> bool {
         )
 }
 
+/// Whether `device` runs TF32 products on tensor cores (CUDA from compute capability 8.0):
+/// there Burn's matmul autotune may take f32 operands as TF32 (10 stored mantissa bits, sums
+/// in f32) wherever such a kernel is faster, as PyTorch does under
+/// `torch.set_float32_matmul_precision("high")`; Burn 0.22 offers no switch to keep them in
+/// IEEE f32. `ember bench matmul --dtype f32` measures what each product keeps. False off
+/// CubeCL devices.
+#[cfg(feature = "cubecl")]
+pub fn runs_tf32(device: &burn::tensor::Device) -> bool {
+    use cubecl::ir::{ElemType, FloatKind};
+    match device.clone().inner().as_dispatch() {
+        burn::backend::DispatchDevice::Cube(d) => d
+            .client()
+            .properties()
+            .supports_type(ElemType::Float(FloatKind::TF32)),
+        _ => false,
+    }
+}
+
 /// [`causal_attention`] composed of Burn's ops on any backend: the definition the fused and
 /// flash kernels are tested against.
 pub fn composed_causal_attention(qkv: Tensor<3>, n_head: usize) -> Tensor<3> {
@@ -832,5 +850,15 @@ mod tests {
                 assert!(same, "kernel result {i} differs at level {level}");
             }
         }
+    }
+
+    /// Only a device with TF32 tensor cores says its f32 products may run as TF32: not the
+    /// CPU, and not wgpu, whose runtime registers no TF32 type.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn tf32_only_where_the_device_runs_it() {
+        use burn::tensor::{Device, DeviceKind};
+        assert!(!super::runs_tf32(&Device::flex()));
+        assert!(!super::runs_tf32(&Device::wgpu(DeviceKind::DefaultDevice)));
     }
 }

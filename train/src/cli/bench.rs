@@ -27,7 +27,8 @@ pub enum BenchCommand {
     Shard(BenchShardArgs),
     /// The matrix products of one training step, each timed alone through the op a GPU step
     /// runs it with (Burn's linear or matmul; on flex the step's linear layers run ember's own
-    /// products instead), with its TFLOP/s
+    /// products instead), with its TFLOP/s and its accuracy against f64 in bits (about 11
+    /// where f32 operands ran on tensor cores as TF32, 20 or more in IEEE f32)
     Matmul(BenchMatmulArgs),
     /// The crossings between device and host memory an MPI call makes (f32 and bf16, each
     /// way), measured alone through the functions the sharded step stages with, in GB/s
@@ -514,7 +515,7 @@ pub fn bench_matmul(args: BenchMatmulArgs) -> CliResult<()> {
         }
         let p = &r.product;
         println!(
-            "{:<28} {:>6} x {:>6} x {:>6} {:<6} x{:<3} {:>9.3} ms {:>8.2} TFLOP/s  (first {:.1} ms)",
+            "{:<28} {:>6} x {:>6} x {:>6} {:<6} x{:<3} {:>9.3} ms {:>8.2} TFLOP/s {:>5.1} bits  (first {:.1} ms)",
             p.name,
             p.m,
             p.k,
@@ -527,6 +528,7 @@ pub fn bench_matmul(args: BenchMatmulArgs) -> CliResult<()> {
             p.per_step,
             r.ms,
             r.tflops,
+            r.accuracy.bits,
             r.first_ms
         );
     }

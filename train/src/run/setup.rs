@@ -240,6 +240,15 @@ impl RunSetup {
                 if matches!(config.device, DeviceKind::Cuda(_)) {
                     log0!(rank, "{}", cuda_compiler_line()?);
                 }
+                if config.dtype == Dtype::F32 && kernels::runs_tf32(&device) {
+                    log0!(
+                        rank,
+                        "f32 products: this device runs TF32 on tensor cores, and Burn's \
+                         autotune may take f32 operands as TF32 where that is faster (PyTorch's \
+                         matmul precision \"high\"; Burn has no switch for IEEE f32): `ember \
+                         bench matmul --dtype f32` measures the bits each product keeps"
+                    );
+                }
             }
         }
         if config.dtype == Dtype::Bf16 && !device.supports_dtype(burn::tensor::DType::BF16) {

@@ -7,10 +7,15 @@
 //! runs it. The GPU check sets each beside `torch.mm` of the same `m x k x n` on the same
 //! card. On flex the step's linear layers run ember's own products (`ember_model::kernels`),
 //! not Burn's ops timed here.
+//!
+//! Each product's accuracy is measured too, against the same product of its operands in f64
+//! ([`Accuracy`]): how many bits it keeps says which arithmetic the device ran, IEEE f32 or
+//! TF32 on tensor cores (which Burn's autotune may pick for f32 operands on a card that has
+//! them), whatever the dtype asked for.
 
 use std::time::Instant;
 
-use burn::tensor::{DType, Device, Distribution, Tensor};
+use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorData};
 use serde::Serialize;
 
 use crate::error::{CliResult, usage};
@@ -68,6 +73,91 @@ pub struct ProductBench {
     /// Milliseconds of the first product of this shape: compiling and autotuning it, where
     /// the kernel cache did not hold them.
     pub first_ms: f64,
+    /// How closely the product matches the same product in f64.
+    #[serde(flatten)]
+    pub accuracy: Accuracy,
+}
+
+/// A product's largest error over a sample of its entries (8 rows by 64 columns, spread
+/// evenly), each entry's error relative to the sum of the absolute values of the terms it
+/// adds (so a sum that cancels does not inflate it), against the same product of the
+/// operands as stored, computed in f64 on the host.
+///
+/// Over sums of 768 to 3072 terms of operands spread around zero, IEEE f32 keeps about 23
+/// bits (2^-24 a rounding, which partly cancel), even summed one term after another; f32
+/// operands rounded to TF32 on tensor cores (2^-11 each) about 15. A bf16 output, rounded to
+/// 2^-9 of its own size, keeps about as many as TF32: in bf16 the measure says little about
+/// the sums.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Accuracy {
+    /// The largest relative error over the sampled entries.
+    pub max_error: f64,
+    /// `-log2(max_error)`, at most 53 (an exact product).
+    pub bits: f64,
+}
+
+impl Accuracy {
+    /// The accuracy of `out`, sampled entries of the product `a b`: `a` holds the sampled
+    /// rows of the left operand (`rows x k`, row-major), `b` the sampled columns of the right
+    /// (`k x cols`, row-major), `out` their entries (`rows x cols`).
+    pub fn of(a: &[f32], b: &[f32], out: &[f32], k: usize) -> Self {
+        let rows = a.len() / k.max(1);
+        let cols = b.len() / k.max(1);
+        let mut worst = 0f64;
+        for r in 0..rows {
+            for c in 0..cols {
+                let (mut sum, mut abs) = (0f64, 0f64);
+                for i in 0..k {
+                    let term = f64::from(a[r * k + i]) * f64::from(b[i * cols + c]);
+                    sum += term;
+                    abs += term.abs();
+                }
+                let err = (f64::from(out[r * cols + c]) - sum).abs();
+                let rel = if err == 0.0 { 0.0 } else { err / abs };
+                // A NaN (or an error where every term is zero) is as wrong as it gets.
+                worst = if rel.is_finite() {
+                    worst.max(rel)
+                } else {
+                    f64::INFINITY
+                };
+            }
+        }
+        Self {
+            max_error: worst,
+            bits: -worst.max(f64::EPSILON / 2.0).log2(),
+        }
+    }
+}
+
+/// `n` indices spread evenly over `0..len` (fewer where `len` is smaller).
+fn spread(len: usize, n: usize) -> Vec<i64> {
+    let n = n.min(len);
+    (0..n)
+        .map(|i| ((2 * i + 1) * len / (2 * n)) as i64)
+        .collect()
+}
+
+/// The accuracy of `out`, `p`'s product of `lhs` and `rhs` on the device: the sampled rows,
+/// columns and entries read back as f32 (every bf16 value is one).
+fn measure(p: &Product, lhs: &Tensor<2>, rhs: &Tensor<2>, out: Tensor<3>) -> CliResult<Accuracy> {
+    let device = lhs.device();
+    let (rows, cols) = (spread(p.m, 8), spread(p.n, 64));
+    let index =
+        |v: &[i64]| Tensor::<1, Int>::from_data(TensorData::new(v.to_vec(), [v.len()]), &device);
+    let host = |t: Tensor<2>| -> CliResult<Vec<f32>> {
+        t.cast(DType::F32)
+            .into_data()
+            .try_into_vec::<f32>()
+            .map_err(|e| crate::error::CliError::Runtime(anyhow::anyhow!("{}: {e:?}", p.name)))
+    };
+    let a = host(lhs.clone().select(0, index(&rows)))?;
+    let b = host(rhs.clone().select(1, index(&cols)))?;
+    let c = host(
+        out.reshape([p.m, p.n])
+            .select(0, index(&rows))
+            .select(1, index(&cols)),
+    )?;
+    Ok(Accuracy::of(&a, &b, &c, p.k))
 }
 
 /// The products of one training step of a GPT of width `d`, `layers` blocks and `vocab`
@@ -210,6 +300,7 @@ pub fn bench_products(
         }
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
+        let accuracy = measure(p, &lhs, &rhs, run_product(p, &lhs, &rhs))?;
         out.push(ProductBench {
             product: p.clone(),
             device: kind.to_string(),
@@ -217,6 +308,7 @@ pub fn bench_products(
             ms: median * 1e3,
             tflops: 2.0 * (p.m * p.n * p.k) as f64 / median / 1e12,
             first_ms,
+            accuracy,
         });
     }
     Ok(out)
@@ -225,6 +317,83 @@ pub fn bench_products(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The measure tells the arithmetic apart: an exact product keeps every bit, IEEE f32
+    /// sums, even one term after another, about 23, and sums of operands rounded to TF32 (10
+    /// stored mantissa bits) about 15; a NaN is no bits at all.
+    #[test]
+    fn accuracy_tells_tf32_from_f32() {
+        let (rows, cols, k) = (3, 5, 768);
+        let a: Vec<f32> = (0..rows * k)
+            .map(|i| ((i * 7919) % 1000) as f32 / 997.0 - 0.4)
+            .collect();
+        let b: Vec<f32> = (0..k * cols)
+            .map(|i| ((i * 104729) % 1000) as f32 / 991.0 - 0.6)
+            .collect();
+        let product = |round: &dyn Fn(f32) -> f32, acc: &dyn Fn(&[f32], &[f32]) -> f32| {
+            let mut out = vec![0f32; rows * cols];
+            for r in 0..rows {
+                for c in 0..cols {
+                    let x: Vec<f32> = (0..k).map(|i| round(a[r * k + i])).collect();
+                    let y: Vec<f32> = (0..k).map(|i| round(b[i * cols + c])).collect();
+                    out[r * cols + c] = acc(&x, &y);
+                }
+            }
+            out
+        };
+        let f64_sum = |x: &[f32], y: &[f32]| {
+            x.iter()
+                .zip(y)
+                .map(|(&p, &q)| f64::from(p) * f64::from(q))
+                .sum::<f64>() as f32
+        };
+        let f32_sum =
+            |x: &[f32], y: &[f32]| x.iter().zip(y).fold(0f32, |s, (&p, &q)| p.mul_add(q, s));
+        // TF32: 10 stored mantissa bits, rounded to nearest.
+        let tf32 = |x: f32| f32::from_bits((x.to_bits() + 0x1000) & !0x1fff);
+        let same = |x: f32| x;
+
+        let exactish = Accuracy::of(&a, &b, &product(&same, &f64_sum), k);
+        assert!(exactish.bits > 24.0, "{exactish:?}");
+        let ieee = Accuracy::of(&a, &b, &product(&same, &f32_sum), k);
+        assert!((20.0..=30.0).contains(&ieee.bits), "{ieee:?}");
+        let rounded = Accuracy::of(&a, &b, &product(&tf32, &f32_sum), k);
+        assert!((12.0..18.0).contains(&rounded.bits), "{rounded:?}");
+        assert!(ieee.bits - rounded.bits > 5.0, "{ieee:?} {rounded:?}");
+        let mut nan = product(&same, &f32_sum);
+        nan[4] = f32::NAN;
+        assert_eq!(Accuracy::of(&a, &b, &nan, k).max_error, f64::INFINITY);
+        // Small integers multiply and add exactly in f32.
+        let ints = Accuracy::of(&[1.0, 2.0], &[3.0, 4.0], &[11.0], 2);
+        assert_eq!((ints.max_error, ints.bits), (0.0, 53.0));
+    }
+
+    /// On flex, Burn's f32 products keep IEEE f32's bits, and bf16 outputs far fewer: the
+    /// bench reports what the device computed.
+    #[test]
+    fn the_bench_measures_each_products_accuracy() {
+        let products = step_products(32, 1, 100, 2, 16);
+        let f32s = bench_products(DeviceKind::Flex, Dtype::F32, &products, 1, 1).unwrap();
+        for r in &f32s {
+            assert!(
+                r.accuracy.bits >= 20.0,
+                "{}: {:?}",
+                r.product.name,
+                r.accuracy
+            );
+        }
+        if Device::flex().supports_dtype(DType::BF16) {
+            let bf16s = bench_products(DeviceKind::Flex, Dtype::Bf16, &products, 1, 1).unwrap();
+            for r in &bf16s {
+                assert!(
+                    r.accuracy.bits < 16.0,
+                    "{}: {:?}",
+                    r.product.name,
+                    r.accuracy
+                );
+            }
+        }
+    }
 
     #[test]
     fn a_step_has_three_products_per_linear_layer_and_their_flops_are_six_n_per_token() {

@@ -6,8 +6,9 @@ wte) and the same step (mean cross-entropy over the batch, backward, global-norm
 1.0, AdamW with betas (0.9, 0.95), eps 1e-8 and weight decay 0.1 on 2-D weights only).
 Initialisation and data do not matter for speed: weights are normal(0, 0.02), tokens are
 uniform. Runs on the CPU or a CUDA GPU (`--device`), eager or under `torch.compile`
-(`--compile`). Prints one JSON object: the median step time of the timed steps, tokens/s and,
-on a GPU, the peak memory PyTorch's allocator held.
+(`--compile`). f32 products run in IEEE f32, PyTorch's default, or on tensor cores as TF32
+(`--tf32`, as `torch.set_float32_matmul_precision("high")`). Prints one JSON object: the median
+step time of the timed steps, tokens/s and, on a GPU, the peak memory PyTorch's allocator held.
 """
 
 import argparse
@@ -108,6 +109,12 @@ def main():
         help="the model under torch.compile (its compilation falls in the warm-up steps)",
     )
     a.add_argument(
+        "--tf32",
+        action="store_true",
+        help="f32 products on tensor cores as TF32 (PyTorch's matmul precision 'high'); without "
+        "it, IEEE f32 ('highest', the default)",
+    )
+    a.add_argument(
         "--profile",
         action="store_true",
         help="after the timed steps, profile 3 more with torch.profiler and print its table",
@@ -121,6 +128,7 @@ def main():
     args = a.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    torch.set_float32_matmul_precision("high" if args.tf32 else "highest")
     torch.manual_seed(0)
     device = torch.device(args.device)
     model = Gpt(args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size)
@@ -177,6 +185,7 @@ def main():
                 "torch": torch.__version__,
                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "compiled": args.compile,
+                "f32_matmul_precision": torch.get_float32_matmul_precision(),
                 "peak_device_bytes": (
                     torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
                 ),
