@@ -589,7 +589,7 @@ pub(crate) fn reduce_flow<'e>(
         }
         stages.push((
             world,
-            Box::new(move |c: &Comm, _| all_reduce_carry(c, world, grad, bf16)),
+            Box::new(move |c: &Comm, _| all_reduce_carry(c, world, grad, bf16, device)),
         ));
         return Ok(Flow {
             stages,
@@ -750,14 +750,8 @@ pub(crate) fn reduce_flow<'e>(
         match (carry, first) {
             // A group of one owns the whole unit, and its mean over one rank is itself.
             (_, Some(g)) => g,
-            (c @ (Carry::F32(_) | Carry::Bf16(_)), None) => host_to_f32(c, device) / p as f32,
-            (Carry::Staged(s), None) => {
-                let t = s.upload();
-                let t = match t.dtype() {
-                    DType::F32 => t,
-                    _ => t.cast(DType::F32),
-                };
-                t / p as f32
+            (c @ (Carry::F32(_) | Carry::Bf16(_) | Carry::Staged(_)), None) => {
+                host_to_f32(c, device) / p as f32
             }
             (Carry::Tensor(t), None) => *t / p as f32,
             _ => unreachable!("the path's last stage carries the shard"),
@@ -779,12 +773,12 @@ pub(crate) fn reduce_flow<'e>(
             Box::new(move |c: &Comm, carry: Carry| match (carry, leftover) {
                 // Host values from the path: their mean over the path's group is taken where
                 // they are, and they go on to the all-reduce without a round trip through the
-                // device.
+                // device; the sum lands in memory staged for the device.
                 (Carry::F32(v), None) => {
                     check(v.len())?;
                     let g = c.try_group(scope(c, across))?;
                     let v: Vec<f32> = v.into_iter().map(|x| x / p as f32).collect();
-                    Ok(Carry::F32(g.all_reduce(&v, Reduce::Sum)?))
+                    all_reduce_to(&g, &v, device)
                 }
                 (Carry::Bf16(v), None) => {
                     check(v.len())?;
@@ -793,12 +787,12 @@ pub(crate) fn reduce_flow<'e>(
                         .into_iter()
                         .map(|x| Bf16::from_f32(x.to_f32() / p as f32))
                         .collect();
-                    Ok(Carry::Bf16(g.all_reduce(&v, Reduce::Sum)?))
+                    all_reduce_to(&g, &v, device)
                 }
                 (carry, first) => {
                     let shard = shard_of(carry, first);
                     check(shard.dims()[0])?;
-                    all_reduce_carry(c, across, shard, bf16)
+                    all_reduce_carry(c, across, shard, bf16, device)
                 }
             }),
         ));
@@ -936,13 +930,26 @@ fn all_reduce_carry(
     levels: Levels,
     t: Tensor<1>,
     bf16: bool,
+    device: &Device,
 ) -> Result<Carry, ShardError> {
     let g = c.try_group(scope(c, levels))?;
-    Ok(if bf16 {
-        Carry::Bf16(g.all_reduce(&staging::read_bf16(t)?, Reduce::Sum)?)
+    if bf16 {
+        all_reduce_to(&g, &staging::read_bf16(t)?, device)
     } else {
-        Carry::F32(g.all_reduce(&staging::read_f32(t)?, Reduce::Sum)?)
-    })
+        all_reduce_to(&g, &staging::read_f32(t)?, device)
+    }
+}
+
+/// The sum over `g` of every member's `send`, into memory staged for `device`: the sum goes up
+/// as it lands.
+fn all_reduce_to<T: ember_comm::Element + staging::Crossing>(
+    g: &Group<'_>,
+    send: &[T],
+    device: &Device,
+) -> Result<Carry, ShardError> {
+    let mut out = Staged::new::<T>(send.len(), device);
+    g.all_reduce_into(send, out.values_mut(), Reduce::Sum)?;
+    Ok(Carry::Staged(out))
 }
 
 /// Host values reduced in f32 or bf16, as an f32 tensor on `device`.
@@ -950,6 +957,13 @@ fn host_to_f32(carry: Carry, device: &Device) -> Tensor<1> {
     match carry {
         Carry::F32(v) => staging::from_f32(v, device),
         Carry::Bf16(v) => staging::from_bf16(&v, device).cast(DType::F32),
+        Carry::Staged(s) => {
+            let t = s.upload();
+            match t.dtype() {
+                DType::F32 => t,
+                _ => t.cast(DType::F32),
+            }
+        }
         _ => unreachable!("a reduction carries host values"),
     }
 }
