@@ -19,8 +19,11 @@
 //! are f32; the probabilities and the scores' gradient are rounded to the tensor's dtype for
 //! the products that read them (a no-op in f32), and each result once to the tensor's dtype.
 //!
-//! The whole `T x T` of each head is multiplied, the masked upper triangle included; the
-//! softmax writes its zeros.
+//! A sequence's queries are split in two halves ([`halves`]): the first half's queries see
+//! only the first half's keys, so its scores are `T/2 x T/2` and the second half's
+//! `T/2 x T`, three quarters of the `T x T` square; the rest of the masked upper triangle is
+//! multiplied (and the softmax writes its zeros). The halves' products take views of the
+//! group's Q, K and V, and one kernel merges both halves' results.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -128,6 +131,17 @@ pub(crate) fn max_alloc(t: &CubeTensor) -> u64 {
 /// Units per cube of the element-wise kernels.
 const UNITS: u32 = 256;
 
+/// The split of a sequence of `t` queries into blocks, each `(first query, queries)`: two
+/// halves (the first's a multiple of 16 queries) from 32 queries on, else one block. A
+/// block's queries see the keys up to its last query.
+pub(crate) fn halves(t: usize) -> Vec<(usize, usize)> {
+    if t < 32 {
+        return vec![(0, t)];
+    }
+    let h = t / 2 / 16 * 16;
+    vec![(0, h), (h, t - h)]
+}
+
 /// Where element `e` of the `[G, T, hd]` heads of the pairs from `first` on lies in a packed
 /// `[B, T, parts d]` tensor, in its first `d` columns (pair `b H + h` is head `h` of sequence
 /// `b`).
@@ -171,17 +185,21 @@ fn split_qkv_kernel<E: Float>(
     }
 }
 
-/// The causal softmax of each row of the f32 scores `[G, T, T]` (scaled by `scale`) into the
-/// probabilities `p` in the tensor's dtype, zeros right of the diagonal, and each row's
-/// log-sum-exp into `lse` from row `first_row` on. A cube per row. `in_place` (f32 tensors)
-/// writes the probabilities over the scores instead, and leaves `p` alone.
+/// The causal softmax of each row of the f32 scores `[G, Q, K]` of a block of `Q` queries
+/// from query `q0` on against keys `0..K` (scaled by `scale`) into the probabilities `p` in
+/// the tensor's dtype, zeros right of the diagonal, and each row's log-sum-exp into `lse`
+/// (`[B H, seq]`, the pairs from `first` on). A cube per row. `in_place` (f32 tensors) writes
+/// the probabilities over the scores instead, and leaves `p` alone.
 #[cube(launch, create_dummy_kernel)]
 fn causal_softmax_kernel<E: Float>(
     s: &mut Tensor<f32>,
     p: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
-    first_row: usize,
+    first: usize,
     rows: usize,
+    queries: usize,
+    q0: usize,
+    keys: usize,
     seq: usize,
     scale: f32,
     units_now: usize,
@@ -193,9 +211,10 @@ fn causal_softmax_kernel<E: Float>(
     let u = UNIT_POS_X as usize;
     let mut shared = Shared::<[f32]>::new_slice(units);
     let live = r < rows;
-    let base = r * seq;
+    let base = r * keys;
+    let i = q0 + r % queries;
     // The row's query sees keys 0..=i.
-    let seen = (r % seq) + 1;
+    let seen = i + 1;
 
     let mut m = f32::new(-1.0e30);
     if live {
@@ -217,7 +236,7 @@ fn causal_softmax_kernel<E: Float>(
     let l = top + f32::ln(cube_sum(sum, &mut shared, units_now));
     if live {
         let mut j = u;
-        while j < seq {
+        while j < keys {
             let x = seen_exp(s[base + j] * scale - l, j < seen);
             if in_place {
                 s[base + j] = x;
@@ -227,7 +246,7 @@ fn causal_softmax_kernel<E: Float>(
             j += units;
         }
         if u == 0 {
-            lse[first_row + r] = l;
+            lse[(first + r / queries) * seq + i] = l;
         }
     }
 }
@@ -242,22 +261,33 @@ fn seen_exp(x: f32, seen: bool) -> f32 {
     v
 }
 
-/// The `[G, T, hd]` heads `o` into their columns of the `[B, T, d]` output, one unit per
-/// element of `o`.
+/// The heads' outputs into their columns of the `[B, T, d]` output, one unit per element of
+/// the group's `[G, T, hd]`: queries below `split` from the first block's `o0`
+/// (`[G, split, hd]`), the rest from the second's `o1` (`[G, T - split, hd]`).
 #[cube(launch, create_dummy_kernel)]
 fn merge_heads_kernel<E: Float>(
-    o: &Tensor<E>,
+    o0: &Tensor<E>,
+    o1: &Tensor<E>,
     out: &mut Tensor<E>,
     first: usize,
     len: usize,
     seq: usize,
+    split: usize,
     #[comptime] hd: usize,
     #[comptime] heads: usize,
     #[define(E)] _dtype: ElemType,
 ) {
     let e = ABSOLUTE_POS;
     if e < len {
-        out[packed_index(e, first, seq, hd, heads, 1usize)] = o[e];
+        let c = e % hd;
+        let i = (e / hd) % seq;
+        let pair = e / (hd * seq);
+        let at = packed_index(e, first, seq, hd, heads, 1usize);
+        if i < split {
+            out[at] = o0[(pair * split + i) * hd + c];
+        } else {
+            out[at] = o1[(pair * (seq - split) + i - split) * hd + c];
+        }
     }
 }
 
@@ -290,11 +320,12 @@ fn output_gradient_kernel<E: Float>(
     }
 }
 
-/// From the f32 scores `s` and their product with the values `dp` (`[G, T, T]`), the
-/// probabilities `p = exp(scale s - lse)` and the unscaled scores' gradient
-/// `ds = scale p (dp - D)`, both in the tensor's dtype, zeros right of the diagonal (whose
-/// scores and `dp` it does not read: half the reads); one unit per element. `in_place` (f32
-/// tensors) writes them over `s` and `dp` instead, and leaves `p` and `ds` alone.
+/// From the f32 scores `s` and their product with the values `dp` (`[G, Q, K]`, a block of
+/// `Q` queries from query `q0` on against keys `0..K`), the probabilities
+/// `p = exp(scale s - lse)` and the unscaled scores' gradient `ds = scale p (dp - D)`, both
+/// in the tensor's dtype, zeros right of the diagonal (whose scores and `dp` it does not read);
+/// `lse` and `D` (`delta`) are `[B H, seq]` and `[G, seq]`. One unit per element. `in_place`
+/// (f32 tensors) writes them over `s` and `dp` instead, and leaves `p` and `ds` alone.
 #[cube(launch, create_dummy_kernel)]
 fn score_gradient_kernel<E: Float>(
     s: &mut Tensor<f32>,
@@ -303,8 +334,11 @@ fn score_gradient_kernel<E: Float>(
     delta: &Tensor<f32>,
     p: &mut Tensor<E>,
     ds: &mut Tensor<E>,
-    first_row: usize,
+    first: usize,
     len: usize,
+    queries: usize,
+    q0: usize,
+    keys: usize,
     seq: usize,
     scale: f32,
     #[comptime] in_place: bool,
@@ -312,12 +346,14 @@ fn score_gradient_kernel<E: Float>(
 ) {
     let e = ABSOLUTE_POS;
     if e < len {
-        let r = e / seq;
+        let r = e / keys;
+        let pair = r / queries;
+        let i = q0 + r % queries;
         let mut pv = f32::new(0.0);
         let mut g = f32::new(0.0);
-        if e % seq <= r % seq {
-            pv = f32::exp(s[e] * scale - lse[first_row + r]);
-            g = scale * pv * (dp[e] - delta[r]);
+        if e % keys <= i {
+            pv = f32::exp(s[e] * scale - lse[(first + pair) * seq + i]);
+            g = scale * pv * (dp[e] - delta[pair * seq + i]);
         }
         if in_place {
             s[e] = pv;
@@ -329,17 +365,26 @@ fn score_gradient_kernel<E: Float>(
     }
 }
 
-/// The `[G, T, hd]` gradients of Q, K and V into their columns of the `[B, T, 3d]` gradient
-/// of the projection, one unit per element of each.
+/// The gradients of Q, K and V into their columns of the `[B, T, 3d]` gradient of the
+/// projection, one unit per element of the group's `[G, T, hd]`. Q's: queries below `split`
+/// from the first block's `dq0` (`[G, split, hd]`), the rest from the second's `dq1`
+/// (`[G, T - split, hd]`). K's and V's, in f32: the sum over the blocks, `dk1` and `dv1`
+/// (`[G, T, hd]`, the block that sees every key) plus, for keys below `seen`, `dk0` and `dv0`
+/// (`[G, seen, hd]`); rounded once to the tensor's dtype.
 #[cube(launch, create_dummy_kernel)]
 fn merge_gradients_kernel<E: Float>(
-    dq: &Tensor<E>,
-    dk: &Tensor<E>,
-    dv: &Tensor<E>,
+    dq0: &Tensor<E>,
+    dq1: &Tensor<E>,
+    dk0: &Tensor<f32>,
+    dk1: &Tensor<f32>,
+    dv0: &Tensor<f32>,
+    dv1: &Tensor<f32>,
     dqkv: &mut Tensor<E>,
     first: usize,
     len: usize,
     seq: usize,
+    split: usize,
+    seen: usize,
     #[comptime] hd: usize,
     #[comptime] heads: usize,
     #[define(E)] _dtype: ElemType,
@@ -347,10 +392,24 @@ fn merge_gradients_kernel<E: Float>(
     let e = ABSOLUTE_POS;
     if e < len {
         let d = hd * heads;
+        let c = e % hd;
+        let i = (e / hd) % seq;
+        let pair = e / (hd * seq);
         let at = packed_index(e, first, seq, hd, heads, 3usize);
-        dqkv[at] = dq[e];
-        dqkv[at + d] = dk[e];
-        dqkv[at + 2 * d] = dv[e];
+        if i < split {
+            dqkv[at] = dq0[(pair * split + i) * hd + c];
+        } else {
+            dqkv[at] = dq1[(pair * (seq - split) + i - split) * hd + c];
+        }
+        let mut dk = dk1[e];
+        let mut dv = dv1[e];
+        if i < seen {
+            let early = (pair * seen + i) * hd + c;
+            dk += dk0[early];
+            dv += dv0[early];
+        }
+        dqkv[at + d] = E::cast_from(dk);
+        dqkv[at + 2 * d] = E::cast_from(dv);
     }
 }
 
@@ -397,6 +456,13 @@ fn product(lhs: CubeTensor, rhs: CubeTensor, out: CubeTensor) -> CubeTensor {
     let dtype = out.dtype;
     matmul(lhs, rhs, Some(out), MatmulStrategy::default(), dtype)
         .expect("the device's matmul takes attention's products")
+}
+
+/// Rows `from..from + n` of each pair of a `[G, T, hd]` tensor: a view where the device's
+/// alignment allows its offsets, else a copy.
+fn rows(t: &CubeTensor, from: usize, n: usize) -> CubeTensor {
+    let [g, _, hd] = t.meta.shape().dims::<3>();
+    burn_cubecl::kernel::slice(t.clone(), &[0..g, from..from + n, 0..hd])
 }
 
 /// `t` with its last two dimensions swapped (a view).
@@ -451,40 +517,60 @@ pub(crate) fn forward(qkv: CubeTensor, heads: usize, group: usize) -> (CubeTenso
     let lse = empty(&qkv, [b, heads, t], DType::F32);
     let scale = (dims.hd as f32).sqrt().recip();
     let tasks = b * heads;
+    let blocks = halves(t);
     for first in (0..tasks).step_by(group) {
         let g = group.min(tasks - first);
         let [q, k, v] = split(&qkv, first, g, dims);
-        let s = product(q, transposed(k), empty(&qkv, [g, t, t], DType::F32));
-        let p = scores_like(&s, dtype);
-        causal_softmax_kernel::launch(
-            &client,
-            row_cubes(g * t),
-            CubeDim::new_1d(ROW_UNITS as u32),
-            s.clone().into_tensor_arg(),
-            p.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            first * t,
-            g * t,
-            t,
-            scale,
-            ROW_UNITS,
-            ROW_UNITS,
-            in_place(dtype),
-            elem_type(dtype),
-        );
-        let p = if in_place(dtype) { s } else { p };
-        let o = product(p, v, empty(&qkv, [g, t, dims.hd], dtype));
+        let mut outs = Vec::with_capacity(blocks.len());
+        for &(q0, queries) in &blocks {
+            let keys = q0 + queries;
+            let s = product(
+                rows(&q, q0, queries),
+                transposed(rows(&k, 0, keys)),
+                empty(&qkv, [g, queries, keys], DType::F32),
+            );
+            let p = scores_like(&s, dtype);
+            causal_softmax_kernel::launch(
+                &client,
+                row_cubes(g * queries),
+                CubeDim::new_1d(ROW_UNITS as u32),
+                s.clone().into_tensor_arg(),
+                p.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                first,
+                g * queries,
+                queries,
+                q0,
+                keys,
+                t,
+                scale,
+                ROW_UNITS,
+                ROW_UNITS,
+                in_place(dtype),
+                elem_type(dtype),
+            );
+            let p = if in_place(dtype) { s } else { p };
+            outs.push(product(
+                p,
+                rows(&v, 0, keys),
+                empty(&qkv, [g, queries, dims.hd], dtype),
+            ));
+        }
+        let split_at = blocks[0].1;
+        let o1 = outs.last().expect("a block").clone();
         let len = g * t * dims.hd;
         let (cubes, dim) = elementwise(&client, len);
         merge_heads_kernel::launch(
             &client,
             cubes,
             dim,
-            o.into_tensor_arg(),
+            outs[0].clone().into_tensor_arg(),
+            o1.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             first,
             len,
             t,
+            split_at,
             dims.hd,
             heads,
             elem_type(dtype),
@@ -516,6 +602,7 @@ pub(crate) fn backward(
     let dqkv = empty(&qkv, [b, t, d3], dtype);
     let scale = (hd as f32).sqrt().recip();
     let tasks = b * heads;
+    let blocks = halves(t);
     for first in (0..tasks).step_by(group) {
         let g = group.min(tasks - first);
         let [q, k, v] = split(&qkv, first, g, dims);
@@ -537,54 +624,78 @@ pub(crate) fn backward(
             heads,
             elem_type(dtype),
         );
-        let s = product(
-            q.clone(),
-            transposed(k.clone()),
-            empty(&qkv, [g, t, t], DType::F32),
-        );
-        let dp = product(
-            d_o.clone(),
-            transposed(v),
-            empty(&qkv, [g, t, t], DType::F32),
-        );
-        let p = scores_like(&s, dtype);
-        let ds = scores_like(&s, dtype);
-        let len = g * t * t;
-        let (cubes, dim) = elementwise(&client, len);
-        score_gradient_kernel::launch(
-            &client,
-            cubes,
-            dim,
-            s.clone().into_tensor_arg(),
-            dp.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            delta.into_tensor_arg(),
-            p.clone().into_tensor_arg(),
-            ds.clone().into_tensor_arg(),
-            first * t,
-            len,
-            t,
-            scale,
-            in_place(dtype),
-            elem_type(dtype),
-        );
-        let (p, ds) = if in_place(dtype) { (s, dp) } else { (p, ds) };
-        let dv = product(transposed(p), d_o, empty(&qkv, [g, t, hd], dtype));
-        let dq = product(ds.clone(), k, empty(&qkv, [g, t, hd], dtype));
-        let dk = product(transposed(ds), q, empty(&qkv, [g, t, hd], dtype));
+        // Per block: Q's gradient for its queries, K's and V's (in f32) for the keys it sees.
+        let mut grads = Vec::with_capacity(blocks.len());
+        for &(q0, queries) in &blocks {
+            let keys = q0 + queries;
+            let (qb, kb, vb) = (rows(&q, q0, queries), rows(&k, 0, keys), rows(&v, 0, keys));
+            let dob = rows(&d_o, q0, queries);
+            let s = product(
+                qb.clone(),
+                transposed(kb.clone()),
+                empty(&qkv, [g, queries, keys], DType::F32),
+            );
+            let dp = product(
+                dob.clone(),
+                transposed(vb),
+                empty(&qkv, [g, queries, keys], DType::F32),
+            );
+            let p = scores_like(&s, dtype);
+            let ds = scores_like(&s, dtype);
+            let len = g * queries * keys;
+            let (cubes, dim) = elementwise(&client, len);
+            score_gradient_kernel::launch(
+                &client,
+                cubes,
+                dim,
+                s.clone().into_tensor_arg(),
+                dp.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                p.clone().into_tensor_arg(),
+                ds.clone().into_tensor_arg(),
+                first,
+                len,
+                queries,
+                q0,
+                keys,
+                t,
+                scale,
+                in_place(dtype),
+                elem_type(dtype),
+            );
+            let (p, ds) = if in_place(dtype) { (s, dp) } else { (p, ds) };
+            let dv = product(transposed(p), dob, empty(&qkv, [g, keys, hd], DType::F32));
+            let dq = product(ds.clone(), kb, empty(&qkv, [g, queries, hd], dtype));
+            let dk = product(transposed(ds), qb, empty(&qkv, [g, keys, hd], DType::F32));
+            grads.push((dq, dk, dv));
+        }
+        // With one block, the second block's tensors are the first's, and no key is seen
+        // by an earlier block.
+        let (split_at, seen) = match blocks[..] {
+            [(_, queries)] => (queries, 0),
+            _ => (blocks[0].1, blocks[0].1),
+        };
+        let (dq0, dk0, dv0) = grads[0].clone();
+        let (dq1, dk1, dv1) = grads.last().expect("a block").clone();
         let len = g * t * hd;
         let (cubes, dim) = elementwise(&client, len);
         merge_gradients_kernel::launch(
             &client,
             cubes,
             dim,
-            dq.into_tensor_arg(),
-            dk.into_tensor_arg(),
-            dv.into_tensor_arg(),
+            dq0.into_tensor_arg(),
+            dq1.into_tensor_arg(),
+            dk0.into_tensor_arg(),
+            dk1.into_tensor_arg(),
+            dv0.into_tensor_arg(),
+            dv1.into_tensor_arg(),
             dqkv.clone().into_tensor_arg(),
             first,
             len,
             t,
+            split_at,
+            seen,
             hd,
             heads,
             elem_type(dtype),
@@ -594,7 +705,7 @@ pub(crate) fn backward(
 }
 
 /// The path's six kernels as a gpt2 step launches them ([`Ahead`]), the group being all of
-/// the step's 96 heads.
+/// the step's 96 heads, the block the second half of the queries.
 pub(super) fn ahead(a: &mut Ahead) {
     let (b, t, d, heads) = (Ahead::B, Ahead::T, Ahead::D, Ahead::HEADS);
     let hd = d / heads;
@@ -602,7 +713,8 @@ pub(super) fn ahead(a: &mut Ahead) {
     let dim = CubeDim::new_1d(UNITS);
     let cubes = |len: usize| row_cubes(len.div_ceil(UNITS as usize));
     let scale = (hd as f32).sqrt().recip();
-    let (heads_len, scores_len) = (g * t * hd, g * t * t);
+    let (q0, queries) = *halves(t).last().expect("a block");
+    let (heads_len, scores_len) = (g * t * hd, g * queries * t);
     for dtype in Ahead::DTYPES {
         let tensor = |shape: &[usize]| Ahead::tensor(shape, dtype);
         let f32s = |shape: &[usize]| Ahead::tensor(shape, DType::F32);
@@ -629,13 +741,16 @@ pub(super) fn ahead(a: &mut Ahead) {
             causal_softmax_kernel::create_dummy_kernel(
                 device,
                 target,
-                row_cubes(g * t),
+                row_cubes(g * queries),
                 CubeDim::new_1d(ROW_UNITS as u32),
-                f32s(&[g, t, t]),
-                tensor(&[g, t, t]),
+                f32s(&[g, queries, t]),
+                tensor(&[g, queries, t]),
                 f32s(&[b, heads, t]),
                 0,
-                g * t,
+                g * queries,
+                queries,
+                q0,
+                t,
                 t,
                 scale,
                 ROW_UNITS,
@@ -652,11 +767,13 @@ pub(super) fn ahead(a: &mut Ahead) {
                     target,
                     cubes(heads_len),
                     dim,
-                    tensor(&[g, t, hd]),
+                    tensor(&[g, q0, hd]),
+                    tensor(&[g, queries, hd]),
                     tensor(&[b, t, d]),
                     0,
                     heads_len,
                     t,
+                    q0,
                     hd,
                     heads,
                     e,
@@ -690,14 +807,17 @@ pub(super) fn ahead(a: &mut Ahead) {
                 target,
                 cubes(scores_len),
                 dim,
-                f32s(&[g, t, t]),
-                f32s(&[g, t, t]),
+                f32s(&[g, queries, t]),
+                f32s(&[g, queries, t]),
                 f32s(&[b, heads, t]),
                 f32s(&[g, t, 1]),
-                tensor(&[g, t, t]),
-                tensor(&[g, t, t]),
+                tensor(&[g, queries, t]),
+                tensor(&[g, queries, t]),
                 0,
                 scores_len,
+                queries,
+                q0,
+                t,
                 t,
                 scale,
                 in_place(dtype),
@@ -712,13 +832,18 @@ pub(super) fn ahead(a: &mut Ahead) {
                     target,
                     cubes(heads_len),
                     dim,
-                    tensor(&[g, t, hd]),
-                    tensor(&[g, t, hd]),
-                    tensor(&[g, t, hd]),
+                    tensor(&[g, q0, hd]),
+                    tensor(&[g, queries, hd]),
+                    f32s(&[g, q0, hd]),
+                    f32s(&[g, t, hd]),
+                    f32s(&[g, q0, hd]),
+                    f32s(&[g, t, hd]),
                     tensor(&[b, t, 3 * d]),
                     0,
                     heads_len,
                     t,
+                    q0,
+                    q0,
                     hd,
                     heads,
                     e,
@@ -731,6 +856,28 @@ pub(super) fn ahead(a: &mut Ahead) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two halves from 32 queries on, the first a multiple of 16, together every query; a
+    /// quarter of the `T x T` scores left out at gpt2's 1024.
+    #[test]
+    fn the_causal_split_covers_every_query_once() {
+        assert_eq!(halves(31), vec![(0, 31)]);
+        assert_eq!(halves(32), vec![(0, 16), (16, 16)]);
+        assert_eq!(halves(70), vec![(0, 32), (32, 38)]);
+        assert_eq!(halves(1024), vec![(0, 512), (512, 512)]);
+        for t in [1, 5, 31, 32, 33, 47, 70, 129, 300, 1024, 1025] {
+            let blocks = halves(t);
+            let mut next = 0;
+            for &(q0, n) in &blocks {
+                assert_eq!(q0, next);
+                assert!(n > 0);
+                next += n;
+            }
+            assert_eq!(next, t);
+        }
+        let scores: usize = halves(1024).iter().map(|&(q0, n)| n * (q0 + n)).sum();
+        assert_eq!(scores * 4, 3 * 1024 * 1024);
+    }
 
     /// gpt2's step (96 pairs of 1024 queries, 4 MiB of scores each) is one group under the
     /// default cap; a smaller cap or allocation splits it; a pair over either, or the flash

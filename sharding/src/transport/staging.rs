@@ -299,9 +299,10 @@ pub(crate) struct Staged {
 impl Staged {
     /// `len` elements of `E` for `device`, their values unspecified until filled.
     pub(crate) fn new<E: Crossing>(len: usize, device: &Device) -> Self {
-        let (dtype, device) = (E::DTYPE, device.clone());
+        let device = device.clone();
         #[cfg(feature = "cubecl")]
         if has_own_memory(&device) && len > 0 && !cube_staging::stages_nothing(&device) {
+            let dtype = E::DTYPE;
             let bytes = len * dtype.size();
             // SAFETY: the placeholder is never read: the runtime's staging replaces it with a
             // buffer of its own (copying nothing from it), or it is dropped below.
