@@ -27,8 +27,8 @@ pub enum BenchCommand {
     Shard(BenchShardArgs),
     /// The matrix products of one training step, each timed alone through the op a GPU step
     /// runs it with (Burn's linear or matmul; on flex the step's linear layers run ember's own
-    /// products instead), with its TFLOP/s and its accuracy against f64 in bits (about 11
-    /// where f32 operands ran on tensor cores as TF32, 20 or more in IEEE f32)
+    /// products instead), with its TFLOP/s and its accuracy against f64 in bits (about 15
+    /// where f32 operands ran on tensor cores as TF32, about 23 in IEEE f32)
     Matmul(BenchMatmulArgs),
     /// The crossings between device and host memory an MPI call makes (f32 and bf16, each
     /// way), measured alone through the functions the sharded step stages with, in GB/s
