@@ -672,10 +672,8 @@ pub(crate) fn backward(
         }
         // With one block, the second block's tensors are the first's, and no key is seen
         // by an earlier block.
-        let (split_at, seen) = match blocks[..] {
-            [(_, queries)] => (queries, 0),
-            _ => (blocks[0].1, blocks[0].1),
-        };
+        let split_at = blocks[0].1;
+        let seen = if blocks.len() > 1 { split_at } else { 0 };
         let (dq0, dk0, dv0) = grads[0].clone();
         let (dq1, dk1, dv1) = grads.last().expect("a block").clone();
         let len = g * t * hd;

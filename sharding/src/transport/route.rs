@@ -824,9 +824,9 @@ fn reduce_scatter_to<T: ember_comm::Element + staging::Crossing>(
 ) -> Result<Carry, ShardError> {
     match to {
         Some(device) if send.len().is_multiple_of(g.size()) => {
-            let mut out = Staged::new::<T>(send.len() / g.size(), device);
-            g.reduce_scatter_into(send, out.values_mut(), Reduce::Sum)?;
-            Ok(Carry::Staged(out))
+            land(send.len() / g.size(), device, |out| {
+                g.reduce_scatter_into(send, out, Reduce::Sum)
+            })
         }
         _ => Ok(host(g.reduce_scatter(send, Reduce::Sum)?)),
     }
@@ -841,13 +841,22 @@ fn all_gather_to<T: ember_comm::Element + staging::Crossing>(
     host: fn(Vec<T>) -> Carry,
 ) -> Result<Carry, ShardError> {
     match to {
-        Some(device) => {
-            let mut out = Staged::new::<T>(shard.len() * g.size(), device);
-            g.all_gather_into(shard, out.values_mut())?;
-            Ok(Carry::Staged(out))
-        }
+        Some(device) => land(shard.len() * g.size(), device, |out| {
+            g.all_gather_into(shard, out)
+        }),
         None => Ok(host(g.all_gather(shard)?)),
     }
+}
+
+/// `len` values that `fill` writes straight into memory staged for `device`, carried up to it.
+fn land<T: staging::Crossing>(
+    len: usize,
+    device: &Device,
+    fill: impl FnOnce(&mut [T]) -> Result<(), ember_comm::CommError>,
+) -> Result<Carry, ShardError> {
+    let mut out = Staged::new::<T>(len, device);
+    fill(out.values_mut())?;
+    Ok(Carry::Staged(out))
 }
 
 /// Each unit's gradient accumulated inside the gradient path over a step's earlier
@@ -947,9 +956,9 @@ fn all_reduce_to<T: ember_comm::Element + staging::Crossing>(
     send: &[T],
     device: &Device,
 ) -> Result<Carry, ShardError> {
-    let mut out = Staged::new::<T>(send.len(), device);
-    g.all_reduce_into(send, out.values_mut(), Reduce::Sum)?;
-    Ok(Carry::Staged(out))
+    land(send.len(), device, |out| {
+        g.all_reduce_into(send, out, Reduce::Sum)
+    })
 }
 
 /// Host values reduced in f32 or bf16, as an f32 tensor on `device`.
@@ -957,13 +966,7 @@ fn host_to_f32(carry: Carry, device: &Device) -> Tensor<1> {
     match carry {
         Carry::F32(v) => staging::from_f32(v, device),
         Carry::Bf16(v) => staging::from_bf16(&v, device).cast(DType::F32),
-        Carry::Staged(s) => {
-            let t = s.upload();
-            match t.dtype() {
-                DType::F32 => t,
-                _ => t.cast(DType::F32),
-            }
-        }
+        Carry::Staged(s) => crate::transport::host::cast(s.upload(), DType::F32),
         _ => unreachable!("a reduction carries host values"),
     }
 }
