@@ -6,6 +6,11 @@
 //! A kernel compiled for [`Vector::Avx512`] may use AVX-512 F, BW, DQ and VL together with
 //! AVX2, FMA and BMI2; one compiled for [`Vector::Avx2`] may use AVX2, FMA and BMI2. Each
 //! level is granted only where the CPU reports every feature it names.
+//!
+//! AMX (Intel's tile registers and their bf16 products, `tdpbf16ps`) takes more than the
+//! CPU's word: Linux hands a process the tiles' 8 KiB of state only when asked
+//! (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`). [`amx`] asks once and answers
+//! whether a kernel may use them.
 
 use std::sync::OnceLock;
 
@@ -50,6 +55,9 @@ pub struct Cpu {
     /// AVX512_BF16: bf16 pairs multiplied and summed into f32 lanes (`vdpbf16ps`), on top of
     /// [`Vector::Avx512`].
     pub avx512_bf16: bool,
+    /// AMX-TILE and AMX-BF16 (tile registers, `tdpbf16ps`), as the CPU reports them. Whether
+    /// this process may use them is [`amx`]'s answer.
+    pub amx_bf16: bool,
 }
 
 /// This CPU's answer, probed on the first call.
@@ -77,9 +85,15 @@ fn probe() -> Cpu {
         } else {
             Vector::Baseline
         };
+        // CPUID leaf 7: EDX bit 22 is AMX-BF16, bit 24 AMX-TILE (the standard library's
+        // detection of them is not stable yet).
+        let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+        let amx = leaf7.edx >> 22 & 1 == 1 && leaf7.edx >> 24 & 1 == 1;
         Cpu {
             vector,
             avx512_bf16: avx512 && has!("avx512bf16"),
+            // Every CPU with AMX has AVX-512, which the kernels around the tiles use.
+            amx_bf16: avx512 && amx,
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -87,8 +101,59 @@ fn probe() -> Cpu {
         Cpu {
             vector: Vector::Baseline,
             avx512_bf16: false,
+            amx_bf16: false,
         }
     }
+}
+
+/// Whether this process may run AMX bf16 products: the CPU has AMX-TILE and AMX-BF16
+/// ([`Cpu::amx_bf16`]) and the kernel granted the tiles' state to the process, asked for on
+/// the first call (permission is the whole process's, its threads' now and later). `Err`
+/// says why not, for a run's first lines.
+pub fn amx() -> Result<(), &'static str> {
+    static GRANTED: OnceLock<Result<(), &'static str>> = OnceLock::new();
+    *GRANTED.get_or_init(|| {
+        if !cpu().amx_bf16 {
+            return Err("this CPU has no AMX-BF16 tiles");
+        }
+        request_tiles()
+    })
+}
+
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+fn request_tiles() -> Result<(), &'static str> {
+    // From the kernel's arch/x86/include/uapi/asm/prctl.h and fpu/types.h.
+    const ARCH_GET_XCOMP_PERM: libc::c_long = 0x1022;
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with these codes reads and writes nothing of this process's memory
+    // but `granted`, a valid u64.
+    unsafe {
+        if libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) != 0
+        {
+            return Err("the kernel refused the AMX tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM)");
+        }
+        let mut granted: u64 = 0;
+        if libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_GET_XCOMP_PERM,
+            &mut granted as *mut u64,
+        ) != 0
+            || granted >> XFEATURE_XTILEDATA & 1 == 0
+        {
+            return Err("the kernel did not grant the AMX tiles' state");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(all(target_os = "linux", target_arch = "x86_64")))]
+fn request_tiles() -> Result<(), &'static str> {
+    Err("ember asks for the AMX tiles' state only on Linux")
 }
 
 /// How many times the multiply-adds per second of f32 FMA (`vfmadd231ps`) this CPU's bf16
@@ -201,7 +266,19 @@ mod tests {
         };
         assert_eq!(c.vector, expected, "flags: {flags:?}");
         assert_eq!(c.avx512_bf16, avx512 && all(&["avx512_bf16"]));
+        assert_eq!(c.amx_bf16, avx512 && all(&["amx_bf16", "amx_tile"]));
         assert!(c.vector.f32_lanes() >= 4);
+    }
+
+    #[test]
+    fn amx_is_granted_where_the_cpu_has_it() {
+        match (cpu().amx_bf16, amx()) {
+            (true, Ok(())) => eprintln!("AMX tiles granted to this process"),
+            // A Linux kernel from before 5.16 has no permission to ask for.
+            (true, Err(why)) => eprintln!("AMX on the CPU, not granted: {why}"),
+            (false, granted) => assert!(granted.is_err(), "granted without the CPU's AMX"),
+        }
+        assert_eq!(amx(), amx(), "asked once");
     }
 
     #[test]

@@ -112,20 +112,107 @@ pub fn has_bf16_dot() -> bool {
     }
 }
 
+/// Whether bf16 products run on AMX tiles ([`super::amx`]): this process may use them
+/// ([`ember_cpu::amx`]), and neither `EMBER_AMX=0` (the `vdpbf16ps` path on the same CPU)
+/// nor `EMBER_BF16_DOT=0` (no bf16 instructions at all) is set.
+pub fn has_amx() -> bool {
+    amx_here().is_ok() && super::simd::level_cap() >= 3
+}
+
+/// [`has_amx`] but for the tests' level cap, or why not.
+fn amx_here() -> Result<(), &'static str> {
+    static AMX: std::sync::OnceLock<Result<(), &'static str>> = std::sync::OnceLock::new();
+    *AMX.get_or_init(|| {
+        if std::env::var("EMBER_BF16_DOT").as_deref() == Ok("0") {
+            Err("EMBER_BF16_DOT=0 is set")
+        } else if std::env::var("EMBER_AMX").as_deref() == Ok("0") {
+            Err("EMBER_AMX=0 is set")
+        } else if cfg!(target_arch = "x86_64") {
+            ember_cpu::amx()
+        } else {
+            Err("AMX is an x86-64 extension")
+        }
+    })
+}
+
 /// The least speed-up of bf16 dot products over f32 FMA, in multiply-adds per second, for
-/// which computing in bf16 pays ([`bf16_dot_pays`]): the bf16 path rounds its operands and
+/// which computing in bf16 pays ([`bf16_pays`]): the bf16 path rounds its operands and
 /// widens its outputs, so instructions that are only as fast as f32's lose.
 pub const BF16_DOT_PAYS_FROM: f64 = 1.5;
 
-/// Whether forward and backward should compute in bf16 over bf16 parameters on this CPU:
-/// [`has_bf16_dot`], and the CPU's bf16 dot products reach at least
-/// [`BF16_DOT_PAYS_FROM`] times the multiply-adds of its f32 FMA
-/// ([`ember_cpu::bf16_dot_speedup`], measured; `EMBER_BF16_DOT=1` skips the measurement).
-/// Where they do not, bf16 parameters compute in f32, which is faster.
-pub fn bf16_dot_pays() -> bool {
-    has_bf16_dot()
-        && (std::env::var("EMBER_BF16_DOT").as_deref() == Ok("1")
-            || ember_cpu::bf16_dot_speedup().is_some_and(|s| s >= BF16_DOT_PAYS_FROM))
+/// How this process computes bf16 products, for a run's first lines.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Bf16Products {
+    /// On AMX tiles (`tdpbf16ps`), f32 sums.
+    Amx,
+    /// On `vdpbf16ps`, measured at this many times the multiply-adds of f32 FMA (`None`:
+    /// not measured, `EMBER_BF16_DOT=1`).
+    Dot(Option<f64>),
+    /// In f32: the reason bf16 arithmetic would not pay here.
+    F32(String),
+}
+
+impl std::fmt::Display for Bf16Products {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Bf16Products::Amx => write!(
+                f,
+                "bf16 products on the CPU's AMX tiles (tdpbf16ps), with f32 sums"
+            ),
+            Bf16Products::Dot(speedup) => {
+                write!(
+                    f,
+                    "bf16 products on the CPU's bf16 dot-product instructions (AVX512_BF16"
+                )?;
+                if let Some(s) = speedup {
+                    write!(
+                        f,
+                        ", measured here at {s:.2}x the multiply-adds of its f32 FMA"
+                    )?;
+                }
+                write!(f, "), with f32 sums")
+            }
+            Bf16Products::F32(why) => f.write_str(why),
+        }
+    }
+}
+
+/// How bf16 products run on this CPU: on AMX tiles where [`has_amx`]; else on `vdpbf16ps`
+/// where [`has_bf16_dot`] and those reach at least [`BF16_DOT_PAYS_FROM`] times the
+/// multiply-adds of the CPU's f32 FMA ([`ember_cpu::bf16_dot_speedup`], measured;
+/// `EMBER_BF16_DOT=1` skips the measurement); else in f32, which is then faster.
+pub fn bf16_products() -> Bf16Products {
+    let amx = amx_here();
+    if amx.is_ok() && has_amx() {
+        return Bf16Products::Amx;
+    }
+    if std::env::var("EMBER_BF16_DOT").as_deref() == Ok("0") {
+        return Bf16Products::F32("EMBER_BF16_DOT=0 is set".into());
+    }
+    if has_bf16_dot() && std::env::var("EMBER_BF16_DOT").as_deref() == Ok("1") {
+        return Bf16Products::Dot(None);
+    }
+    let no_amx = match amx {
+        Err(why) if ember_cpu::cpu().amx_bf16 => format!("AMX is not used ({why})"),
+        _ => "this CPU has no AMX tiles".to_string(),
+    };
+    match ember_cpu::bf16_dot_speedup() {
+        Some(s) if has_bf16_dot() && s >= BF16_DOT_PAYS_FROM => Bf16Products::Dot(Some(s)),
+        Some(s) => Bf16Products::F32(format!(
+            "{no_amx}, and its bf16 dot products do {s:.2}x the multiply-adds of its f32 FMA \
+             (measured), under the {BF16_DOT_PAYS_FROM:.1}x from which they pay"
+        )),
+        None => Bf16Products::F32(format!(
+            "{no_amx} and no bf16 dot-product instructions (AVX512_BF16)"
+        )),
+    }
+}
+
+/// Whether forward and backward should compute in bf16 over bf16 parameters on this CPU
+/// ([`bf16_products`] is not f32). Where they should not, bf16 parameters compute in f32,
+/// which is faster.
+pub fn bf16_pays() -> bool {
+    !matches!(bf16_products(), Bf16Products::F32(_))
 }
 
 /// A matrix operand of [`product`]: its first element, as f32 values or as bf16 bits.
@@ -226,18 +313,47 @@ impl Element for u16 {
     }
 }
 
+/// 64 bytes of packed pairs: one row of an AMX tile, one cache line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct Line([u32; 16]);
+
+/// Packed operands, aligned to cache lines and kept between products to spare the
+/// allocation: `len` pairs of `buffer`'s first lines.
+#[derive(Default)]
+pub(crate) struct Packed(Vec<Line>);
+
+impl Packed {
+    /// The first `len` pairs, grown to fit (new lines zeroed once, then reused).
+    pub(crate) fn take(&mut self, len: usize) -> &mut [u32] {
+        let lines = len.div_ceil(16);
+        if self.0.len() < lines {
+            self.0.resize(lines, Line([0; 16]));
+        }
+        // SAFETY: `Line` is 16 `u32` with no padding; `lines` lines hold at least `len`.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast::<u32>(), len) }
+    }
+}
+
 thread_local! {
-    /// The packed operands of this thread's last product, kept to spare the allocation.
-    static PACKED: std::cell::Cell<(Vec<u32>, Vec<u32>)> = const {
-        std::cell::Cell::new((Vec::new(), Vec::new()))
-    };
+    /// The packed operands of this thread's last product.
+    static PACKED: std::cell::Cell<(Packed, Packed)> = std::cell::Cell::new(Default::default());
+}
+
+/// Runs `f` on this thread's buffers for a product's two packed operands.
+pub(crate) fn with_packed<R>(f: impl FnOnce(&mut Packed, &mut Packed) -> R) -> R {
+    let (mut a, mut b) = PACKED.take();
+    let r = f(&mut a, &mut b);
+    PACKED.set((a, b));
+    r
 }
 
 /// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`, on the CPU's bf16
-/// dot-product instructions where [`has_bf16_dot`]: `lhs` and `rhs` rounded to bf16 and the
-/// products summed in f32. Elsewhere it is the f32 product of the operands as given (bf16
-/// bits widened). Arguments as in [`super::product::product`], except that the operands may
-/// be bf16 bits and their strides must not be negative.
+/// instructions where it has them: `lhs` and `rhs` rounded to bf16 and the products summed
+/// in f32, on AMX tiles ([`super::amx`]) where [`has_amx`], else on `vdpbf16ps` where
+/// [`has_bf16_dot`]. Elsewhere it is the f32 product of the operands as given (bf16 bits
+/// widened). Arguments as in [`super::product::product`], except that the operands may be
+/// bf16 bits and their strides must not be negative.
 ///
 /// # Safety
 /// As for [`super::product::product`].
@@ -253,28 +369,52 @@ pub(crate) unsafe fn product(
     if m == 0 || n == 0 {
         return;
     }
+    // Column i of rhs is row i of its transpose.
+    let rhs_t = (rhs.0, [rhs.1[1], rhs.1[0]]);
     #[cfg(target_arch = "x86_64")]
-    if has_bf16_dot() && k > 0 {
-        let (mut a, mut b) = PACKED.take();
-        // Column i of rhs is row i of its transpose.
-        let rhs_t = (rhs.0, [rhs.1[1], rhs.1[0]]);
-        pack_src::<MR>([m, k], lhs, &mut a, parallel);
-        pack_src::<NR>([n, k], rhs_t, &mut b, parallel);
-        // SAFETY: as the caller guarantees; the CPU has AVX512_BF16.
-        unsafe {
-            dot::product(
-                [m, n, k],
-                &a,
-                &b,
-                (Out(dst.0), dst.1),
-                beta,
-                accumulate,
-                parallel,
-            )
-        };
-        PACKED.set((a, b));
+    if has_amx() && k > 0 {
+        use super::amx::{COLS, PAIRS, ROWS as AMX_ROWS};
+        with_packed(|a, b| {
+            // Rows of lhs with their pairs in a row, as a tile's rows take them; columns of
+            // rhs in panels of 16 (a tile's 16 lanes of pairs).
+            let a = pack_src::<1>([m, k], lhs, Pad::new(AMX_ROWS, PAIRS), a, parallel);
+            let b = pack_src::<16>([n, k], rhs_t, Pad::new(COLS, PAIRS), b, parallel);
+            // SAFETY: as the caller guarantees; the process may use the tiles.
+            unsafe {
+                super::amx::product(
+                    [m, n, k],
+                    a,
+                    b,
+                    (Out(dst.0), dst.1),
+                    beta,
+                    accumulate,
+                    parallel,
+                )
+            }
+        });
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if has_bf16_dot() && k > 0 {
+        with_packed(|a, b| {
+            let a = pack_src::<MR>([m, k], lhs, Pad::new(MR, 1), a, parallel);
+            let b = pack_src::<NR>([n, k], rhs_t, Pad::new(NR, 1), b, parallel);
+            // SAFETY: as the caller guarantees; the CPU has AVX512_BF16.
+            unsafe {
+                dot::product(
+                    [m, n, k],
+                    a,
+                    b,
+                    (Out(dst.0), dst.1),
+                    beta,
+                    accumulate,
+                    parallel,
+                )
+            }
+        });
+        return;
+    }
+    let _ = rhs_t;
     // Without bf16 instructions: the f32 product, bf16 operands widened in place of their
     // elements (strides kept).
     let widened = |(p, [rs, cs]): (Src, [isize; 2]), [r, c]: [usize; 2]| match p {
@@ -315,46 +455,70 @@ const KC: usize = 256;
 const ROWS: usize = 64;
 const _: () = assert!(NR.is_multiple_of(MR));
 
-/// [`pack`] of either kind of operand into `out`, resized to fit.
+/// How far [`pack`] pads an operand with zeros: its rows to a multiple of `rows`, its pairs
+/// (of the inner dimension) to a multiple of `pairs`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Pad {
+    rows: usize,
+    pairs: usize,
+}
+
+impl Pad {
+    pub(crate) const fn new(rows: usize, pairs: usize) -> Self {
+        Pad { rows, pairs }
+    }
+
+    /// `[rows, pairs]` of a packed `rows x k` operand.
+    pub(crate) fn dims(self, [rows, k]: [usize; 2]) -> [usize; 2] {
+        [
+            rows.next_multiple_of(self.rows),
+            k.div_ceil(2).next_multiple_of(self.pairs),
+        ]
+    }
+}
+
+/// [`pack`] of either kind of operand into `out`'s buffer, grown to fit; the packed operand.
 fn pack_src<const WIDTH: usize>(
     dims: [usize; 2],
     (p, strides): (Src, [isize; 2]),
-    out: &mut Vec<u32>,
+    pad: Pad,
+    out: &mut Packed,
     parallel: bool,
-) {
-    let [rows, k] = dims;
-    out.clear();
-    out.reserve(rows.next_multiple_of(WIDTH) * k.div_ceil(2));
-    let spare = &mut out.spare_capacity_mut()[..rows.next_multiple_of(WIDTH) * k.div_ceil(2)];
-    // SAFETY: `u32` and `MaybeUninit<u32>` have one layout; `pack` writes every element.
-    let spare = unsafe { &mut *(spare as *mut [MaybeUninit<u32>] as *mut [u32]) };
+) -> &[u32] {
+    let [rows, pairs] = pad.dims(dims);
+    let out = out.take(rows * pairs);
     match p {
-        Src::F32(p) => pack::<WIDTH, f32>(dims, (p, strides), spare, parallel),
-        Src::Bf16(p) => pack::<WIDTH, u16>(dims, (p, strides), spare, parallel),
+        Src::F32(p) => pack::<WIDTH, f32>(dims, (p, strides), pad, out, parallel),
+        Src::Bf16(p) => pack::<WIDTH, u16>(dims, (p, strides), pad, out, parallel),
     }
-    // SAFETY: `pack` wrote every element of the spare capacity taken.
-    unsafe { out.set_len(rows.next_multiple_of(WIDTH) * k.div_ceil(2)) };
+    out
 }
 
 /// Packs a `rows x k` operand (pointer and [row stride, column stride]) in bf16 pairs along
-/// `k`, in panels of `WIDTH` rows: the pair of columns `2q` and `2q + 1` of row `i` goes to
-/// `out[(i / WIDTH * pairs + q) * WIDTH + i % WIDTH]`. Every element of `out`
-/// (`rows.next_multiple_of(WIDTH) * pairs`) is written, padding with zeros. With `parallel`,
-/// pieces go to rayon's threads.
+/// `k`, in panels of `WIDTH` rows: with `[padded, stride] = pad.dims([rows, k])`, the pair of
+/// columns `2q` and `2q + 1` of row `i` goes to `out[(i / WIDTH * stride + q) * WIDTH + i %
+/// WIDTH]`. Every element of `out` (`padded * stride`) is written, padding with zeros. With
+/// `parallel`, pieces go to rayon's threads.
 fn pack<const WIDTH: usize, E: Element>(
     [rows, k]: [usize; 2],
     (p, [rs, cs]): (*const E, [isize; 2]),
+    pad: Pad,
     out: &mut [u32],
     parallel: bool,
 ) {
     let pairs = k.div_ceil(2);
-    let padded = rows.next_multiple_of(WIDTH);
-    assert!(NR.is_multiple_of(WIDTH) && out.len() == padded * pairs);
+    let [padded, stride] = pad.dims([rows, k]);
+    assert!(pad.rows.is_multiple_of(WIDTH) && NR.is_multiple_of(WIDTH));
+    assert!(out.len() == padded * stride);
     if out.is_empty() {
         return;
     }
+    // Panels past the operand's rows are all padding.
+    let filled = rows.next_multiple_of(WIDTH) * stride;
+    let (out, past) = out.split_at_mut(filled);
+    past.fill(0);
     let (src, dst) = (In(p), Out(out.as_mut_ptr().cast()));
-    let at = |i: usize, q: usize| (i / WIDTH * pairs + q) * WIDTH + i % WIDTH;
+    let at = |i: usize, q: usize| (i / WIDTH * stride + q) * WIDTH + i % WIDTH;
     // SAFETY (every read below): rows below `rows` and columns below `k` are in bounds, as the
     // caller guarantees.
     let line = |from: isize, len: usize| unsafe {
@@ -369,42 +533,53 @@ fn pack<const WIDTH: usize, E: Element>(
         let all = unsafe { std::slice::from_raw_parts(p, (k - 1) * cs + rows) };
         let panel = |(c, out): (usize, &mut [u32])| {
             let r0 = c * WIDTH;
+            let (out, tail) = out.split_at_mut(WIDTH * pairs);
             E::pair_columns(&all[r0..], cs, k, (rows - r0).min(WIDTH), out);
+            tail.fill(0);
         };
         if parallel {
-            out.par_chunks_mut(WIDTH * pairs)
+            out.par_chunks_mut(WIDTH * stride)
                 .enumerate()
                 .for_each(panel);
         } else {
-            out.chunks_mut(WIDTH * pairs).enumerate().for_each(panel);
+            out.chunks_mut(WIDTH * stride).enumerate().for_each(panel);
         }
         return;
     }
     let block = |b: usize| {
         let (i0, i1) = (b * NR, (b * NR + NR).min(rows));
         let dst = dst.get().cast::<u32>();
-        // SAFETY (every write below): `at(i, q)` for i < padded and q < pairs is below
-        // `out.len()` (asserted), and only this block writes its rows' elements.
+        // SAFETY (every write below): `at(i, q)` for i < rows.next_multiple_of(WIDTH) and q <
+        // stride is below `out.len()`, and only this block writes its rows' elements.
         let put = |i: usize, q: usize, v: u32| unsafe { *dst.add(at(i, q)) = v };
         if cs == 1 {
             // Each row's columns are contiguous: pair neighbours, a panel's rows at a time,
             // and interleave them.
-            let mut tmp = vec![0u32; WIDTH * pairs];
+            let mut tmp = vec![0u32; if WIDTH == 1 { 0 } else { WIDTH * pairs }];
             for p0 in (i0..i1).step_by(WIDTH) {
                 let p1 = (p0 + WIDTH).min(i1);
-                for (i, tmp) in (p0..p1).zip(tmp.chunks_exact_mut(pairs)) {
+                // SAFETY: the panel of rows p0.. is `WIDTH * stride` elements from
+                // `at(p0, 0)`, in bounds and written by this block only.
+                let panel =
+                    unsafe { std::slice::from_raw_parts_mut(dst.add(at(p0, 0)), WIDTH * stride) };
+                let (panel, tail) = panel.split_at_mut(WIDTH * pairs);
+                tail.fill(0);
+                let rows_out = if WIDTH == 1 {
+                    &mut *panel
+                } else {
+                    &mut tmp[..]
+                };
+                for (i, out) in (p0..p1).zip(rows_out.chunks_exact_mut(pairs)) {
                     let row = line(i as isize * rs, k);
-                    E::pair_adjacent(row, tmp);
+                    E::pair_adjacent(row, out);
                     if k % 2 == 1 {
-                        tmp[pairs - 1] = row[k - 1].bits() as u32;
+                        out[pairs - 1] = row[k - 1].bits() as u32;
                     }
                 }
-                tmp[(p1 - p0) * pairs..].fill(0);
-                // SAFETY: the panel of rows p0.. is `WIDTH * pairs` elements from `at(p0, 0)`,
-                // in bounds and written by this block only.
-                let panel =
-                    unsafe { std::slice::from_raw_parts_mut(dst.add(at(p0, 0)), WIDTH * pairs) };
-                lanes_of::<WIDTH>(&tmp, pairs, panel);
+                if WIDTH > 1 {
+                    tmp[(p1 - p0) * pairs..].fill(0);
+                    lanes_of::<WIDTH>(&tmp, pairs, panel);
+                }
             }
             return;
         }
@@ -418,10 +593,13 @@ fn pack<const WIDTH: usize, E: Element>(
                 };
                 put(i, q, value(i, 2 * q).bits() as u32 | hi << 16);
             }
+            for q in pairs..stride {
+                put(i, q, 0);
+            }
         }
         // The rows that pad the last panel.
-        for i in i1..i1.next_multiple_of(WIDTH).min(padded) {
-            for q in 0..pairs {
+        for i in i1..i1.next_multiple_of(WIDTH) {
+            for q in 0..stride {
                 put(i, q, 0);
             }
         }
@@ -730,17 +908,134 @@ mod tests {
     }
 
     /// [`product`] against the f64 product for every transpose and shape edge: of the
-    /// rounded operands on the bf16 instructions (where the CPU has them), of the operands as
-    /// given on the f32 path; within `2^-20` of the sum of the magnitudes (f32 accumulation
-    /// over `k` terms of exactly represented products). Operands given as bf16 bits give the
-    /// bits of their f32 values rounded.
+    /// rounded operands on the bf16 instructions (AMX tiles, then `vdpbf16ps`, where the CPU
+    /// has them), of the operands as given on the f32 path; within `2^-20` of the sum of the
+    /// magnitudes (f32 accumulation over `k` terms of exactly represented products).
+    /// Operands given as bf16 bits give the bits of their f32 values rounded.
     #[test]
     fn product_matches_f64_of_rounded_operands() {
-        for cap in [2, 1] {
+        for cap in [3, 2, 1] {
             crate::kernels::simd::LEVEL_CAP.with(|c| c.set(cap));
             product_at_this_level();
         }
-        crate::kernels::simd::LEVEL_CAP.with(|c| c.set(2));
+        crate::kernels::simd::LEVEL_CAP.with(|c| c.set(3));
+    }
+
+    /// `dst (+)= beta lhs rhs` by [`product`] at the kernels' level `cap`, operands row-major
+    /// or transposed as `ta`, `tb` say.
+    fn product_at(
+        cap: u8,
+        [m, n, k]: [usize; 3],
+        [a, b, prior]: [&[f32]; 3],
+        [ta, tb]: [bool; 2],
+        beta: f32,
+        accumulate: bool,
+    ) -> Vec<f32> {
+        crate::kernels::simd::LEVEL_CAP.with(|c| c.set(cap));
+        let sa = if ta { [1, m as isize] } else { [k as isize, 1] };
+        let sb = if tb { [1, k as isize] } else { [n as isize, 1] };
+        let mut got = prior.to_vec();
+        // SAFETY: a holds m x k and b k x n under their strides; got is m x n.
+        unsafe {
+            product(
+                [m, n, k],
+                (got.as_mut_ptr(), n as isize),
+                (Src::F32(a.as_ptr()), sa),
+                (Src::F32(b.as_ptr()), sb),
+                beta,
+                accumulate,
+                true,
+            );
+        }
+        crate::kernels::simd::LEVEL_CAP.with(|c| c.set(3));
+        got
+    }
+
+    /// The AMX product over every tile edge (M, N and K not multiples of 16 or 32, K odd,
+    /// more than one parallel task each way) against the f64 product of the rounded operands
+    /// and against the `vdpbf16ps` product: within `2^-20` of the sum of the magnitudes of
+    /// each (both sum exact products in f32, in different orders). Runs only where this
+    /// process may use AMX tiles, and says why it did not elsewhere.
+    #[test]
+    fn amx_matches_f64_and_the_dot_product_at_every_edge() {
+        if !has_amx() {
+            eprintln!(
+                "skipped: AMX tiles are not used here ({})",
+                amx_here().err().unwrap_or("the tests' level cap")
+            );
+            return;
+        }
+        let dot = ember_cpu::cpu().avx512_bf16;
+        for &[m, n, k] in &[
+            [1, 1, 1],
+            [16, 16, 32],
+            [15, 17, 31],
+            [17, 15, 33],
+            [31, 33, 63],
+            [33, 47, 65],
+            [1, 300, 7],
+            [300, 1, 9],
+            [129, 257, 97],
+            [260, 140, 1001],
+        ] {
+            for (transposes, beta, accumulate) in [
+                ([false, false], 1.0, true),
+                ([false, true], 1.0, false),
+                ([true, false], 0.5, true),
+                ([true, true], -0.25, false),
+            ] {
+                let (a, b) = (values(m * k, 11, 1.0), values(k * n, 12, 1.0));
+                let prior = values(m * n, 13, 1.0);
+                let on = |cap| {
+                    product_at(
+                        cap,
+                        [m, n, k],
+                        [&a, &b, &prior],
+                        transposes,
+                        beta,
+                        accumulate,
+                    )
+                };
+                let amx = on(3);
+                let reference = if dot { Some(on(2)) } else { None };
+                let [ta, tb] = transposes;
+                let at = |v: &[f32], i: usize, l: usize, rows: usize, cols: usize, t: bool| {
+                    let x = if t { v[l * rows + i] } else { v[i * cols + l] };
+                    value_of(bits_of(x)) as f64
+                };
+                for i in 0..m {
+                    for j in 0..n {
+                        let (mut want, mut mag) = (0.0f64, 0.0f64);
+                        for l in 0..k {
+                            let p = at(&a, i, l, m, k, ta) * at(&b, l, j, k, n, tb) * beta as f64;
+                            want += p;
+                            mag += p.abs();
+                        }
+                        let prior = if accumulate {
+                            prior[i * n + j] as f64
+                        } else {
+                            0.0
+                        };
+                        let tol = (mag + prior.abs() + 1.0) * 2f64.powi(-20);
+                        let got = amx[i * n + j] as f64;
+                        let case =
+                            format!("[{m}, {n}, {k}] {transposes:?} beta {beta} at ({i}, {j})");
+                        assert!(
+                            (got - (prior + want)).abs() <= tol,
+                            "{case}: {got} against {}",
+                            prior + want
+                        );
+                        if let Some(dot) = &reference {
+                            let d = dot[i * n + j] as f64;
+                            assert!(
+                                (got - d).abs() <= 2.0 * tol,
+                                "{case}: {got} against vdpbf16ps's {d}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     fn product_at_this_level() {

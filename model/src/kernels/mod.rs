@@ -19,6 +19,8 @@
 
 #[cfg(feature = "cubecl")]
 mod ahead;
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod attention;
 #[cfg(feature = "cubecl")]
 mod attention_products;
@@ -60,7 +62,7 @@ use attention::Dims;
 #[cfg(feature = "cubecl")]
 pub use attention_products::{CubeAttention, cube_attention, set_cube_attention};
 use bf16::Precision;
-pub use bf16::{BF16_DOT_PAYS_FROM, bf16_dot_pays, has_bf16_dot};
+pub use bf16::{BF16_DOT_PAYS_FROM, Bf16Products, bf16_pays, bf16_products, has_amx, has_bf16_dot};
 #[cfg(feature = "cubecl")]
 pub use cube_cross_entropy::CubeCrossEntropyOps;
 #[cfg(feature = "cubecl")]

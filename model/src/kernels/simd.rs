@@ -42,8 +42,9 @@ macro_rules! multiversion {
 }
 pub(crate) use multiversion;
 
-/// The widest version [`multiversion`] may pick: 2 (AVX-512), 1 (AVX2), 0 (baseline). Always
-/// 2 outside this crate's unit tests, which lower it to run every version on one CPU.
+/// The widest version a kernel may pick: 3 (AMX tiles, for bf16 products), 2 (AVX-512), 1
+/// (AVX2), 0 (baseline). Always 3 outside this crate's unit tests, which lower it to run
+/// every version on one CPU.
 #[inline(always)]
 pub(crate) fn level_cap() -> u8 {
     #[cfg(test)]
@@ -52,13 +53,13 @@ pub(crate) fn level_cap() -> u8 {
     }
     #[cfg(not(test))]
     {
-        2
+        3
     }
 }
 
 #[cfg(test)]
 thread_local! {
-    pub(crate) static LEVEL_CAP: std::cell::Cell<u8> = const { std::cell::Cell::new(2) };
+    pub(crate) static LEVEL_CAP: std::cell::Cell<u8> = const { std::cell::Cell::new(3) };
 }
 
 /// Partial sums kept side by side, so a reduction vectorises without reassociating.

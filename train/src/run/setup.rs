@@ -390,7 +390,7 @@ impl RunSetup {
     /// given) units with partitioned parameters keep their graphs for backward (`none`: no
     /// second gather, no recompute) when the plan then fits the memory available on every
     /// rank's machine, and only their inputs (`unit`) otherwise. bf16 parameters compute in
-    /// f32 when any rank's CPU lacks bf16 dot-product instructions
+    /// f32 when any rank's CPU has no bf16 products that pay
     /// ([`planning::module_dtype`]; every rank then does), where that fits after the
     /// recompute choice, and in bf16 otherwise; a run of one rank then trains all in f32
     /// where that fits.
@@ -407,7 +407,7 @@ impl RunSetup {
         // Every rank takes part, so that all of them plan alike.
         let fast = if compute != Compute::F32
             && comm
-                .agree((local != compute).then_some("no bf16 dot-product instructions"))
+                .agree((local != compute).then_some("no bf16 products that pay"))
                 .is_err()
         {
             Compute::F32
@@ -447,11 +447,8 @@ impl RunSetup {
             Decision::Bf16 if self.config.device == DeviceKind::Flex => say_once(
                 rank,
                 format_args!(
-                    "--dtype bf16: forward and backward compute in bf16 on the CPU's bf16 \
-                     dot-product instructions (AVX512_BF16{}), with f32 sums",
-                    measured_here().map_or(String::new(), |s| format!(
-                        ", measured here at {s:.2}x the multiply-adds of its f32 FMA"
-                    ))
+                    "--dtype bf16: forward and backward compute in bf16, {}",
+                    kernels::bf16_products()
                 ),
             ),
             Decision::Bf16 => {}
@@ -780,26 +777,11 @@ fn cuda_compiler_line() -> CliResult<String> {
     })
 }
 
-/// The multiply-adds this CPU's bf16 dot products do per f32 FMA's, measured, for the run's
-/// first lines (said on rank 0, of rank 0's CPU); `None` without them.
-fn measured_here() -> Option<f64> {
-    ember_cpu::bf16_dot_speedup()
-}
-
 /// Why bf16 computes in f32 in this job, as rank 0 sees it.
 fn why_not_bf16() -> String {
-    let from = kernels::BF16_DOT_PAYS_FROM;
-    let here = if std::env::var("EMBER_BF16_DOT").as_deref() == Ok("0") {
-        "EMBER_BF16_DOT=0 is set".to_string()
-    } else {
-        match measured_here() {
-            None => "this CPU has no bf16 dot-product instructions (AVX512_BF16)".to_string(),
-            Some(s) if s < from => format!(
-                "this CPU's bf16 dot products do {s:.2}x the multiply-adds of its f32 FMA \
-                 (measured), under the {from:.1}x from which they pay"
-            ),
-            Some(_) => "a CPU of another rank has no bf16 dot products that pay".to_string(),
-        }
+    let here = match kernels::bf16_products() {
+        kernels::Bf16Products::F32(why) => why,
+        _ => "a CPU of another rank has no bf16 products that pay".to_string(),
     };
     format!("--dtype bf16: {here}, so bf16 arithmetic would be slower than f32")
 }

@@ -189,13 +189,11 @@ impl<'a> GptRun<'a> {
 }
 
 /// The dtype a GPT's modules compute in on `device` when its parameters are `compute`: f32
-/// over bf16 parameters on a CPU (`flex`) where bf16 arithmetic does not pay (no bf16
-/// dot-product instructions, or ones measured no faster than its f32 FMA:
-/// [`ember_model::kernels::bf16_dot_pays`]; [`Plan::computing_in`]); else `compute`.
+/// over bf16 parameters on a CPU (`flex`) where bf16 arithmetic does not pay (no AMX tiles,
+/// and no bf16 dot-product instructions or ones measured no faster than its f32 FMA:
+/// [`ember_model::kernels::bf16_pays`]; [`Plan::computing_in`]); else `compute`.
 pub fn module_dtype(compute: Compute, device: DeviceKind) -> Compute {
-    if compute == Compute::Bf16
-        && device == DeviceKind::Flex
-        && !ember_model::kernels::bf16_dot_pays()
+    if compute == Compute::Bf16 && device == DeviceKind::Flex && !ember_model::kernels::bf16_pays()
     {
         Compute::F32
     } else {
@@ -346,7 +344,7 @@ pub fn render(r: &PlanReport, profile: &Profile) -> String {
     let m = &r.memory;
     let dtype = if let Some(asked) = r.asked_dtype {
         format!(
-            "{} (--dtype {asked} at one rank without bf16 dot-product instructions, or with \
+            "{} (--dtype {asked} at one rank without bf16 products that pay, or with \
              EMBER_BF16_DOT=0, trains all in {}, as ember train does where it fits)",
             r.shard.compute, r.shard.compute
         )
@@ -354,7 +352,7 @@ pub fn render(r: &PlanReport, profile: &Profile) -> String {
         r.shard.compute.to_string()
     } else {
         format!(
-            "{} computing in {} (no bf16 dot-product instructions on this machine, or \
+            "{} computing in {} (no bf16 products that pay on this machine, or \
              EMBER_BF16_DOT=0)",
             r.shard.compute, r.module_dtype
         )

@@ -1,0 +1,284 @@
+//! The bf16 matrix product on AMX tiles (Intel Xeons from Sapphire Rapids on).
+//!
+//! A tile register holds 16 rows of 64 bytes; `tdpbf16ps C, A, B` adds to the 16 x 16 f32
+//! tile `C` the products of `A` (16 rows of 16 bf16 pairs) and `B` (16 rows of pairs, each
+//! row 16 columns' pairs), each pair multiplied and summed into f32 as `vdpbf16ps` does. The
+//! eight registers hold a 32 x 32 block of the output (four `C` tiles), two tiles of `lhs`
+//! and two of `rhs`: each step of 32 along the inner dimension loads four tiles and runs
+//! four products.
+//!
+//! The operands come packed by [`super::bf16`]: `lhs` as rows of pairs, padded to
+//! [`ROWS`] rows and [`PAIRS`] pairs (a tile's rows are its rows' 64-byte stretches);
+//! `rhs`'s transpose in panels of 16 columns (one tile row per pair, 64 bytes), padded to
+//! [`COLS`] columns and [`PAIRS`] pairs. The padding is zeros, so every tile is full and only
+//! the output's edges are cut: an edge tile, or one scaled by `beta`, goes through a 1 KiB
+//! buffer. Each output element is one f32 sum over the inner dimension in order, so the
+//! result does not depend on how the output is split between threads.
+//!
+//! Instructions are written with `asm!`: the tile registers are no operand class of Rust's,
+//! and no other code of the process touches them. Each task loads the tile configuration
+//! first and releases the tiles at its end, so a thread holds no tile state between tasks.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+
+use rayon::prelude::*;
+
+use super::product::Out;
+
+/// Rows `lhs` is padded to: two tiles of the output block.
+pub(super) const ROWS: usize = 32;
+/// Columns `rhs` is padded to: two tiles of the output block.
+pub(super) const COLS: usize = 32;
+/// Pairs (of the inner dimension) both are padded to: one tile's row of pairs.
+pub(super) const PAIRS: usize = 16;
+/// Output rows per parallel task.
+const TASK_ROWS: usize = 128;
+/// Output columns per parallel task: 128 columns of `rhs`, at an inner dimension of 3,072,
+/// are 768 KiB of packed pairs, held in a Sapphire Rapids core's 2 MiB of L2 with the task's
+/// rows of `lhs`.
+const TASK_COLS: usize = 128;
+
+/// The tile configuration (palette 1): eight tiles of 16 rows of 64 bytes.
+#[repr(C, align(64))]
+struct Config {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    bytes_per_row: [u16; 16],
+    rows: [u8; 16],
+}
+
+static CONFIG: Config = Config {
+    palette: 1,
+    start_row: 0,
+    reserved: [0; 14],
+    bytes_per_row: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
+    rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
+};
+
+/// The product of packed operands ([`super::bf16::product`] packs them):
+/// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`, on rayon's threads
+/// when `parallel` and the product is large.
+///
+/// # Safety
+/// [`super::bf16::has_amx`]; `a` holds `m.next_multiple_of(ROWS)` rows of `pairs` pairs and
+/// `b` `n.next_multiple_of(COLS)` columns of them, `pairs` being `k.div_ceil(2)` padded to
+/// [`PAIRS`]; `dst` addresses `m` rows of `n` elements at row stride `dst.1`, written by no
+/// other thread.
+pub(super) unsafe fn product(
+    [m, n, k]: [usize; 3],
+    a: &[u32],
+    b: &[u32],
+    (out, rs): (Out, isize),
+    beta: f32,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let pairs = k.div_ceil(2).next_multiple_of(PAIRS);
+    assert!(a.len() >= m.next_multiple_of(ROWS) * pairs);
+    assert!(b.len() >= n.next_multiple_of(COLS) * pairs);
+    let (row_tasks, col_tasks) = (m.div_ceil(TASK_ROWS), n.div_ceil(TASK_COLS));
+    let task = |t: usize| {
+        // Tasks sharing a block of `rhs` run one after another.
+        let (r0, c0) = (t % row_tasks * TASK_ROWS, t / row_tasks * TASK_COLS);
+        let rows = r0..(r0 + TASK_ROWS).min(m);
+        let cols = c0..(c0 + TASK_COLS).min(n);
+        // SAFETY: this task's rows and columns of the output are its own; the rest as the
+        // caller guarantees.
+        unsafe { block(rows, cols, [m, n], pairs, a, b, (out, rs), beta, accumulate) };
+    };
+    let tasks = row_tasks * col_tasks;
+    if parallel && m * n * k >= 1 << 20 && tasks > 1 {
+        (0..tasks).into_par_iter().for_each(task);
+    } else {
+        (0..tasks).for_each(task);
+    }
+}
+
+/// Rows `rows` and columns `cols` of the output, 32 x 32 at a time, the tiles configured for
+/// the call and released after it.
+///
+/// # Safety
+/// As for [`product`], for these rows and columns.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+unsafe fn block(
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    [m, n]: [usize; 2],
+    pairs: usize,
+    a: &[u32],
+    b: &[u32],
+    (out, rs): (Out, isize),
+    beta: f32,
+    accumulate: bool,
+) {
+    // SAFETY: the process may use the tiles; CONFIG is a valid palette-1 configuration.
+    unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly)) };
+    let a_stride = pairs * 4;
+    for c in cols.step_by(COLS) {
+        // Panels of 16 columns: `pairs` rows of 64 bytes each.
+        let b0 = b[c * pairs..].as_ptr();
+        let b1 = b[(c + 16) * pairs..].as_ptr();
+        for r in rows.clone().step_by(ROWS) {
+            let a0 = a[r * pairs..].as_ptr();
+            let a1 = a[(r + 16) * pairs..].as_ptr();
+            // The four output tiles: rows r and r + 16, columns c and c + 16.
+            let tiles = [[r, c], [r, c + 16], [r + 16, c], [r + 16, c + 16]];
+            // A whole tile of `dst` unscaled is read and written in place; the others
+            // through `edge`.
+            let direct = tiles.map(|[i, j]| beta == 1.0 && i + 16 <= m && j + 16 <= n);
+            for (t, (&[i, j], &direct)) in tiles.iter().zip(&direct).enumerate() {
+                if direct && accumulate {
+                    // SAFETY: 16 rows of 16 elements from (i, j) are in the output.
+                    unsafe {
+                        let p = out.0.offset(i as isize * rs + j as isize);
+                        load_c(t, p, rs * 4)
+                    }
+                } else {
+                    zero_c(t);
+                }
+            }
+            for q in (0..pairs).step_by(PAIRS) {
+                // SAFETY: 16 rows of 16 pairs from pair q are in bounds of `a` (rows padded
+                // to 32, pairs to 16) and of both panels of `b`; the tiles are configured.
+                unsafe {
+                    asm!(
+                        "tileloadd tmm4, [{a0} + {sa}*1]",
+                        "tileloadd tmm5, [{a1} + {sa}*1]",
+                        "tileloadd tmm6, [{b0} + {sb}*1]",
+                        "tileloadd tmm7, [{b1} + {sb}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        a0 = in(reg) a0.add(q),
+                        a1 = in(reg) a1.add(q),
+                        b0 = in(reg) b0.add(q * 16),
+                        b1 = in(reg) b1.add(q * 16),
+                        sa = in(reg) a_stride,
+                        sb = in(reg) 64usize,
+                        options(nostack, readonly),
+                    )
+                };
+            }
+            for (t, (&[i, j], &direct)) in tiles.iter().zip(&direct).enumerate() {
+                if i >= m || j >= n {
+                    continue;
+                }
+                // SAFETY: as for the loads; `edge` writes only the rows and columns in the
+                // output.
+                unsafe {
+                    let p = out.0.offset(i as isize * rs + j as isize);
+                    if direct {
+                        store_c(t, p, rs * 4);
+                    } else {
+                        edge(
+                            t,
+                            p,
+                            rs,
+                            [(m - i).min(16), (n - j).min(16)],
+                            beta,
+                            accumulate,
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // SAFETY: releases this thread's tile state.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// Output tile `t` (0..4) loaded from 16 rows `stride` bytes apart at `p`.
+///
+/// # Safety
+/// The tiles are configured; the 16 rows of 64 bytes are readable.
+#[inline(always)]
+unsafe fn load_c(t: usize, p: *const f32, stride: isize) {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        match t {
+            0 => {
+                asm!("tileloadd tmm0, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly))
+            }
+            1 => {
+                asm!("tileloadd tmm1, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly))
+            }
+            2 => {
+                asm!("tileloadd tmm2, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly))
+            }
+            _ => {
+                asm!("tileloadd tmm3, [{p} + {s}*1]", p = in(reg) p, s = in(reg) stride, options(nostack, readonly))
+            }
+        }
+    }
+}
+
+/// Output tile `t` (0..4) stored to 16 rows `stride` bytes apart at `p`.
+///
+/// # Safety
+/// The tiles are configured; the 16 rows of 64 bytes are writable and no other thread's.
+#[inline(always)]
+unsafe fn store_c(t: usize, p: *mut f32, stride: isize) {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        match t {
+            0 => {
+                asm!("tilestored [{p} + {s}*1], tmm0", p = in(reg) p, s = in(reg) stride, options(nostack))
+            }
+            1 => {
+                asm!("tilestored [{p} + {s}*1], tmm1", p = in(reg) p, s = in(reg) stride, options(nostack))
+            }
+            2 => {
+                asm!("tilestored [{p} + {s}*1], tmm2", p = in(reg) p, s = in(reg) stride, options(nostack))
+            }
+            _ => {
+                asm!("tilestored [{p} + {s}*1], tmm3", p = in(reg) p, s = in(reg) stride, options(nostack))
+            }
+        }
+    }
+}
+
+/// Output tile `t` (0..4) set to zeros.
+#[inline(always)]
+fn zero_c(t: usize) {
+    // SAFETY: writes only the tile register (the caller configured the tiles).
+    unsafe {
+        match t {
+            0 => asm!("tilezero tmm0", options(nostack, nomem)),
+            1 => asm!("tilezero tmm1", options(nostack, nomem)),
+            2 => asm!("tilezero tmm2", options(nostack, nomem)),
+            _ => asm!("tilezero tmm3", options(nostack, nomem)),
+        }
+    }
+}
+
+/// Output tile `t` written to the first `rows` rows and `cols` columns at `dst` (row stride
+/// `rs` elements) as `beta` times the tile, added to what is there when `add`.
+///
+/// # Safety
+/// As for [`store_c`], for those rows and columns; the CPU has AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn edge(t: usize, dst: *mut f32, rs: isize, [rows, cols]: [usize; 2], beta: f32, add: bool) {
+    #[repr(align(64))]
+    struct Tile([f32; 256]);
+    let mut tile = Tile([0.0; 256]);
+    // SAFETY: `tile` holds 16 rows of 64 bytes.
+    unsafe { store_c(t, tile.0.as_mut_ptr(), 64) };
+    let mask = ((1u32 << cols) - 1) as __mmask16;
+    let beta = _mm512_set1_ps(beta);
+    for (i, row) in tile.0.chunks_exact(16).take(rows).enumerate() {
+        // SAFETY: the masked lanes of row i are in the output, as the caller guarantees.
+        unsafe {
+            let p = dst.offset(i as isize * rs);
+            let mut v = _mm512_mul_ps(_mm512_loadu_ps(row.as_ptr()), beta);
+            if add {
+                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p));
+            }
+            _mm512_mask_storeu_ps(p, mask, v);
+        }
+    }
+}
