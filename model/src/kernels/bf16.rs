@@ -231,7 +231,143 @@ trait Element: Copy + Send + Sync {
     /// `src[2q cs + i]` and `src[(2q + 1) cs + i]` for `i < rows` (zero past column `k` and
     /// past row `rows`), where `W = out.len() / k.div_ceil(2)`.
     fn pair_columns(src: &[Self], cs: usize, k: usize, rows: usize, out: &mut [u32]);
+    /// Pairs of `lo[i]` (low half) and `hi[i]` (high half, zero without `hi`) dealt out in
+    /// 16 lanes per panel: lane `i % 16` of panel `i / 16` at `out + i / 16 * panel + i % 16`,
+    /// the last panel's lanes past `lo.len()` zero.
+    ///
+    /// # Safety
+    /// Those `lo.len().div_ceil(16)` runs of 16 lanes are writable.
+    unsafe fn deal_pairs(lo: &[Self], hi: Option<&[Self]>, out: *mut u32, panel: usize);
+    /// Rows `i0..i0 + 32` (fewer at the end) of an operand whose element (i, c) is
+    /// `all[i + c cs]`, `k` columns, packed as rows of pairs `stride` apart from `out`, pairs
+    /// past `k` zero.
+    ///
+    /// # Safety
+    /// Those rows of `stride` pairs are writable.
+    unsafe fn deal_rows(all: &[Self], dims: [usize; 3], i0: usize, out: *mut u32);
 }
+
+/// [`Element::deal_rows`] with `bits` giving an element's bf16 bits.
+///
+/// # Safety
+/// As for [`Element::deal_rows`].
+#[inline(always)]
+unsafe fn deal_rows<E: Copy>(
+    all: &[E],
+    [cs, k, stride]: [usize; 3],
+    i0: usize,
+    out: *mut u32,
+    bits: impl Fn(E) -> u16,
+) {
+    let rows = (all.len() - (k - 1) * cs - i0).min(32);
+    let pairs = k.div_ceil(2);
+    for q0 in (0..stride).step_by(16) {
+        let mut block = [[0u32; 16]; 32];
+        for (qq, q) in (q0..(q0 + 16).min(pairs)).enumerate() {
+            let lo = &all[2 * q * cs + i0..][..rows];
+            if 2 * q + 1 < k {
+                let hi = &all[(2 * q + 1) * cs + i0..][..rows];
+                for ((row, &a), &b) in block.iter_mut().zip(lo).zip(hi) {
+                    row[qq] = bits(a) as u32 | (bits(b) as u32) << 16;
+                }
+            } else {
+                for (row, &a) in block.iter_mut().zip(lo) {
+                    row[qq] = bits(a) as u32;
+                }
+            }
+        }
+        let width = (stride - q0).min(16);
+        for (i, row) in block.iter().take(rows).enumerate() {
+            // SAFETY: pairs q0..q0 + width of row i0 + i are writable, as the caller
+            // guarantees.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    row.as_ptr(),
+                    out.add((i0 + i) * stride + q0),
+                    width,
+                )
+            };
+        }
+    }
+}
+
+multiversion! {
+    /// [`deal_rows`] of f32 values.
+    fn deal_rows_f32(all: &[f32], dims: [usize; 3], i0: usize, out: Out32) {
+        // SAFETY: as the caller of `Element::deal_rows` guarantees.
+        unsafe { deal_rows(all, dims, i0, out.0, bits_of) }
+    }
+}
+
+multiversion! {
+    /// [`deal_rows`] of bf16 bits.
+    fn deal_rows_bits(all: &[u16], dims: [usize; 3], i0: usize, out: Out32) {
+        // SAFETY: as the caller of `Element::deal_rows` guarantees.
+        unsafe { deal_rows(all, dims, i0, out.0, |b| b) }
+    }
+}
+
+/// [`Element::deal_pairs`] with `bits` giving an element's bf16 bits.
+///
+/// # Safety
+/// As for [`Element::deal_pairs`].
+#[inline(always)]
+unsafe fn deal_pairs<E: Copy>(
+    lo: &[E],
+    hi: Option<&[E]>,
+    out: *mut u32,
+    panel: usize,
+    bits: impl Fn(E) -> u16,
+) {
+    let whole = lo.len() / 16 * 16;
+    for (p, lo16) in lo[..whole].chunks_exact(16).enumerate() {
+        let mut lanes = [0u32; 16];
+        match hi {
+            Some(hi) => {
+                let hi16 = &hi[p * 16..][..16];
+                for ((l, &a), &b) in lanes.iter_mut().zip(lo16).zip(hi16) {
+                    *l = bits(a) as u32 | (bits(b) as u32) << 16;
+                }
+            }
+            None => {
+                for (l, &a) in lanes.iter_mut().zip(lo16) {
+                    *l = bits(a) as u32;
+                }
+            }
+        }
+        // SAFETY: panel p's 16 lanes are writable, as the caller guarantees.
+        unsafe { out.add(p * panel).cast::<[u32; 16]>().write_unaligned(lanes) };
+    }
+    if whole < lo.len() {
+        let mut lanes = [0u32; 16];
+        for (i, l) in (whole..lo.len()).zip(&mut lanes) {
+            let h = hi.map_or(0, |hi| bits(hi[i]));
+            *l = bits(lo[i]) as u32 | (h as u32) << 16;
+        }
+        // SAFETY: as above, for the last panel.
+        unsafe { out.add(whole / 16 * panel).cast::<[u32; 16]>().write_unaligned(lanes) };
+    }
+}
+
+multiversion! {
+    /// [`deal_pairs`] of f32 values.
+    fn deal_pairs_f32(lo: &[f32], hi: Option<&[f32]>, out: Out32, panel: usize) {
+        // SAFETY: as the caller of `Element::deal_pairs` guarantees.
+        unsafe { deal_pairs(lo, hi, out.0, panel, bits_of) }
+    }
+}
+
+multiversion! {
+    /// [`deal_pairs`] of bf16 bits.
+    fn deal_pairs_bits(lo: &[u16], hi: Option<&[u16]>, out: Out32, panel: usize) {
+        // SAFETY: as the caller of `Element::deal_pairs` guarantees.
+        unsafe { deal_pairs(lo, hi, out.0, panel, |b| b) }
+    }
+}
+
+/// A pointer to packed pairs, for [`multiversion`]'s safe signatures.
+#[derive(Clone, Copy)]
+struct Out32(*mut u32);
 
 multiversion! {
     fn pair_adjacent_f32(src: &[f32], out: &mut [u32]) {
@@ -299,6 +435,12 @@ impl Element for f32 {
     fn pair_columns(src: &[Self], cs: usize, k: usize, rows: usize, out: &mut [u32]) {
         pair_columns_f32(src, cs, k, rows, out)
     }
+    unsafe fn deal_pairs(lo: &[Self], hi: Option<&[Self]>, out: *mut u32, panel: usize) {
+        deal_pairs_f32(lo, hi, Out32(out), panel)
+    }
+    unsafe fn deal_rows(all: &[Self], dims: [usize; 3], i0: usize, out: *mut u32) {
+        deal_rows_f32(all, dims, i0, Out32(out))
+    }
 }
 
 impl Element for u16 {
@@ -310,6 +452,12 @@ impl Element for u16 {
     }
     fn pair_columns(src: &[Self], cs: usize, k: usize, rows: usize, out: &mut [u32]) {
         pair_columns_bits(src, cs, k, rows, out)
+    }
+    unsafe fn deal_pairs(lo: &[Self], hi: Option<&[Self]>, out: *mut u32, panel: usize) {
+        deal_pairs_bits(lo, hi, Out32(out), panel)
+    }
+    unsafe fn deal_rows(all: &[Self], dims: [usize; 3], i0: usize, out: *mut u32) {
+        deal_rows_bits(all, dims, i0, Out32(out))
     }
 }
 
@@ -524,6 +672,53 @@ fn pack<const WIDTH: usize, E: Element>(
     let line = |from: isize, len: usize| unsafe {
         std::slice::from_raw_parts(src.get().offset(from), len)
     };
+    if rs == 1 && cs != 1 && WIDTH == 1 {
+        // A transposed operand packed into rows of pairs: 32 of its rows (columns of the
+        // operand as stored, 64 bytes of bf16 each) by 16 pairs at a time, through a block on
+        // the stack, so that every cache line of the operand is read once.
+        let cs = cs as usize;
+        // SAFETY: as in the branch below.
+        let all = unsafe { std::slice::from_raw_parts(p, (k - 1) * cs + rows) };
+        let dst = Out(out.as_mut_ptr().cast());
+        let task = |b: usize| {
+            // SAFETY: rows 32 b.. of `out` are this task's only.
+            unsafe { E::deal_rows(all, [cs, k, stride], 32 * b, dst.get().cast::<u32>()) };
+        };
+        if parallel && rows * k >= 1 << 15 {
+            (0..rows.div_ceil(32)).into_par_iter().for_each(task);
+        } else {
+            (0..rows.div_ceil(32)).for_each(task);
+        }
+        return;
+    }
+    if rs == 1 && cs != 1 && WIDTH == 16 {
+        // Each column's rows are contiguous, and panels are as narrow as half a cache line of
+        // them: read two columns at a time along their whole length and deal their pairs out
+        // to every panel, so that the operand is read once, in order, pairs in parallel.
+        let cs = cs as usize;
+        // SAFETY: element (i, c) is at `i + c cs` for i < rows and c < k, in bounds as the
+        // caller guarantees (strides are not negative); the operand is only read.
+        let all = unsafe { std::slice::from_raw_parts(p, (k - 1) * cs + rows) };
+        let dst = Out(out.as_mut_ptr().cast());
+        let deal = |q: usize| {
+            let lo = &all[2 * q * cs..][..rows];
+            let hi = (2 * q + 1 < k).then(|| &all[(2 * q + 1) * cs..][..rows]);
+            // SAFETY: pair q of every panel's lanes, `at(i, q)` for i < rows.next_multiple_of
+            // (16), is in `out` and written by this call only.
+            unsafe { E::deal_pairs(lo, hi, dst.get().cast::<u32>().add(q * 16), stride * 16) };
+        };
+        if parallel && rows * k >= 1 << 15 {
+            (0..pairs).into_par_iter().with_min_len(16).for_each(deal);
+        } else {
+            (0..pairs).for_each(deal);
+        }
+        if stride > pairs {
+            for panel in out.chunks_mut(16 * stride) {
+                panel[16 * pairs..].fill(0);
+            }
+        }
+        return;
+    }
     if rs == 1 && cs != 1 {
         // Each column's rows are contiguous: every panel is written in one pass from the
         // stretches of its rows in each pair of columns, panels in parallel.

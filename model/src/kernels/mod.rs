@@ -332,6 +332,75 @@ pub fn composed_softmax_cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>
     logp.gather(1, targets.reshape([n, 1])).mean().neg()
 }
 
+/// An operand of [`cpu_product`]: f32 values, or bf16 bits.
+#[derive(Debug, Clone, Copy)]
+pub enum CpuOperand<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl CpuOperand<'_> {
+    fn len(&self) -> usize {
+        match self {
+            CpuOperand::F32(v) => v.len(),
+            CpuOperand::Bf16(v) => v.len(),
+        }
+    }
+}
+
+/// `out = lhs rhs`, an `m x k` by `k x n` product (`out` row-major), through the products
+/// ember's CPU kernels run: f32 values through the f32 product (ember's own on AVX-512, else
+/// `gemm`'s), bf16 bits through the bf16 product ([`bf16_products`]: AMX tiles,
+/// `vdpbf16ps`, or the f32 product of the widened values), on rayon's threads. Each operand
+/// comes with its [row stride, column stride], so a transposed view is read in place.
+///
+/// # Panics
+/// If an operand's strides reach past its elements, `out` does not hold `m x n`, or the two
+/// operands are of different kinds.
+pub fn cpu_product(
+    [m, n, k]: [usize; 3],
+    (lhs, ls): (CpuOperand, [usize; 2]),
+    (rhs, rs): (CpuOperand, [usize; 2]),
+    out: &mut [f32],
+) {
+    let last = |[r, c]: [usize; 2], [s0, s1]: [usize; 2]| (r - 1) * s0 + (c - 1) * s1;
+    assert_eq!(out.len(), m * n, "the output holds m x n");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k > 0 {
+        assert!(last([m, k], ls) < lhs.len(), "lhs's strides reach past it");
+        assert!(last([k, n], rs) < rhs.len(), "rhs's strides reach past it");
+    }
+    let strides = |[a, b]: [usize; 2]| [a as isize, b as isize];
+    let dst = (out.as_mut_ptr(), n as isize);
+    // SAFETY: every element either operand's strides address is in bounds (asserted), and
+    // `out` is this call's, m x n.
+    unsafe {
+        match (lhs, rhs) {
+            (CpuOperand::F32(a), CpuOperand::F32(b)) => product::product(
+                [m, n, k],
+                dst,
+                (a.as_ptr(), strides(ls)),
+                (b.as_ptr(), strides(rs)),
+                1.0,
+                false,
+                true,
+            ),
+            (CpuOperand::Bf16(a), CpuOperand::Bf16(b)) => bf16::product(
+                [m, n, k],
+                dst,
+                (bf16::Src::Bf16(a.as_ptr()), strides(ls)),
+                (bf16::Src::Bf16(b.as_ptr()), strides(rs)),
+                1.0,
+                false,
+                true,
+            ),
+            _ => panic!("cpu_product takes two operands of one kind"),
+        }
+    }
+}
+
 /// `len` zeros, written in parallel pieces: a kernel's output buffer, which a serial
 /// `vec![0.0; len]` would fill on the calling thread alone while rayon's threads wait.
 pub(crate) fn zeros(len: usize) -> Vec<f32> {

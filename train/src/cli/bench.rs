@@ -77,6 +77,10 @@ pub struct BenchMatmulArgs {
     /// Products back to back per round
     #[arg(long, default_value_t = 10)]
     pub per_round: usize,
+    /// Also time each product through `torch.mm` with this Python (which must import torch),
+    /// on the same threads and operand layouts, after ember's (flex only)
+    #[arg(long, value_name = "PYTHON")]
+    pub against_torch: Option<String>,
     /// One JSON object per line instead of a table
     #[arg(long)]
     pub json: bool,
@@ -497,6 +501,12 @@ pub fn bench_matmul(args: BenchMatmulArgs) -> CliResult<()> {
         args.batch_size,
         args.block_size,
     );
+    if args.against_torch.is_some() && args.device != DeviceKind::Flex {
+        return Err(usage(
+            "--against-torch: ember bench matmul compares with torch.mm on the CPU (--device \
+             flex); the GPU check sets a card's products beside torch.mm",
+        ));
+    }
     let results = bench_products(
         args.device,
         args.dtype,
@@ -504,18 +514,42 @@ pub fn bench_matmul(args: BenchMatmulArgs) -> CliResult<()> {
         args.rounds,
         args.per_round,
     )?;
+    let torch = match &args.against_torch {
+        Some(python) => Some(ember_train::tools::products::torch_mm(
+            python,
+            args.dtype,
+            &products,
+            args.rounds,
+            args.per_round,
+            rayon::current_num_threads(),
+        )?),
+        None => None,
+    };
     let step_ms: f64 = results
         .iter()
         .map(|r| r.ms * r.product.per_step as f64)
         .sum();
-    for r in &results {
+    for (i, r) in results.iter().enumerate() {
+        let torch_ms = torch.as_ref().map(|t| t[i]);
         if args.json {
-            println!("{}", serde_json::to_string(r).map_err(anyhow::Error::new)?);
+            let mut v = serde_json::to_value(r).map_err(anyhow::Error::new)?;
+            if let Some(ms) = torch_ms {
+                v["torch_mm_ms"] = ms.into();
+                v["ratio"] = (ms / r.ms).into();
+            }
+            println!("{v}");
             continue;
         }
         let p = &r.product;
+        let beside = torch_ms.map_or(String::new(), |ms| {
+            format!(
+                "  torch.mm {ms:9.3} ms {:>8.2} TFLOP/s  ember/torch {:.2}x",
+                2.0 * (p.m * p.n * p.k) as f64 / ms / 1e9,
+                ms / r.ms
+            )
+        });
         println!(
-            "{:<28} {:>6} x {:>6} x {:>6} {:<6} x{:<3} {:>9.3} ms {:>8.2} TFLOP/s {:>5.1} bits  (first {:.1} ms)",
+            "{:<28} {:>6} x {:>6} x {:>6} {:<6} x{:<3} {:>9.3} ms {:>8.2} TFLOP/s {:>5.1} bits  (first {:.1} ms){beside}",
             p.name,
             p.m,
             p.k,
@@ -533,8 +567,16 @@ pub fn bench_matmul(args: BenchMatmulArgs) -> CliResult<()> {
         );
     }
     if !args.json {
+        let torch_step = torch.as_ref().map_or(String::new(), |t| {
+            let ms: f64 = t
+                .iter()
+                .zip(&results)
+                .map(|(ms, r)| ms * r.product.per_step as f64)
+                .sum();
+            format!(", torch.mm {ms:.2} ms: ember/torch {:.2}x", ms / step_ms)
+        });
         println!(
-            "{} {} products per step: {step_ms:.2} ms on {} in {:?}",
+            "{} {} products per step: {step_ms:.2} ms on {} in {:?}{torch_step}",
             args.preset,
             results.iter().map(|r| r.product.per_step).sum::<usize>(),
             args.device,

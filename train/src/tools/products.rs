@@ -5,8 +5,9 @@
 //! flattened activations for the weight's gradient, with the operands laid out as the step
 //! lays them out; autotuned on a CubeCL device. Each with its FLOP/s and how many times a step
 //! runs it. The GPU check sets each beside `torch.mm` of the same `m x k x n` on the same
-//! card. On flex the step's linear layers run ember's own products (`ember_model::kernels`),
-//! not Burn's ops timed here.
+//! card. On flex the products timed are ember's own (`ember_model::kernels::cpu_product`), which
+//! the step's linear layers run, on operands laid out as the step lays them out; `ember bench
+//! matmul --against-torch` sets each beside `torch.mm` of the same operands on as many threads.
 //!
 //! Each product's accuracy is measured too, against the same product of its operands in f64
 //! ([`Accuracy`]): how many bits it keeps says which arithmetic the device ran, IEEE f32 or
@@ -266,6 +267,9 @@ pub fn bench_products(
     if rounds == 0 || per_round == 0 {
         return Err(usage("--rounds and --per-round must be at least 1"));
     }
+    if kind == DeviceKind::Flex {
+        return Ok(bench_cpu_products(dtype, products, rounds, per_round));
+    }
     let dev = device(kind)?;
     let burn_dtype = match dtype {
         Dtype::F32 => DType::F32,
@@ -312,6 +316,183 @@ pub fn bench_products(
         });
     }
     Ok(out)
+}
+
+/// Deterministic values in [-1, 1).
+fn values(len: usize, seed: u32) -> Vec<f32> {
+    let mut z = seed.wrapping_mul(2_654_435_761) | 1;
+    (0..len)
+        .map(|_| {
+            z ^= z << 13;
+            z ^= z >> 17;
+            z ^= z << 5;
+            z as f32 / u32::MAX as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// [`bench_products`] on the CPU: ember's own products (`cpu_product`), bf16 operands as bf16
+/// bits, each operand stored as its layout says (a transposed one as the row-major `[k, m]`
+/// or `[n, k]` it is a view of).
+fn bench_cpu_products(
+    dtype: Dtype,
+    products: &[Product],
+    rounds: usize,
+    per_round: usize,
+) -> Vec<ProductBench> {
+    use ember_model::kernels::{CpuOperand, cpu_product};
+    let mut out = Vec::new();
+    for p in products {
+        let (mut a, mut b) = (values(p.m * p.k, 1), values(p.k * p.n, 2));
+        let bits = |v: &mut [f32]| -> Vec<u16> {
+            v.iter_mut()
+                .map(|x| {
+                    let h = burn::tensor::bf16::from_f32(*x);
+                    *x = h.to_f32();
+                    h.to_bits()
+                })
+                .collect()
+        };
+        let (a16, b16) = match dtype {
+            Dtype::Bf16 => (bits(&mut a), bits(&mut b)),
+            Dtype::F32 => (Vec::new(), Vec::new()),
+        };
+        let (lhs, rhs) = match dtype {
+            Dtype::Bf16 => (CpuOperand::Bf16(&a16), CpuOperand::Bf16(&b16)),
+            Dtype::F32 => (CpuOperand::F32(&a), CpuOperand::F32(&b)),
+        };
+        let ls = match p.lhs {
+            Layout::RowMajor => [p.k, 1],
+            Layout::Transposed => [1, p.m],
+        };
+        let rs = match p.rhs {
+            Layout::RowMajor => [p.n, 1],
+            Layout::Transposed => [1, p.k],
+        };
+        let mut c = vec![0f32; p.m * p.n];
+        let run = |c: &mut [f32]| cpu_product([p.m, p.n, p.k], (lhs, ls), (rhs, rs), c);
+        let start = Instant::now();
+        run(&mut c);
+        let first_ms = start.elapsed().as_secs_f64() * 1e3;
+        let mut times: Vec<f64> = (0..rounds)
+            .map(|_| {
+                let start = Instant::now();
+                for _ in 0..per_round {
+                    run(&mut c);
+                }
+                start.elapsed().as_secs_f64() / per_round as f64
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        // The sampled rows of lhs, columns of rhs and entries of the output, row-major.
+        let (rows, cols) = (spread(p.m, 8), spread(p.n, 64));
+        let at = |v: &[f32], [s0, s1]: [usize; 2], i: usize, j: usize| v[i * s0 + j * s1];
+        let sa: Vec<f32> = rows
+            .iter()
+            .flat_map(|&r| (0..p.k).map(move |l| (r as usize, l)))
+            .map(|(r, l)| at(&a, ls, r, l))
+            .collect();
+        let sb: Vec<f32> = (0..p.k)
+            .flat_map(|l| cols.iter().map(move |&c| (l, c as usize)))
+            .map(|(l, col)| at(&b, rs, l, col))
+            .collect();
+        let sc: Vec<f32> = rows
+            .iter()
+            .flat_map(|&r| cols.iter().map(move |&col| (r as usize, col as usize)))
+            .map(|(r, col)| c[r * p.n + col])
+            .collect();
+        out.push(ProductBench {
+            product: p.clone(),
+            device: DeviceKind::Flex.to_string(),
+            dtype: format!("{dtype:?}").to_lowercase(),
+            ms: median * 1e3,
+            tflops: 2.0 * (p.m * p.n * p.k) as f64 / median / 1e12,
+            first_ms,
+            accuracy: Accuracy::of(&sa, &sb, &sc, p.k),
+        });
+    }
+    out
+}
+
+/// `torch.mm` timed on the CPU for each product, operands laid out as ember's
+/// ([`bench_cpu_products`]): reads the products as JSON on stdin, prints one JSON object per
+/// product (`name`, `ms`, the median over rounds).
+const TORCH_MM: &str = r#"
+import json, sys, time, torch
+job = json.load(sys.stdin)
+torch.set_num_threads(job["threads"])
+dtype = torch.bfloat16 if job["dtype"] == "bf16" else torch.float32
+for p in job["products"]:
+    m, k, n = p["m"], p["k"], p["n"]
+    a = torch.rand(k, m).t() if p["lhs"] == "transposed" else torch.rand(m, k)
+    b = torch.rand(n, k).t() if p["rhs"] == "transposed" else torch.rand(k, n)
+    a, b = (a * 2 - 1).to(dtype), (b * 2 - 1).to(dtype)
+    torch.mm(a, b)
+    times = []
+    for _ in range(job["rounds"]):
+        start = time.perf_counter()
+        for _ in range(job["per_round"]):
+            torch.mm(a, b)
+        times.append((time.perf_counter() - start) / job["per_round"])
+    times.sort()
+    print(json.dumps({"name": p["name"], "ms": times[len(times) // 2] * 1e3}), flush=True)
+"#;
+
+/// [`bench_cpu_products`]' products timed through `torch.mm` by `python` on `threads`
+/// threads: the median milliseconds of each, in order.
+pub fn torch_mm(
+    python: &str,
+    dtype: Dtype,
+    products: &[Product],
+    rounds: usize,
+    per_round: usize,
+    threads: usize,
+) -> CliResult<Vec<f64>> {
+    use std::io::Write;
+    let job = serde_json::json!({
+        "dtype": format!("{dtype:?}").to_lowercase(),
+        "products": products,
+        "rounds": rounds,
+        "per_round": per_round,
+        "threads": threads,
+    });
+    let mut child = std::process::Command::new(python)
+        .args(["-c", TORCH_MM])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| usage(format!("--against-torch {python}: cannot run it ({e})")))?;
+    child
+        .stdin
+        .take()
+        .expect("piped")
+        .write_all(job.to_string().as_bytes())
+        .map_err(|e| anyhow::anyhow!("writing to {python}: {e}"))?;
+    let output = child
+        .wait_with_output()
+        .map_err(|e| anyhow::anyhow!("waiting for {python}: {e}"))?;
+    if !output.status.success() {
+        return Err(usage(format!(
+            "--against-torch {python}: torch.mm failed (it must import torch; `{python} -m pip \
+             install torch`): {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        )));
+    }
+    let ms: Vec<f64> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["ms"].as_f64())
+        .collect();
+    if ms.len() != products.len() {
+        return Err(anyhow::anyhow!(
+            "{python} timed {} of {} products",
+            ms.len(),
+            products.len()
+        )
+        .into());
+    }
+    Ok(ms)
 }
 
 #[cfg(test)]
