@@ -281,11 +281,7 @@ unsafe fn deal_rows<E: Copy>(
             // SAFETY: pairs q0..q0 + width of row i0 + i are writable, as the caller
             // guarantees.
             unsafe {
-                std::ptr::copy_nonoverlapping(
-                    row.as_ptr(),
-                    out.add((i0 + i) * stride + q0),
-                    width,
-                )
+                std::ptr::copy_nonoverlapping(row.as_ptr(), out.add((i0 + i) * stride + q0), width)
             };
         }
     }
@@ -336,7 +332,11 @@ unsafe fn deal_pairs<E: Copy>(
             }
         }
         // SAFETY: panel p's 16 lanes are writable, as the caller guarantees.
-        unsafe { out.add(p * panel).cast::<[u32; 16]>().write_unaligned(lanes) };
+        unsafe {
+            out.add(p * panel)
+                .cast::<[u32; 16]>()
+                .write_unaligned(lanes)
+        };
     }
     if whole < lo.len() {
         let mut lanes = [0u32; 16];
@@ -345,7 +345,11 @@ unsafe fn deal_pairs<E: Copy>(
             *l = bits(lo[i]) as u32 | (h as u32) << 16;
         }
         // SAFETY: as above, for the last panel.
-        unsafe { out.add(whole / 16 * panel).cast::<[u32; 16]>().write_unaligned(lanes) };
+        unsafe {
+            out.add(whole / 16 * panel)
+                .cast::<[u32; 16]>()
+                .write_unaligned(lanes)
+        };
     }
 }
 

@@ -332,6 +332,19 @@ pub fn composed_softmax_cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>
     logp.gather(1, targets.reshape([n, 1])).mean().neg()
 }
 
+/// Which product f32 operands run on this CPU, for a run's first lines.
+pub fn f32_products() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        return "f32 products on ember's AVX-512 kernels (FMA, 6 x 64 register tiles)";
+    }
+    if std::env::var("EMBER_F32_PRODUCT").as_deref() == Ok("gemm") {
+        "f32 products on the gemm crate's kernels (EMBER_F32_PRODUCT=gemm)"
+    } else {
+        "f32 products on the gemm crate's kernels (this CPU has no AVX-512)"
+    }
+}
+
 /// An operand of [`cpu_product`]: f32 values, or bf16 bits.
 #[derive(Debug, Clone, Copy)]
 pub enum CpuOperand<'a> {

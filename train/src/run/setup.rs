@@ -419,6 +419,14 @@ impl RunSetup {
         for decision in decisions {
             self.say(comm.rank(), decision);
         }
+        if self.config.device == DeviceKind::Flex && (fast == Compute::F32 || local == Compute::F32)
+        {
+            // Said once a process, as `say_once` is.
+            static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                log0!(comm.rank(), "{}", kernels::f32_products());
+            }
+        }
         Ok(plan)
     }
 

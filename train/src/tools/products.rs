@@ -485,12 +485,9 @@ pub fn torch_mm(
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["ms"].as_f64())
         .collect();
     if ms.len() != products.len() {
-        return Err(anyhow::anyhow!(
-            "{python} timed {} of {} products",
-            ms.len(),
-            products.len()
-        )
-        .into());
+        return Err(
+            anyhow::anyhow!("{python} timed {} of {} products", ms.len(), products.len()).into(),
+        );
     }
     Ok(ms)
 }
