@@ -376,15 +376,24 @@ pub fn cpu_product(
     (rhs, rs): (CpuOperand, [usize; 2]),
     out: &mut [f32],
 ) {
-    let last = |[r, c]: [usize; 2], [s0, s1]: [usize; 2]| (r - 1) * s0 + (c - 1) * s1;
-    assert_eq!(out.len(), m * n, "the output holds m x n");
+    assert_eq!(Some(out.len()), m.checked_mul(n), "the output holds m x n");
     if m == 0 || n == 0 {
         return;
     }
-    if k > 0 {
-        assert!(last([m, k], ls) < lhs.len(), "lhs's strides reach past it");
-        assert!(last([k, n], rs) < rhs.len(), "rhs's strides reach past it");
+    if k == 0 {
+        out.fill(0.0);
+        return;
     }
+    // The last element an operand's strides address, where every offset fits an isize.
+    let last = |[r, c]: [usize; 2], [s0, s1]: [usize; 2]| {
+        let at = (r - 1)
+            .checked_mul(s0)?
+            .checked_add((c - 1).checked_mul(s1)?)?;
+        isize::try_from(at).ok().map(|_| at)
+    };
+    let fits = |dims, s, len| last(dims, s).is_some_and(|at| at < len);
+    assert!(fits([m, k], ls, lhs.len()), "lhs's strides reach past it");
+    assert!(fits([k, n], rs, rhs.len()), "rhs's strides reach past it");
     let strides = |[a, b]: [usize; 2]| [a as isize, b as isize];
     let dst = (out.as_mut_ptr(), n as isize);
     // SAFETY: every element either operand's strides address is in bounds (asserted), and
@@ -844,6 +853,46 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
         match prep {
             OpsKind::Tracked(prep) => prep.finish((input, targets, lse), loss),
             OpsKind::UnTracked(prep) => prep.finish(loss),
+        }
+    }
+}
+
+#[cfg(test)]
+mod cpu_product_tests {
+    use super::{CpuOperand, cpu_product};
+
+    /// An empty inner dimension gives zeros, reading nothing; strides that reach past an
+    /// operand, or overflow, are refused.
+    #[test]
+    fn cpu_product_checks_its_operands() {
+        let mut out = vec![7.0f32; 4];
+        cpu_product(
+            [2, 2, 0],
+            (CpuOperand::Bf16(&[]), [0, 1]),
+            (CpuOperand::Bf16(&[]), [2, 1]),
+            &mut out,
+        );
+        assert_eq!(out, [0.0; 4]);
+        let a = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let mut out = vec![0.0f32; 4];
+        cpu_product(
+            [2, 2, 3],
+            (CpuOperand::F32(&a), [3, 1]),
+            (CpuOperand::F32(&a), [2, 1]),
+            &mut out,
+        );
+        assert_eq!(out, [22.0, 28.0, 49.0, 64.0]);
+        for strides in [[3, 2], [2, usize::MAX]] {
+            let refused = std::panic::catch_unwind(|| {
+                let mut out = vec![0.0f32; 4];
+                cpu_product(
+                    [2, 2, 3],
+                    (CpuOperand::F32(&a), strides),
+                    (CpuOperand::F32(&a), [2, 1]),
+                    &mut out,
+                );
+            });
+            assert!(refused.is_err(), "lhs strides {strides:?}");
         }
     }
 }

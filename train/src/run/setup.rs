@@ -433,7 +433,6 @@ impl RunSetup {
     /// Says `decision` on rank 0.
     fn say(&self, rank: usize, decision: Decision) {
         let gb = |bytes: u64| bytes as f64 / 1e9;
-        let why = why_not_bf16();
         match decision {
             Decision::Recompute {
                 keep,
@@ -463,27 +462,30 @@ impl RunSetup {
             Decision::AllF32 { bytes } => say_once(
                 rank,
                 format_args!(
-                    "{why}, and one rank sends nothing, so bf16 parameters would only add a \
+                    "{}, and one rank sends nothing, so bf16 parameters would only add a \
                      copy and casts: the run trains in f32, as with --dtype f32 ({:.2} GB per \
                      rank, which fits)",
+                    why_not_bf16(),
                     gb(bytes)
                 ),
             ),
             Decision::F32OverBf16 { bytes } => say_once(
                 rank,
                 format_args!(
-                    "{why}: forward and backward compute in f32 over bf16 parameters, which \
+                    "{}: forward and backward compute in f32 over bf16 parameters, which \
                      are still held, gathered and reduced in bf16 ({:.2} GB per rank, which \
                      fits)",
+                    why_not_bf16(),
                     gb(bytes)
                 ),
             ),
             Decision::Bf16ForMemory { wide, narrow } => say_once(
                 rank,
                 format_args!(
-                    "{why}; computing in f32 over bf16 parameters would need {:.2} GB per \
+                    "{}; computing in f32 over bf16 parameters would need {:.2} GB per \
                      rank, more than this machine has, so the run computes in bf16 ({:.2} GB \
                      per rank) and its steps are slower than with --dtype f32",
+                    why_not_bf16(),
                     gb(wide),
                     gb(narrow)
                 ),
