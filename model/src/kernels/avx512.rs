@@ -6,8 +6,9 @@
 //! broadcasts one element of `lhs` per row. `rhs` is packed, a block of [`KC`] x [`NC`] at a
 //! time (512 KiB, held in a core's L2), into panels laid out in the order the tiles read them;
 //! a transposed `rhs` is packed through 16 x 16 register transposes. `lhs` is read where it
-//! lies when either of its strides is 1 (its rows stream, or each step's column is one
-//! contiguous run) and packed only otherwise. Every output element is one f32 fused
+//! lies when its rows are contiguous, and otherwise packed once per block of the inner
+//! dimension into panels of [`MR`] rows: read in place, a transposed `lhs`'s steps lie a row
+//! stride apart, often a multiple of 4 KiB, and land on a few of L1's sets. Every output element is one f32 fused
 //! multiply-add chain over the inner dimension in order, a block of [`KC`] at a time, so the
 //! result does not depend on how the caller splits the output between threads.
 
@@ -95,7 +96,7 @@ pub(super) unsafe fn product(
         let kc = k.div_ceil(k.div_ceil(KC));
         let nc = n.div_ceil(n.div_ceil(NC)).next_multiple_of(NR);
         let bp = room(rhs_buf, kc * nc);
-        let pack_lhs = acs != 1 && ars != 1;
+        let pack_lhs = acs != 1;
         let ap = if pack_lhs {
             room(lhs_buf, m.next_multiple_of(MR) * kc)
         } else {
@@ -114,8 +115,6 @@ pub(super) unsafe fn product(
                 // This block of `lhs`, how tiles read it, and the distance between its rows.
                 let (block, lhs, row) = if acs == 1 {
                     (a.add(p0), Lhs::Rows(ars), ars)
-                } else if ars == 1 {
-                    (a.offset(p0 as isize * acs), Lhs::Columns(acs), 1)
                 } else {
                     (ap.cast_const(), Lhs::Columns(MR as isize), depth as isize)
                 };
@@ -256,19 +255,56 @@ fn transpose(r: [__m512; 16]) -> [__m512; 16] {
     }
 }
 
+/// Panels of `lhs` packed together from a column-contiguous `lhs`: their rows of each step
+/// are one run of `PANELS * MR` elements (three cache lines when `MR` is 6).
+const PANELS: usize = 8;
+/// How many steps ahead of its loads [`pack_columns`] asks for a column-contiguous `lhs`'s
+/// lines (its steps are a row stride apart, too far for the hardware's stride prefetcher).
+const LHS_AHEAD: usize = 8;
+
 /// Packs `rows x depth` of `lhs` (strides `[rs, cs]`) into panels of [`MR`] rows, each
 /// `depth` steps of `MR` elements: element `(i, s)` goes to `out[(i / MR * depth + s) * MR +
 /// i % MR]`.
 ///
 /// # Safety
-/// The elements addressed are in bounds; `out` holds `rows.next_multiple_of(MR) * depth`
-/// f32.
+/// The CPU has AVX-512 F; the elements addressed are in bounds; `out` holds
+/// `rows.next_multiple_of(MR) * depth` f32.
+#[target_feature(enable = "avx512f")]
 unsafe fn pack_columns(
     a: *const f32,
     [rows, depth]: [usize; 2],
     [rs, cs]: [isize; 2],
     out: *mut f32,
 ) {
+    if rs == 1 {
+        // Each step's rows are contiguous (a transposed `lhs`, as a weight's gradient reads
+        // its input): [`PANELS`] panels at a time, so that a step's run of rows is read
+        // whole, a few steps ahead, and written to that many panels.
+        let run = PANELS * MR;
+        for g0 in (0..rows).step_by(run) {
+            let width = run.min(rows - g0);
+            for s in 0..depth {
+                // SAFETY: the elements read are rows g0..g0 + width of step s, and those
+                // prefetched of step s + LHS_AHEAD where it exists, in bounds as the caller
+                // guarantees; the writes are within their panels.
+                unsafe {
+                    let from = a.offset(s as isize * cs).add(g0);
+                    if s + LHS_AHEAD < depth {
+                        let ahead = from.offset(LHS_AHEAD as isize * cs);
+                        for line in (0..width).step_by(16).chain([width - 1]) {
+                            _mm_prefetch::<_MM_HINT_T0>(ahead.add(line).cast());
+                        }
+                    }
+                    for p in (0..width).step_by(MR) {
+                        let mask = (1u16 << MR.min(width - p)) - 1;
+                        let v = _mm512_maskz_loadu_ps(mask, from.add(p));
+                        _mm512_mask_storeu_ps(out.add((g0 + p) * depth + s * MR), mask, v);
+                    }
+                }
+            }
+        }
+        return;
+    }
     for i0 in (0..rows).step_by(MR) {
         for s in 0..depth {
             for i in i0..(i0 + MR).min(rows) {
@@ -390,7 +426,7 @@ unsafe fn micro<const R: usize, const W: usize, const ROWS: bool>(
 
 #[cfg(test)]
 mod tests {
-    use super::{KC, MR, NC, NR, available, product};
+    use super::{KC, MR, NC, NR, PANELS, available, product};
     use crate::kernels::tests::values;
 
     /// How an operand of `rows x cols` is stored: row-major, column-major, or with neither
@@ -420,10 +456,11 @@ mod tests {
             return;
         }
         use Layout::*;
-        // Rows around a tile's MR, columns around a vector, a tile's NR and a block's NC,
-        // steps around a block's KC; 0 steps writes zeros (or keeps the output).
+        // Rows around a tile's MR and past the panels packed together, columns around a
+        // vector, a tile's NR and a block's NC, steps around a block's KC; 0 steps writes
+        // zeros (or keeps the output).
         let (ms, ns, ks) = (
-            [1, MR + 1, 2 * MR + 1],
+            [1, MR + 1, 2 * MR + 1, PANELS * MR + MR + 1],
             [1, 17, NR, NR + 1, NC + 44],
             [0, 3, 17, KC + 88],
         );
