@@ -7,8 +7,9 @@
 //! time (512 KiB, held in a core's L2), into panels laid out in the order the tiles read them;
 //! a transposed `rhs` is packed through 16 x 16 register transposes. `lhs` is read where it
 //! lies when its rows are contiguous, and otherwise packed once per block of the inner
-//! dimension into panels of [`MR`] rows: read in place, a transposed `lhs`'s steps lie a row
-//! stride apart, often a multiple of 4 KiB, and land on a few of L1's sets. Every output element is one f32 fused
+//! dimension into panels of [`MR`] rows where more than one tile column reads them: read in
+//! place, a transposed `lhs`'s steps lie a row stride apart, often a multiple of 4 KiB, and
+//! land on a few of L1's sets. Every output element is one f32 fused
 //! multiply-add chain over the inner dimension in order, a block of [`KC`] at a time, so the
 //! result does not depend on how the caller splits the output between threads.
 
@@ -96,7 +97,9 @@ pub(super) unsafe fn product(
         let kc = k.div_ceil(k.div_ceil(KC));
         let nc = n.div_ceil(n.div_ceil(NC)).next_multiple_of(NR);
         let bp = room(rhs_buf, kc * nc);
-        let pack_lhs = acs != 1;
+        // A transposed `lhs` is packed where its panels are read for more than one tile
+        // column; for one, each of its elements is read once either way.
+        let pack_lhs = acs != 1 && (ars != 1 || n > NR);
         let ap = if pack_lhs {
             room(lhs_buf, m.next_multiple_of(MR) * kc)
         } else {
@@ -115,6 +118,8 @@ pub(super) unsafe fn product(
                 // This block of `lhs`, how tiles read it, and the distance between its rows.
                 let (block, lhs, row) = if acs == 1 {
                     (a.add(p0), Lhs::Rows(ars), ars)
+                } else if !pack_lhs {
+                    (a.offset(p0 as isize * acs), Lhs::Columns(acs), 1)
                 } else {
                     (ap.cast_const(), Lhs::Columns(MR as isize), depth as isize)
                 };
@@ -256,11 +261,12 @@ fn transpose(r: [__m512; 16]) -> [__m512; 16] {
 }
 
 /// Panels of `lhs` packed together from a column-contiguous `lhs`: their rows of each step
-/// are one run of `PANELS * MR` elements (three cache lines when `MR` is 6).
-const PANELS: usize = 8;
+/// are one run of `PANELS * MR` elements (24 cache lines when `MR` is 6), and the panels'
+/// partly written lines (as many) stay in L1 until they are whole.
+const PANELS: usize = 64;
 /// How many steps ahead of its loads [`pack_columns`] asks for a column-contiguous `lhs`'s
-/// lines (its steps are a row stride apart, too far for the hardware's stride prefetcher).
-const LHS_AHEAD: usize = 8;
+/// lines.
+const LHS_AHEAD: usize = 2;
 
 /// Packs `rows x depth` of `lhs` (strides `[rs, cs]`) into panels of [`MR`] rows, each
 /// `depth` steps of `MR` elements: element `(i, s)` goes to `out[(i / MR * depth + s) * MR +

@@ -55,9 +55,12 @@ pub(crate) unsafe fn product(
                 )
             }
         };
+        // A transposed `lhs` is packed by each thread that reads it, so a thread taking
+        // columns packs all of it: where it is the larger operand, threads take rows.
+        let packs_lhs = lhs.1[1] != 1 && m > n && m >= threads * avx512::MR;
         if !large || threads == 1 {
             block([0, 0], [m, n]);
-        } else if n >= threads * SPLIT_COLUMNS {
+        } else if n >= threads * SPLIT_COLUMNS && !packs_lhs {
             // By columns: each thread packs only its columns of `rhs`, and reads `lhs` where
             // it lies.
             in_pieces(n, threads, SPLIT_COLUMNS, |[c0, cols]| {
