@@ -62,7 +62,7 @@ pub(crate) unsafe fn product(
             block([0, 0], [m, n]);
         } else if n >= threads * SPLIT_COLUMNS && !packs_lhs {
             // By columns: each thread packs only its columns of `rhs`, and reads `lhs` where
-            // it lies.
+            // it lies (or packs all of a transposed one, the smaller operand).
             in_pieces(n, threads, SPLIT_COLUMNS, |[c0, cols]| {
                 block([0, c0], [m, cols])
             });
@@ -226,8 +226,9 @@ mod tests {
     #[test]
     fn a_product_split_over_threads_has_the_bits_of_one_call_and_the_f64_value() {
         // 300 columns split by columns (pieces of 192 and 108 on two threads, 128, 128 and 44
-        // on three); 60 columns split by rows.
-        for mnk @ [m, n, k] in [[96, 300, 100], [400, 60, 100]] {
+        // on three); 60 columns split by rows; 200 columns by columns, or by rows where `lhs`
+        // is transposed (and larger).
+        for mnk @ [m, n, k] in [[96, 300, 100], [400, 60, 100], [300, 200, 100]] {
             assert!(m * n * k >= super::PARALLEL_MACS);
             let (lhs, rhs, before) = (
                 values(m * k, 11, 1.0),
