@@ -65,6 +65,13 @@ pub(super) fn available() -> bool {
     super::simd::level_cap() >= 2 && here
 }
 
+/// Whether [`product`] packs an `lhs` of strides `[ars, acs]` for `n` output columns: where
+/// its rows are not contiguous and, if its columns are, its panels are read for more than one
+/// tile column (for one, each of its elements is read once either way).
+pub(super) fn packs_lhs([ars, acs]: [isize; 2], n: usize) -> bool {
+    acs != 1 && (ars != 1 || n > NR)
+}
+
 /// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`, on the calling
 /// thread: operands as in [`super::product::product`].
 ///
@@ -97,9 +104,7 @@ pub(super) unsafe fn product(
         let kc = k.div_ceil(k.div_ceil(KC));
         let nc = n.div_ceil(n.div_ceil(NC)).next_multiple_of(NR);
         let bp = room(rhs_buf, kc * nc);
-        // A transposed `lhs` is packed where its panels are read for more than one tile
-        // column; for one, each of its elements is read once either way.
-        let pack_lhs = acs != 1 && (ars != 1 || n > NR);
+        let pack_lhs = packs_lhs([ars, acs], n);
         let ap = if pack_lhs {
             room(lhs_buf, m.next_multiple_of(MR) * kc)
         } else {

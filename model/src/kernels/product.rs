@@ -55,14 +55,15 @@ pub(crate) unsafe fn product(
                 )
             }
         };
-        // A transposed `lhs` is packed by each thread that reads it, so a thread taking
-        // columns packs all of it: where it is the larger operand, threads take rows.
-        let packs_lhs = lhs.1[1] != 1 && m > n && m >= threads * avx512::MR;
+        // A packed `lhs` is packed by each thread that reads it, so a thread taking columns
+        // packs all of it: where it is the larger operand, threads take rows.
+        let packs_lhs =
+            m > n && m >= threads * avx512::MR && avx512::packs_lhs(lhs.1, n.div_ceil(threads));
         if !large || threads == 1 {
             block([0, 0], [m, n]);
         } else if n >= threads * SPLIT_COLUMNS && !packs_lhs {
             // By columns: each thread packs only its columns of `rhs`, and reads `lhs` where
-            // it lies (or packs all of a transposed one, the smaller operand).
+            // it lies (or packs all of it where it is the smaller operand).
             in_pieces(n, threads, SPLIT_COLUMNS, |[c0, cols]| {
                 block([0, c0], [m, cols])
             });
