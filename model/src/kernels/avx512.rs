@@ -233,7 +233,7 @@ unsafe fn pack_rhs(b: *const f32, [depth, width]: [usize; 2], [rs, cs]: [isize; 
 
 /// The 16 x 16 transpose of `r`: lane `i` of output `j` is lane `j` of input `i`.
 #[inline(always)]
-fn transpose(r: [__m512; 16]) -> [__m512; 16] {
+pub(super) fn transpose(r: [__m512; 16]) -> [__m512; 16] {
     // SAFETY: register shuffles only; every caller runs with AVX-512 F.
     unsafe {
         let mut t = [_mm512_setzero_ps(); 16];

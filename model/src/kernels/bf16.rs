@@ -243,63 +243,114 @@ trait Element: Copy + Send + Sync {
     /// past `k` zero.
     ///
     /// # Safety
-    /// Those rows of `stride` pairs are writable.
+    /// [`rows16_here`]; those rows of `stride` pairs are writable.
+    #[cfg(target_arch = "x86_64")]
     unsafe fn deal_rows(all: &[Self], dims: [usize; 3], i0: usize, out: *mut u32);
 }
 
-/// [`Element::deal_rows`] with `bits` giving an element's bf16 bits.
-///
-/// # Safety
-/// As for [`Element::deal_rows`].
-#[inline(always)]
-unsafe fn deal_rows<E: Copy>(
-    all: &[E],
-    [cs, k, stride]: [usize; 3],
-    i0: usize,
-    out: *mut u32,
-    bits: impl Fn(E) -> u16,
-) {
-    let rows = (all.len() - (k - 1) * cs - i0).min(32);
-    let pairs = k.div_ceil(2);
-    for q0 in (0..stride).step_by(16) {
-        let mut block = [[0u32; 16]; 32];
-        for (qq, q) in (q0..(q0 + 16).min(pairs)).enumerate() {
-            let lo = &all[2 * q * cs + i0..][..rows];
-            if 2 * q + 1 < k {
-                let hi = &all[(2 * q + 1) * cs + i0..][..rows];
-                for ((row, &a), &b) in block.iter_mut().zip(lo).zip(hi) {
-                    row[qq] = bits(a) as u32 | (bits(b) as u32) << 16;
+/// Whether [`rows16::deal_rows`] may run here: AVX-512 (F, BW and VL) and the crate's tests
+/// not holding kernels to a lower level.
+#[cfg(target_arch = "x86_64")]
+fn rows16_here() -> bool {
+    super::simd::level_cap() >= 2 && ember_cpu::vector() == ember_cpu::Vector::Avx512
+}
+
+/// [`Element::deal_rows`] through AVX-512 registers: 16 pairs of 16 rows at a time, each pair's
+/// rows loaded as one vector and the 16 x 16 block transposed in registers, so that every
+/// row of the block leaves as one store.
+#[cfg(target_arch = "x86_64")]
+mod rows16 {
+    use std::arch::x86_64::*;
+
+    use super::super::avx512::transpose;
+
+    /// Elements that load as 16 lanes of bf16 bits.
+    pub(super) trait Lanes: Copy {
+        /// The bf16 bits of the `mask`ed elements of the 16 from `p`, in the low halves of
+        /// 32-bit lanes (zero elsewhere).
+        ///
+        /// # Safety
+        /// The CPU has AVX-512 F, BW and VL; the masked elements are readable.
+        unsafe fn lanes(p: *const Self, mask: __mmask16) -> __m512i;
+    }
+
+    impl Lanes for f32 {
+        /// [`super::bits_of`] of every lane: ties to even, NaN to `0x7fc0`.
+        #[inline(always)]
+        unsafe fn lanes(p: *const f32, mask: __mmask16) -> __m512i {
+            // SAFETY: as the caller guarantees.
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(mask, p);
+                let b = _mm512_castps_si512(x);
+                let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+                let up = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
+                let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, up));
+                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+                _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0))
+            }
+        }
+    }
+
+    impl Lanes for u16 {
+        #[inline(always)]
+        unsafe fn lanes(p: *const u16, mask: __mmask16) -> __m512i {
+            // SAFETY: as the caller guarantees.
+            unsafe { _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p.cast())) }
+        }
+    }
+
+    /// The first `n` (at most 16) lanes.
+    fn first(n: usize) -> __mmask16 {
+        (((1u32 << n) - 1) & 0xffff) as __mmask16
+    }
+
+    /// [`super::Element::deal_rows`].
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and VL; as for [`super::Element::deal_rows`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn deal_rows<E: Lanes>(
+        all: &[E],
+        [cs, k, stride]: [usize; 3],
+        i0: usize,
+        out: *mut u32,
+    ) {
+        let rows = (all.len() - (k - 1) * cs - i0).min(32);
+        let pairs = k.div_ceil(2);
+        let p = all.as_ptr();
+        for q0 in (0..stride).step_by(16) {
+            let store = first((stride - q0).min(16));
+            for h in 0..rows.div_ceil(16) {
+                let r0 = i0 + 16 * h;
+                let n = (rows - 16 * h).min(16);
+                let mask = first(n);
+                let mut v = [_mm512_setzero_ps(); 16];
+                for (qq, v) in v.iter_mut().enumerate().take(pairs.saturating_sub(q0)) {
+                    let q = q0 + qq;
+                    // SAFETY: rows r0..r0 + n of columns 2q and 2q + 1 (below k) are in
+                    // `all`.
+                    let lo = unsafe { E::lanes(p.add(2 * q * cs + r0), mask) };
+                    let hi = if 2 * q + 1 < k {
+                        // SAFETY: as above.
+                        unsafe { E::lanes(p.add((2 * q + 1) * cs + r0), mask) }
+                    } else {
+                        _mm512_setzero_si512()
+                    };
+                    *v = _mm512_castsi512_ps(_mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi)));
                 }
-            } else {
-                for (row, &a) in block.iter_mut().zip(lo) {
-                    row[qq] = bits(a) as u32;
+                for (r, t) in transpose(v).iter().take(n).enumerate() {
+                    // SAFETY: pairs q0.. (as many as `store` holds) of row r0 + r are
+                    // writable, as the caller guarantees.
+                    unsafe {
+                        _mm512_mask_storeu_epi32(
+                            out.add((r0 + r) * stride + q0).cast(),
+                            store,
+                            _mm512_castps_si512(*t),
+                        )
+                    };
                 }
             }
         }
-        let width = (stride - q0).min(16);
-        for (i, row) in block.iter().take(rows).enumerate() {
-            // SAFETY: pairs q0..q0 + width of row i0 + i are writable, as the caller
-            // guarantees.
-            unsafe {
-                std::ptr::copy_nonoverlapping(row.as_ptr(), out.add((i0 + i) * stride + q0), width)
-            };
-        }
-    }
-}
-
-multiversion! {
-    /// [`deal_rows`] of f32 values.
-    fn deal_rows_f32(all: &[f32], dims: [usize; 3], i0: usize, out: Out32) {
-        // SAFETY: as the caller of `Element::deal_rows` guarantees.
-        unsafe { deal_rows(all, dims, i0, out.0, bits_of) }
-    }
-}
-
-multiversion! {
-    /// [`deal_rows`] of bf16 bits.
-    fn deal_rows_bits(all: &[u16], dims: [usize; 3], i0: usize, out: Out32) {
-        // SAFETY: as the caller of `Element::deal_rows` guarantees.
-        unsafe { deal_rows(all, dims, i0, out.0, |b| b) }
     }
 }
 
@@ -442,8 +493,10 @@ impl Element for f32 {
     unsafe fn deal_pairs(lo: &[Self], hi: Option<&[Self]>, out: *mut u32, panel: usize) {
         deal_pairs_f32(lo, hi, Out32(out), panel)
     }
+    #[cfg(target_arch = "x86_64")]
     unsafe fn deal_rows(all: &[Self], dims: [usize; 3], i0: usize, out: *mut u32) {
-        deal_rows_f32(all, dims, i0, Out32(out))
+        // SAFETY: as the caller guarantees.
+        unsafe { rows16::deal_rows(all, dims, i0, out) }
     }
 }
 
@@ -460,8 +513,10 @@ impl Element for u16 {
     unsafe fn deal_pairs(lo: &[Self], hi: Option<&[Self]>, out: *mut u32, panel: usize) {
         deal_pairs_bits(lo, hi, Out32(out), panel)
     }
+    #[cfg(target_arch = "x86_64")]
     unsafe fn deal_rows(all: &[Self], dims: [usize; 3], i0: usize, out: *mut u32) {
-        deal_rows_bits(all, dims, i0, Out32(out))
+        // SAFETY: as the caller guarantees.
+        unsafe { rows16::deal_rows(all, dims, i0, out) }
     }
 }
 
@@ -676,16 +731,17 @@ fn pack<const WIDTH: usize, E: Element>(
     let line = |from: isize, len: usize| unsafe {
         std::slice::from_raw_parts(src.get().offset(from), len)
     };
-    if rs == 1 && cs != 1 && WIDTH == 1 {
+    #[cfg(target_arch = "x86_64")]
+    if rs == 1 && cs != 1 && WIDTH == 1 && rows16_here() {
         // A transposed operand packed into rows of pairs: 32 of its rows (columns of the
-        // operand as stored, 64 bytes of bf16 each) by 16 pairs at a time, through a block on
-        // the stack, so that every cache line of the operand is read once.
+        // operand as stored, 64 bytes of bf16 each) by 16 pairs at a time, transposed in
+        // registers, so that every cache line of the operand is read once.
         let cs = cs as usize;
         // SAFETY: as in the branch below.
         let all = unsafe { std::slice::from_raw_parts(p, (k - 1) * cs + rows) };
         let dst = Out(out.as_mut_ptr().cast());
         let task = |b: usize| {
-            // SAFETY: rows 32 b.. of `out` are this task's only.
+            // SAFETY: the CPU has AVX-512; rows 32 b.. of `out` are this task's only.
             unsafe { E::deal_rows(all, [cs, k, stride], 32 * b, dst.get().cast::<u32>()) };
         };
         if parallel && rows * k >= 1 << 15 {
@@ -1091,6 +1147,80 @@ pub(crate) unsafe fn product_in(
 mod tests {
     use super::*;
     use crate::kernels::tests::values;
+
+    /// A transposed operand packed in rows of pairs (AMX's lhs) through AVX-512 registers
+    /// gives the bits of the plain packing (`pair_columns`, one row per panel) at every edge:
+    /// rows past each block of 32 and 16, pairs past each block of 16, odd `k`, and values
+    /// that round in each way, ties, NaN, infinities and subnormals.
+    #[test]
+    fn transposed_rows_pack_as_the_plain_packing() {
+        if !rows16_here() {
+            eprintln!("skipped: this CPU has no AVX-512 (F, BW and VL)");
+            return;
+        }
+        let specials = [
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            -0.0,
+            f32::from_bits(1),
+            f32::from_bits(0x807f_ffff),
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0x3f81_8000),
+            f32::from_bits(0x7f7f_ffff),
+        ];
+        for &(rows, k) in &[
+            (1, 1),
+            (15, 2),
+            (16, 31),
+            (17, 32),
+            (32, 33),
+            (33, 65),
+            (100, 300),
+        ] {
+            let cs = rows + 3;
+            let mut all = values((k - 1) * cs + rows, 5, 3.0);
+            for (x, s) in all.iter_mut().step_by(7).zip(specials.iter().cycle()) {
+                *x = *s;
+            }
+            let bits = round(&all);
+            let pad = Pad::new(16, 16);
+            let [padded, stride] = pad.dims([rows, k]);
+            let strides = [1, cs as isize];
+            for parallel in [false, true] {
+                let packed = |cap: u8, f32s: bool| {
+                    crate::kernels::simd::LEVEL_CAP.with(|c| c.set(cap));
+                    let mut out = vec![u32::MAX; padded * stride];
+                    if f32s {
+                        pack::<1, f32>([rows, k], (all.as_ptr(), strides), pad, &mut out, parallel);
+                    } else {
+                        pack::<1, u16>(
+                            [rows, k],
+                            (bits.as_ptr(), strides),
+                            pad,
+                            &mut out,
+                            parallel,
+                        );
+                    }
+                    crate::kernels::simd::LEVEL_CAP.with(|c| c.set(3));
+                    out
+                };
+                let plain = packed(1, true);
+                assert_eq!(
+                    packed(3, true),
+                    plain,
+                    "f32, {rows} x {k}, parallel {parallel}"
+                );
+                assert_eq!(
+                    packed(3, false),
+                    plain,
+                    "bits, {rows} x {k}, parallel {parallel}"
+                );
+                assert_eq!(packed(1, false), plain, "bits plainly, {rows} x {k}");
+            }
+        }
+    }
 
     #[test]
     fn rounding_is_to_nearest_even() {
