@@ -38,6 +38,11 @@ const TASK_ROWS: usize = 128;
 /// are 768 KiB of packed pairs, held in a Sapphire Rapids core's 2 MiB of L2 with the task's
 /// rows of `lhs`.
 const TASK_COLS: usize = 128;
+/// Pairs of the inner dimension per block where it is long (more than two blocks): a task's
+/// rows of `lhs` and columns of `rhs` over one block are 256 KiB each, so they stay in L2
+/// while the task's output tiles run over them, and the sums wait between blocks in a
+/// buffer of the task's output (64 KiB).
+const KC: usize = 512;
 
 /// The tile configuration (palette 1): eight tiles of 16 rows of 64 bytes.
 #[repr(C, align(64))]
@@ -76,17 +81,59 @@ pub(super) unsafe fn product(
     parallel: bool,
 ) {
     let pairs = k.div_ceil(2).next_multiple_of(PAIRS);
+    let kc = if pairs > 2 * KC { KC } else { pairs };
+    // SAFETY: as the caller guarantees.
+    unsafe { product_in_blocks([m, n, k], kc, a, b, (out, rs), beta, accumulate, parallel) }
+}
+
+/// [`product`] over blocks of `kc` pairs of the inner dimension (a multiple of [`PAIRS`]):
+/// every sum is the same f32 sum in the same order, whatever `kc` is.
+///
+/// # Safety
+/// As for [`product`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn product_in_blocks(
+    [m, n, k]: [usize; 3],
+    kc: usize,
+    a: &[u32],
+    b: &[u32],
+    (out, rs): (Out, isize),
+    beta: f32,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let pairs = k.div_ceil(2).next_multiple_of(PAIRS);
     assert!(a.len() >= m.next_multiple_of(ROWS) * pairs);
     assert!(b.len() >= n.next_multiple_of(COLS) * pairs);
+    assert!(kc > 0 && kc.is_multiple_of(PAIRS));
     let (row_tasks, col_tasks) = (m.div_ceil(TASK_ROWS), n.div_ceil(TASK_COLS));
     let task = |t: usize| {
         // Tasks sharing a block of `rhs` run one after another.
         let (r0, c0) = (t % row_tasks * TASK_ROWS, t / row_tasks * TASK_COLS);
         let rows = r0..(r0 + TASK_ROWS).min(m);
         let cols = c0..(c0 + TASK_COLS).min(n);
-        // SAFETY: this task's rows and columns of the output are its own; the rest as the
-        // caller guarantees.
-        unsafe { block(rows, cols, [m, n], pairs, a, b, (out, rs), beta, accumulate) };
+        let mut sums = if kc < pairs {
+            vec![0.0f32; TASK_ROWS * TASK_COLS]
+        } else {
+            Vec::new()
+        };
+        for k0 in (0..pairs).step_by(kc) {
+            let ks = k0..(k0 + kc).min(pairs);
+            // SAFETY: this task's rows and columns of the output are its own, and `sums`
+            // holds them; the rest as the caller guarantees.
+            unsafe {
+                block(
+                    (rows.clone(), cols.clone()),
+                    [m, n],
+                    (pairs, ks),
+                    a,
+                    b,
+                    (out, rs),
+                    (beta, accumulate),
+                    sums.as_mut_ptr(),
+                )
+            };
+        }
     };
     let tasks = row_tasks * col_tasks;
     if parallel && m * n * k >= 1 << 20 && tasks > 1 {
@@ -96,24 +143,31 @@ pub(super) unsafe fn product(
     }
 }
 
-/// Rows `rows` and columns `cols` of the output, 32 x 32 at a time, the tiles configured for
-/// the call and released after it.
+/// Rows `rows` and columns `cols` of the output, 32 x 32 at a time, over the pairs `ks` of
+/// the inner dimension's `pairs`, the tiles configured for the call and released after it.
+/// Sums start from the output (or zero) where `ks` starts at 0, and from `sums` elsewhere;
+/// they go to the output where `ks` ends at `pairs`, and to `sums` elsewhere. `sums` holds
+/// [`TASK_ROWS`] rows of [`TASK_COLS`] sums from the first of `rows` and `cols`.
 ///
 /// # Safety
-/// As for [`product`], for these rows and columns.
+/// As for [`product`], for these rows and columns; `sums` is writable as said where `ks` is
+/// not all of `pairs`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
 unsafe fn block(
-    rows: std::ops::Range<usize>,
-    cols: std::ops::Range<usize>,
+    (rows, cols): (std::ops::Range<usize>, std::ops::Range<usize>),
     [m, n]: [usize; 2],
-    pairs: usize,
+    (pairs, ks): (usize, std::ops::Range<usize>),
     a: &[u32],
     b: &[u32],
     (out, rs): (Out, isize),
-    beta: f32,
-    accumulate: bool,
+    (beta, accumulate): (f32, bool),
+    sums: *mut f32,
 ) {
+    let (first, last) = (ks.start == 0, ks.end == pairs);
+    let (r_base, c_base) = (rows.start, cols.start);
+    let at_sums = |i: usize, j: usize| sums.wrapping_add((i - r_base) * TASK_COLS + j - c_base);
+    let sums_stride = (TASK_COLS * 4) as isize;
     // SAFETY: the process may use the tiles; CONFIG is a valid palette-1 configuration.
     unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly)) };
     let a_stride = pairs * 4;
@@ -130,7 +184,11 @@ unsafe fn block(
             // through `edge`.
             let direct = tiles.map(|[i, j]| beta == 1.0 && i + 16 <= m && j + 16 <= n);
             for (t, (&[i, j], &direct)) in tiles.iter().zip(&direct).enumerate() {
-                if direct && accumulate {
+                if !first {
+                    // SAFETY: the tile's 16 rows of 16 sums are in `sums`, as the caller
+                    // guarantees.
+                    unsafe { load_c(t, at_sums(i, j), sums_stride) }
+                } else if direct && accumulate {
                     // SAFETY: 16 rows of 16 elements from (i, j) are in the output.
                     unsafe {
                         let p = out.0.offset(i as isize * rs + j as isize);
@@ -140,7 +198,7 @@ unsafe fn block(
                     zero_c(t);
                 }
             }
-            for q in (0..pairs).step_by(PAIRS) {
+            for q in ks.clone().step_by(PAIRS) {
                 // SAFETY: 16 rows of 16 pairs from pair q are in bounds of `a` (rows padded
                 // to 32, pairs to 16) and of both panels of `b`; the tiles are configured.
                 unsafe {
@@ -164,6 +222,11 @@ unsafe fn block(
                 };
             }
             for (t, (&[i, j], &direct)) in tiles.iter().zip(&direct).enumerate() {
+                if !last {
+                    // SAFETY: as for the loads from `sums`.
+                    unsafe { store_c(t, at_sums(i, j), sums_stride) };
+                    continue;
+                }
                 if i >= m || j >= n {
                     continue;
                 }
@@ -279,6 +342,72 @@ unsafe fn edge(t: usize, dst: *mut f32, rs: isize, [rows, cols]: [usize; 2], bet
                 v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p));
             }
             _mm512_mask_storeu_ps(p, mask, v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::bf16::{bits_of, has_amx};
+    use crate::kernels::tests::values;
+
+    /// The product over blocks of the inner dimension (sums held in the task's buffer between
+    /// blocks) gives the bits of the product over it whole, at edges of tiles and tasks, with
+    /// `beta` and with and without `accumulate`.
+    #[test]
+    fn blocks_of_the_inner_dimension_give_the_same_bits() {
+        if !has_amx() {
+            eprintln!("skipped: AMX tiles are not used here");
+            return;
+        }
+        for &[m, n, k] in &[
+            [1usize, 1, 100],
+            [33, 47, 129],
+            [130, 140, 200],
+            [40, 260, 1001],
+        ] {
+            let pairs = k.div_ceil(2).next_multiple_of(PAIRS);
+            // Packed operands of any bf16 values (padding included, which the kernel
+            // multiplies like the rest).
+            let packed = |rows: usize, seed: u32| -> Vec<u32> {
+                values(2 * rows * pairs, seed, 1.0)
+                    .chunks_exact(2)
+                    .map(|p| bits_of(p[0]) as u32 | (bits_of(p[1]) as u32) << 16)
+                    .collect()
+            };
+            let a = packed(m.next_multiple_of(ROWS), 21);
+            let b = packed(n.next_multiple_of(COLS), 22);
+            for (beta, accumulate) in [(1.0, true), (1.0, false), (0.5, true), (-2.0, false)] {
+                let prior = values(m * n, 23, 1.0);
+                let run = |kc: usize, parallel: bool| {
+                    let mut out = prior.clone();
+                    // SAFETY: `a` and `b` are packed as `product` takes them; `out` is m x n.
+                    unsafe {
+                        product_in_blocks(
+                            [m, n, k],
+                            kc,
+                            &a,
+                            &b,
+                            (Out(out.as_mut_ptr()), n as isize),
+                            beta,
+                            accumulate,
+                            parallel,
+                        )
+                    };
+                    out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                };
+                let whole = run(pairs, false);
+                let case = format!("[{m}, {n}, {k}] beta {beta} accumulate {accumulate}");
+                assert!(
+                    whole.iter().zip(&prior).any(|(w, p)| *w != p.to_bits()),
+                    "{case}"
+                );
+                for kc in [PAIRS, 2 * PAIRS, 3 * PAIRS] {
+                    assert_eq!(run(kc, false), whole, "{case}, blocks of {kc} pairs");
+                    assert_eq!(run(kc, true), whole, "{case}, blocks of {kc}, parallel");
+                }
+            }
         }
     }
 }
