@@ -58,6 +58,9 @@ pub struct Cpu {
     /// AMX-TILE and AMX-BF16 (tile registers, `tdpbf16ps`), as the CPU reports them. Whether
     /// this process may use them is [`amx`]'s answer.
     pub amx_bf16: bool,
+    /// Bytes of a core's L2 cache, as the CPU reports them (CPUID leaf 0x8000_0006, which
+    /// Intel's and AMD's x86-64 CPUs both answer); `None` where it says nothing.
+    pub l2_bytes: Option<usize>,
 }
 
 /// This CPU's answer, probed on the first call.
@@ -89,11 +92,18 @@ fn probe() -> Cpu {
         // detection of them is not stable yet).
         let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
         let amx = leaf7.edx >> 22 & 1 == 1 && leaf7.edx >> 24 & 1 == 1;
+        // CPUID leaf 0x8000_0006: ECX bits 31-16 are a core's L2 in KiB.
+        let l2_kib = if std::arch::x86_64::__cpuid(0x8000_0000).eax >= 0x8000_0006 {
+            std::arch::x86_64::__cpuid(0x8000_0006).ecx >> 16
+        } else {
+            0
+        };
         Cpu {
             vector,
             avx512_bf16: avx512 && has!("avx512bf16"),
             // Every CPU with AMX has AVX-512, which the kernels around the tiles use.
             amx_bf16: avx512 && amx,
+            l2_bytes: (l2_kib > 0).then_some(l2_kib as usize * 1024),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -102,6 +112,7 @@ fn probe() -> Cpu {
             vector: Vector::Baseline,
             avx512_bf16: false,
             amx_bf16: false,
+            l2_bytes: None,
         }
     }
 }
@@ -268,6 +279,31 @@ mod tests {
         assert_eq!(c.avx512_bf16, avx512 && all(&["avx512_bf16"]));
         assert_eq!(c.amx_bf16, avx512 && all(&["amx_bf16", "amx_tile"]));
         assert!(c.vector.f32_lanes() >= 4);
+    }
+
+    #[test]
+    fn the_l2_size_is_the_kernels_own() {
+        // Linux lists the caches from CPUID's cache leaves (4 on Intel, 0x8000_001D on
+        // AMD): where it lists a unified L2, the probe's leaf must report the same size.
+        let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        let read = |p: std::path::PathBuf| std::fs::read_to_string(p).unwrap_or_default();
+        for e in entries.flatten() {
+            let (level, kind) = (read(e.path().join("level")), read(e.path().join("type")));
+            if level.trim() != "2" || kind.trim() != "Unified" {
+                continue;
+            }
+            let size = read(e.path().join("size"));
+            let kib: usize = size
+                .trim()
+                .trim_end_matches('K')
+                .parse()
+                .expect("a size in KiB");
+            assert_eq!(cpu().l2_bytes, Some(kib * 1024), "the kernel lists {size}");
+            return;
+        }
     }
 
     #[test]

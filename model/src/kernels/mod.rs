@@ -333,15 +333,23 @@ pub fn composed_softmax_cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>
 }
 
 /// Which product f32 operands run on this CPU, for a run's first lines.
-pub fn f32_products() -> &'static str {
+pub fn f32_products() -> String {
     #[cfg(target_arch = "x86_64")]
     if avx512::available() {
-        return "f32 products on ember's AVX-512 kernels (FMA, 6 x 64 register tiles)";
+        let l2 = match ember_cpu::cpu().l2_bytes {
+            Some(bytes) => format!("this CPU's {} KiB L2", bytes >> 10),
+            None => "an L2 this CPU does not report".into(),
+        };
+        return format!(
+            "f32 products on ember's AVX-512 kernels (FMA, 6 x 64 register tiles, blocks of \
+             {} steps for {l2})",
+            avx512::kc()
+        );
     }
     if std::env::var("EMBER_F32_PRODUCT").as_deref() == Ok("gemm") {
-        "f32 products on the gemm crate's kernels (EMBER_F32_PRODUCT=gemm)"
+        "f32 products on the gemm crate's kernels (EMBER_F32_PRODUCT=gemm)".into()
     } else {
-        "f32 products on the gemm crate's kernels (this CPU has no AVX-512)"
+        "f32 products on the gemm crate's kernels (this CPU has no AVX-512)".into()
     }
 }
 
