@@ -28,8 +28,8 @@ pub(super) const NR: usize = 16 * V;
 const KC: usize = 512;
 /// The same where a core's L2 is 2 MiB or more (Sapphire and Emerald Rapids): an inner
 /// dimension of 768 (gpt2's width) in one block, not two of 384, and 3,072 in four, not six.
-/// On an Emerald Rapids core, 1.5-5% faster than [`KC`] on every such product of gpt2's step,
-/// in three runs of every shape (BENCHMARKS.md); 1,024 was no better and slower on weight
+/// On an Emerald Rapids core, 1.5-6% faster than [`KC`] on such products of gpt2's step, in
+/// three runs of each shape (BENCHMARKS.md); 1,024 was no better and slower on weight
 /// gradients with 1,024 rows.
 const KC_LARGE_L2: usize = 768;
 
