@@ -58,8 +58,9 @@ pub struct Cpu {
     /// AMX-TILE and AMX-BF16 (tile registers, `tdpbf16ps`), as the CPU reports them. Whether
     /// this process may use them is [`amx`]'s answer.
     pub amx_bf16: bool,
-    /// Bytes of a core's L2 cache, as the CPU reports them (CPUID leaf 0x8000_0006, which
-    /// Intel's and AMD's x86-64 CPUs both answer); `None` where it says nothing.
+    /// Bytes of a core's L2 cache, as the CPU reports them in the cache leaves Linux lists
+    /// its caches from (CPUID 4 on Intel, 0x8000_001D on AMD; else leaf 0x8000_0006);
+    /// `None` where it says nothing.
     pub l2_bytes: Option<usize>,
 }
 
@@ -92,18 +93,12 @@ fn probe() -> Cpu {
         // detection of them is not stable yet).
         let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
         let amx = leaf7.edx >> 22 & 1 == 1 && leaf7.edx >> 24 & 1 == 1;
-        // CPUID leaf 0x8000_0006: ECX bits 31-16 are a core's L2 in KiB.
-        let l2_kib = if std::arch::x86_64::__cpuid(0x8000_0000).eax >= 0x8000_0006 {
-            std::arch::x86_64::__cpuid(0x8000_0006).ecx >> 16
-        } else {
-            0
-        };
         Cpu {
             vector,
             avx512_bf16: avx512 && has!("avx512bf16"),
             // Every CPU with AMX has AVX-512, which the kernels around the tiles use.
             amx_bf16: avx512 && amx,
-            l2_bytes: (l2_kib > 0).then_some(l2_kib as usize * 1024),
+            l2_bytes: l2_bytes(),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -115,6 +110,45 @@ fn probe() -> Cpu {
             l2_bytes: None,
         }
     }
+}
+
+/// A core's L2 in bytes from CPUID: the unified level-2 entry of the deterministic cache
+/// leaf (4 on Intel, 0x8000_001D on AMD, the leaves Linux's cache list reads), else leaf
+/// 0x8000_0006's size in KiB (ECX bits 31-16), which hypervisors may fill in apart from the
+/// cache leaves.
+#[cfg(target_arch = "x86_64")]
+fn l2_bytes() -> Option<usize> {
+    use std::arch::x86_64::__cpuid_count;
+    let (max, max_ext) = (__cpuid_count(0, 0).eax, __cpuid_count(0x8000_0000, 0).eax);
+    for leaf in [4, 0x8000_001D] {
+        if (leaf < 0x8000_0000 && max < leaf) || (leaf >= 0x8000_0000 && max_ext < leaf) {
+            continue;
+        }
+        // Sub-leaves until a null entry (type 0): EAX bits 4-0 type (3 unified), 7-5 level;
+        // size = ways x partitions x line bytes x sets (each field stored less one).
+        for sub in 0..16 {
+            let r = __cpuid_count(leaf, sub);
+            let kind = r.eax & 0x1f;
+            if kind == 0 {
+                break;
+            }
+            if kind == 3 && (r.eax >> 5) & 7 == 2 {
+                let field =
+                    |v: u32, shift: u32, bits: u32| ((v >> shift) & ((1 << bits) - 1)) as usize + 1;
+                let ways = field(r.ebx, 22, 10);
+                let partitions = field(r.ebx, 12, 10);
+                let line = field(r.ebx, 0, 12);
+                let sets = r.ecx as usize + 1;
+                return Some(ways * partitions * line * sets);
+            }
+        }
+    }
+    let kib = if max_ext >= 0x8000_0006 {
+        __cpuid_count(0x8000_0006, 0).ecx >> 16
+    } else {
+        0
+    };
+    (kib > 0).then_some(kib as usize * 1024)
 }
 
 /// Whether this process may run AMX bf16 products: the CPU has AMX-TILE and AMX-BF16
@@ -283,27 +317,40 @@ mod tests {
 
     #[test]
     fn the_l2_size_is_the_kernels_own() {
-        // Linux lists the caches from CPUID's cache leaves (4 on Intel, 0x8000_001D on
-        // AMD): where it lists a unified L2, the probe's leaf must report the same size.
-        let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            return;
-        };
+        // Linux lists every core's caches from the same CPUID cache leaves: the probe (on
+        // whichever core this test runs; hybrid CPUs differ between kinds of core) must
+        // report one of the unified L2 sizes it lists.
         let read = |p: std::path::PathBuf| std::fs::read_to_string(p).unwrap_or_default();
-        for e in entries.flatten() {
-            let (level, kind) = (read(e.path().join("level")), read(e.path().join("type")));
-            if level.trim() != "2" || kind.trim() != "Unified" {
-                continue;
+        let mut sizes = vec![];
+        let cpus = std::fs::read_dir("/sys/devices/system/cpu")
+            .into_iter()
+            .flatten();
+        for c in cpus.flatten() {
+            let caches = std::fs::read_dir(c.path().join("cache"))
+                .into_iter()
+                .flatten();
+            for e in caches.flatten() {
+                let (level, kind) = (read(e.path().join("level")), read(e.path().join("type")));
+                if level.trim() == "2" && kind.trim() == "Unified" {
+                    let size = read(e.path().join("size"));
+                    let kib: usize = size
+                        .trim()
+                        .trim_end_matches('K')
+                        .parse()
+                        .expect("a size in KiB");
+                    sizes.push(kib * 1024);
+                }
             }
-            let size = read(e.path().join("size"));
-            let kib: usize = size
-                .trim()
-                .trim_end_matches('K')
-                .parse()
-                .expect("a size in KiB");
-            assert_eq!(cpu().l2_bytes, Some(kib * 1024), "the kernel lists {size}");
+        }
+        if sizes.is_empty() {
+            eprintln!("skipped: the kernel lists no unified L2");
             return;
         }
+        let l2 = cpu().l2_bytes.expect("an L2 where the kernel lists one");
+        assert!(
+            sizes.contains(&l2),
+            "probe {l2} bytes, the kernel lists {sizes:?}"
+        );
     }
 
     #[test]

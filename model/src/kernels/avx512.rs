@@ -569,9 +569,10 @@ mod tests {
                                 terms.fold((0.0, 0.0), |(d, a), t| (d + t, a + t.abs()));
                             let kept = if accumulate { f64::from(was) } else { 0.0 };
                             let want = 0.5 * dot + kept;
-                            // f32 sums of k terms in any order are within k units of
-                            // roundoff of the terms' absolute sum; the scaling and the
-                            // add to the output round twice more.
+                            // Each FMA rounds once and each block's sum rounds once more
+                            // as it is scaled (by 0.5, exactly) and added to the output: a
+                            // term passes through at most k + 2 roundings, each within a
+                            // unit of roundoff of the terms' absolute sum.
                             let unit = f64::from(f32::EPSILON) / 2.0;
                             let bound = (k + 2) as f64 * unit * (0.5 * size + kept.abs());
                             assert!(
