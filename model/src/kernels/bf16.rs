@@ -30,7 +30,7 @@ pub(crate) fn value_of(bits: u16) -> f32 {
 
 multiversion! {
     /// `out[i] = bits_of(x[i])`.
-    fn round_into(x: &[f32], out: &mut [MaybeUninit<u16>]) {
+    pub(crate) fn round_into(x: &[f32], out: &mut [MaybeUninit<u16>]) {
         for (o, &x) in out.iter_mut().zip(x) {
             o.write(bits_of(x));
         }
@@ -39,7 +39,7 @@ multiversion! {
 
 multiversion! {
     /// `out[i] = value_of(bits[i])`.
-    fn widen_into(bits: &[u16], out: &mut [MaybeUninit<f32>]) {
+    pub(crate) fn widen_into(bits: &[u16], out: &mut [MaybeUninit<f32>]) {
         for (o, &b) in out.iter_mut().zip(bits) {
             o.write(value_of(b));
         }

@@ -511,6 +511,24 @@ fn with_floats<R>(t: &FlexTensor, f: impl FnOnce(&[f32]) -> R) -> R {
     }
 }
 
+/// LayerNorm of `x` as a tensor of `x`'s dtype and `shape`, with each row's mean and
+/// reciprocal standard deviation: on bf16 bits in one pass where `x` is contiguous bf16.
+fn layer_norm_flex(
+    x: &FlexTensor,
+    weight: &FlexTensor,
+    bias: &FlexTensor,
+    eps: f64,
+    shape: Shape,
+) -> (FlexTensor, [Vec<f32>; 2]) {
+    let (w, b) = (floats(weight), floats(bias));
+    if let Some(xs) = bf16_elements(x) {
+        let (y, stats) = rows::layer_norm_bf16(xs, &w, &b, eps as f32);
+        return (bf16_tensor(y, shape), stats);
+    }
+    let [y, mean, rstd] = with_floats(x, |xs| rows::layer_norm(xs, &w, &b, eps as f32));
+    (flex(y, shape, x.dtype()), [mean, rstd])
+}
+
 /// The elements of an integer tensor as indices.
 fn indices(t: &FlexTensor) -> Vec<usize> {
     let t = t.to_contiguous();
@@ -611,10 +629,7 @@ impl FusedOps for Flex {
         eps: f64,
     ) -> FlexTensor {
         let shape = x.layout().shape().clone();
-        let [y, _, _] = with_floats(&x, |x| {
-            rows::layer_norm(x, &floats(&weight), &floats(&bias), eps as f32)
-        });
-        flex(y, shape, x.dtype())
+        layer_norm_flex(&x, &weight, &bias, eps, shape).0
     }
 
     fn fused_causal_attention(qkv: FlexTensor, n_head: usize) -> FlexTensor {
@@ -703,14 +718,24 @@ impl Backward<Flex, 3> for LayerNormBackward {
         let [px, pw, pb] = ops.parents;
         let dy = grads.consume::<Flex>(&ops.node);
         let (x, w, bias, mean, rstd) = &ops.state;
-        let [dx, dw, db] = with_floats(x, |xs| {
-            with_floats(&dy, |dy| {
-                rows::layer_norm_backward(xs, &floats(w), mean, rstd, dy)
-            })
-        });
+        let shape = x.layout().shape().clone();
+        let (dx, [dw, db]) = match (bf16_elements(x), bf16_elements(&dy)) {
+            (Some(xs), Some(dys)) => {
+                let (dx, dwdb) = rows::layer_norm_backward_bf16(xs, &floats(w), mean, rstd, dys);
+                (bf16_tensor(dx, shape), dwdb)
+            }
+            _ => {
+                let [dx, dw, db] = with_floats(x, |xs| {
+                    with_floats(&dy, |dy| {
+                        rows::layer_norm_backward(xs, &floats(w), mean, rstd, dy)
+                    })
+                });
+                (flex(dx, shape, x.dtype()), [dw, db])
+            }
+        };
         let d = dw.len();
         if let Some(p) = px {
-            grads.register::<Flex>(p.id, flex(dx, x.layout().shape().clone(), x.dtype()));
+            grads.register::<Flex>(p.id, dx);
         }
         if let Some(p) = pw {
             grads.register::<Flex>(p.id, flex(dw, Shape::from(vec![d]), w.dtype()));
@@ -821,10 +846,7 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
             .prepare::<C>([x.node(), weight.node(), bias.node()])
             .compute_bound()
             .stateful();
-        let [y, mean, rstd] = with_floats(&xp, |xs| {
-            rows::layer_norm(xs, &floats(&wp), &floats(&bp), eps as f32)
-        });
-        let y = flex(y, shape, xp.dtype());
+        let (y, [mean, rstd]) = layer_norm_flex(&xp, &wp, &bp, eps, shape);
         match prep {
             OpsKind::Tracked(prep) => prep.finish((xp, wp, bp.dtype(), mean, rstd), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
@@ -952,6 +974,20 @@ mod tests {
                 "gelu backward on bf16 bits"
             );
             let [y, mean, rstd] = rows::layer_norm(&x, &w, &b, 1e-5);
+            // LayerNorm on bf16 bits, against widening, the f32 kernels and rounding.
+            let [yw, mean_w, rstd_w] = rows::layer_norm(&widened(&xb), &w, &b, 1e-5);
+            let (yb, [mean_b, rstd_b]) = rows::layer_norm_bf16(&xb, &w, &b, 1e-5);
+            assert_eq!(yb, bf16::round(&yw), "layer norm on bf16 bits");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                (bits(&mean_b), bits(&rstd_b)),
+                (bits(&mean_w), bits(&rstd_w))
+            );
+            let [dxw, dww, dbw] =
+                rows::layer_norm_backward(&widened(&xb), &w, &mean_w, &rstd_w, &widened(&dyb));
+            let (dxb, [dwb, dbb]) = rows::layer_norm_backward_bf16(&xb, &w, &mean_w, &rstd_w, &dyb);
+            assert_eq!(dxb, bf16::round(&dxw), "layer norm's dx on bf16 bits");
+            assert_eq!((bits(&dwb), bits(&dbb)), (bits(&dww), bits(&dbw)));
             out.extend([y, mean.clone(), rstd.clone()]);
             out.extend(rows::layer_norm_backward(&x, &w, &mean, &rstd, &dy));
             let targets: Vec<usize> = (0..120).map(|i| (i * 7) % 70).collect();

@@ -7,7 +7,7 @@ use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
-use super::bf16::{bits_of, filled, value_of};
+use super::bf16::{bits_of, filled, round_into, value_of, widen_into};
 use super::simd::{LANES, dot, dot3, exp, max, multiversion, sum};
 
 /// Elements per parallel piece of an element-wise kernel.
@@ -147,6 +147,36 @@ pub(crate) fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> [Vec<f32>
     [y, mean, rstd]
 }
 
+/// A piece of bf16 bits widened to f32, in a buffer of its own.
+fn widened(bits: &[u16]) -> Vec<f32> {
+    filled(bits.len(), |out| widen_into(bits, out))
+}
+
+/// [`layer_norm`] of bf16 bits, rounded to bf16 bits: each piece of rows widened, normalised
+/// and rounded while it is in cache, with the bits of widening the whole input, [`layer_norm`]
+/// and rounding.
+pub(crate) fn layer_norm_bf16(
+    x: &[u16],
+    w: &[f32],
+    b: &[f32],
+    eps: f32,
+) -> (Vec<u16>, [Vec<f32>; 2]) {
+    let d = w.len();
+    let rows = x.len() / d;
+    let (mut mean, mut rstd) = (vec![0.0; rows], vec![0.0; rows]);
+    let y = filled(x.len(), |y| {
+        y.par_chunks_mut(ROWS * d)
+            .zip(x.par_chunks(ROWS * d))
+            .zip(mean.par_chunks_mut(ROWS).zip(rstd.par_chunks_mut(ROWS)))
+            .for_each(|((y, x), (mean, rstd))| {
+                let mut piece = vec![0.0; x.len()];
+                layer_norm_piece(&widened(x), w, b, eps, &mut piece, mean, rstd);
+                round_into(&piece, y);
+            })
+    });
+    (y, [mean, rstd])
+}
+
 multiversion! {
     #[allow(clippy::too_many_arguments)]
     fn layer_norm_backward_piece(
@@ -213,6 +243,41 @@ pub(crate) fn layer_norm_backward(
         add_into(&mut db, &pb);
     }
     [dx, dw, db]
+}
+
+/// [`layer_norm_backward`] at bf16 `x` times bf16 `dy`, `dx` rounded to bf16 bits: each
+/// piece of rows widened and its gradient rounded while it is in cache, with the bits of
+/// widening both whole, [`layer_norm_backward`] and rounding `dx`.
+pub(crate) fn layer_norm_backward_bf16(
+    x: &[u16],
+    w: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    dy: &[u16],
+) -> (Vec<u16>, [Vec<f32>; 2]) {
+    let d = w.len();
+    let mut partials = Vec::new();
+    let dx = filled(x.len(), |dx| {
+        partials = dx
+            .par_chunks_mut(ROWS * d)
+            .zip(x.par_chunks(ROWS * d).zip(dy.par_chunks(ROWS * d)))
+            .zip(mean.par_chunks(ROWS).zip(rstd.par_chunks(ROWS)))
+            .map(|((dx, (x, dy)), (mean, rstd))| {
+                let (mut dw, mut db) = (vec![0.0; d], vec![0.0; d]);
+                let mut piece = vec![0.0; x.len()];
+                let (x, dy) = (widened(x), widened(dy));
+                layer_norm_backward_piece(&x, w, mean, rstd, &dy, &mut piece, &mut dw, &mut db);
+                round_into(&piece, dx);
+                (dw, db)
+            })
+            .collect::<Vec<_>>();
+    });
+    let (mut dw, mut db) = (vec![0.0; d], vec![0.0; d]);
+    for (pw, pb) in partials {
+        add_into(&mut dw, &pw);
+        add_into(&mut db, &pb);
+    }
+    (dx, [dw, db])
 }
 
 multiversion! {
