@@ -529,6 +529,19 @@ fn layer_norm_flex(
     (flex(y, shape, x.dtype()), [mean, rstd])
 }
 
+/// Causal attention of the packed projection `qkv` as a tensor of its dtype, with each
+/// query's log-sum-exp: on bf16 bits, a head at a time, where `qkv` is contiguous bf16.
+fn attention_flex(qkv: &FlexTensor, dims: Dims) -> (FlexTensor, Vec<f32>) {
+    let shape = Shape::from(vec![dims.b, dims.t, dims.h * dims.hd]);
+    if let Some(bits) = bf16_elements(qkv) {
+        let (out, lse) = attention::forward_bf16(bits, dims);
+        return (bf16_tensor(out, shape), lse);
+    }
+    let how = precision(qkv.dtype());
+    let (out, lse) = with_floats(qkv, |q| attention::forward(q, dims, how));
+    (flex(out, shape, qkv.dtype()), lse)
+}
+
 /// The elements of an integer tensor as indices.
 fn indices(t: &FlexTensor) -> Vec<usize> {
     let t = t.to_contiguous();
@@ -633,10 +646,7 @@ impl FusedOps for Flex {
     }
 
     fn fused_causal_attention(qkv: FlexTensor, n_head: usize) -> FlexTensor {
-        let (dims, how) = (attention_dims(&qkv, n_head), precision(qkv.dtype()));
-        let (out, _) = with_floats(&qkv, |qkv| attention::forward(qkv, dims, how));
-        let shape = Shape::from(vec![dims.b, dims.t, dims.h * dims.hd]);
-        flex(out, shape, qkv.dtype())
+        attention_flex(&qkv, attention_dims(&qkv, n_head)).0
     }
 
     fn fused_cross_entropy(logits: FlexTensor, targets: FlexTensor) -> FlexTensor {
@@ -758,16 +768,22 @@ impl Backward<Flex, 1> for AttentionBackward {
         let dout = grads.consume::<Flex>(&ops.node);
         if let Some(parent) = parent {
             let (qkv, out, lse, dims) = &ops.state;
-            let how = precision(qkv.dtype());
-            let dqkv = with_floats(qkv, |qkv| {
-                with_floats(out, |out| {
-                    with_floats(&dout, |dout| {
-                        attention::backward(qkv, out, lse, dout, *dims, how)
-                    })
-                })
-            });
             let shape = qkv.layout().shape().clone();
-            grads.register::<Flex>(parent.id, flex(dqkv, shape, qkv.dtype()));
+            let bits = (bf16_elements(qkv), bf16_elements(out), bf16_elements(&dout));
+            let dqkv = if let (Some(qkv), Some(out), Some(dout)) = bits {
+                bf16_tensor(attention::backward_bf16(qkv, out, lse, dout, *dims), shape)
+            } else {
+                let how = precision(qkv.dtype());
+                let dqkv = with_floats(qkv, |qkv| {
+                    with_floats(out, |out| {
+                        with_floats(&dout, |dout| {
+                            attention::backward(qkv, out, lse, dout, *dims, how)
+                        })
+                    })
+                });
+                flex(dqkv, shape, qkv.dtype())
+            };
+            grads.register::<Flex>(parent.id, dqkv);
         }
     }
 }
@@ -860,10 +876,7 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
             .prepare::<C>([qkv.node()])
             .compute_bound()
             .stateful();
-        let how = precision(input.dtype());
-        let (out, lse) = with_floats(&input, |q| attention::forward(q, dims, how));
-        let shape = Shape::from(vec![dims.b, dims.t, dims.h * dims.hd]);
-        let out = flex(out, shape, input.dtype());
+        let (out, lse) = attention_flex(&input, dims);
         match prep {
             OpsKind::Tracked(prep) => prep.finish((input, out.clone(), lse, dims), out),
             OpsKind::UnTracked(prep) => prep.finish(out),
@@ -929,7 +942,7 @@ mod cpu_product_tests {
 
 #[cfg(test)]
 mod tests {
-    use super::bf16::Precision::F32;
+    use super::bf16::Precision::{Bf16, F32};
     use super::linear::Matrix;
     use super::simd::LEVEL_CAP;
     use super::{attention, bf16, linear, rows};
@@ -1005,6 +1018,24 @@ mod tests {
             let dout = values(2 * 70 * 24, 6, 1.0);
             let (o, lse) = attention::forward(&qkv, dims, F32);
             out.push(attention::backward(&qkv, &o, &lse, &dout, dims, F32));
+            // Attention on bf16 bits, against widening, the bf16-product kernels and rounding.
+            let (qkv_b, dout_b) = (bf16::round(&qkv), bf16::round(&dout));
+            let (ow, lse_w) = attention::forward(&widened(&qkv_b), dims, Bf16);
+            let (ob, lse_b) = attention::forward_bf16(&qkv_b, dims);
+            assert_eq!(ob, bf16::round(&ow), "attention on bf16 bits");
+            assert_eq!(
+                bits(&lse_b),
+                bits(&lse_w),
+                "attention's log-sum-exp on bf16 bits"
+            );
+            let (ow, dw) = (widened(&ob), widened(&dout_b));
+            let grad = attention::backward(&widened(&qkv_b), &ow, &lse_w, &dw, dims, Bf16);
+            let grad_b = attention::backward_bf16(&qkv_b, &ob, &lse_w, &dout_b, dims);
+            assert_eq!(
+                grad_b,
+                bf16::round(&grad),
+                "attention's gradient on bf16 bits"
+            );
             out.extend([o, lse]);
             let wl = values(70 * 9, 7, 0.5);
             let (xm, wm) = (Matrix::F32(&x), Matrix::F32(&wl));
@@ -1018,7 +1049,7 @@ mod tests {
     #[test]
     fn every_instruction_set_gives_the_same_bits() {
         let best = all_results(2);
-        for level in [1, 0] {
+        for level in [3, 1, 0] {
             for (i, (got, want)) in all_results(level).iter().zip(&best).enumerate() {
                 let same = got
                     .iter()
