@@ -12,9 +12,7 @@
 
 use rayon::prelude::*;
 
-use std::mem::MaybeUninit;
-
-use super::bf16::{Precision, product_in, round_into, widen_into};
+use super::bf16::{Precision, product_in, round_to, widen_to};
 use super::simd::{dot, exp, max, multiversion, sum};
 
 /// Query rows per block of the causal score computation.
@@ -171,16 +169,9 @@ fn widen_head(qkv: &[u16], dims: Dims, task: usize, buf: &mut [f32]) {
     for (i, row) in buf.chunks_exact_mut(3 * hd).enumerate() {
         for (part, out) in row.chunks_exact_mut(hd).enumerate() {
             let at = base + i * 3 * d + part * d;
-            widen_into(&qkv[at..at + hd], as_uninit(out));
+            widen_to(&qkv[at..at + hd], out);
         }
     }
-}
-
-/// `out` as a slice of possibly uninitialised values, for [`widen_into`] to write.
-fn as_uninit(out: &mut [f32]) -> &mut [MaybeUninit<f32>] {
-    // SAFETY: `MaybeUninit<f32>` has the layout of `f32`, and only initialised values are
-    // written through the result.
-    unsafe { &mut *(out as *mut [f32] as *mut [MaybeUninit<f32>]) }
 }
 
 /// The attention output of one head into `o` (`T` rows `o_stride` apart, `hd` columns) and
@@ -273,16 +264,10 @@ pub(crate) fn forward_bf16(qkv: &[u16], dims: Dims) -> (Vec<u16>, Vec<f32>) {
                 // SAFETY: row i of this head's output block (hd of the d columns of row i
                 // of its sequence) is in bounds, and no other task writes it.
                 let to = unsafe { std::slice::from_raw_parts_mut(at.add(i * d), hd) };
-                round_into(row, as_uninit_bits(to));
+                round_to(row, to);
             }
         });
     (out, lse)
-}
-
-/// `out` as a slice of possibly uninitialised values, for [`round_into`] to write.
-fn as_uninit_bits(out: &mut [u16]) -> &mut [MaybeUninit<u16>] {
-    // SAFETY: as for [`as_uninit`].
-    unsafe { &mut *(out as *mut [u16] as *mut [MaybeUninit<u16>]) }
 }
 
 /// A bf16 output that parallel tasks write through, each to its own disjoint elements.
@@ -456,8 +441,8 @@ pub(crate) fn backward_bf16(
             for (i, row) in od.chunks_exact_mut(2 * hd).enumerate() {
                 let (o, g) = row.split_at_mut(hd);
                 let at = ob + i * d;
-                widen_into(&out[at..at + hd], as_uninit(o));
-                widen_into(&dout[at..at + hd], as_uninit(g));
+                widen_to(&out[at..at + hd], o);
+                widen_to(&dout[at..at + hd], g);
             }
             let head = Head::side_by_side(buf, dims);
             let grads = Head::side_by_side(grad, dims);
@@ -483,7 +468,7 @@ pub(crate) fn backward_bf16(
                     let to = unsafe {
                         std::slice::from_raw_parts_mut(base.add(i * 3 * d + part * d), hd)
                     };
-                    round_into(from, as_uninit_bits(to));
+                    round_to(from, to);
                 }
             }
         });

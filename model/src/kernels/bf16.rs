@@ -46,6 +46,23 @@ multiversion! {
     }
 }
 
+/// [`widen_into`] an initialised buffer.
+pub(crate) fn widen_to(bits: &[u16], out: &mut [f32]) {
+    // SAFETY: `MaybeUninit<f32>` has the layout of `f32`, and only values are written
+    // through it.
+    widen_into(bits, unsafe {
+        &mut *(out as *mut [f32] as *mut [MaybeUninit<f32>])
+    })
+}
+
+/// [`round_into`] an initialised buffer.
+pub(crate) fn round_to(x: &[f32], out: &mut [u16]) {
+    // SAFETY: as in [`widen_to`].
+    round_into(x, unsafe {
+        &mut *(out as *mut [u16] as *mut [MaybeUninit<u16>])
+    })
+}
+
 /// A vector of `len` elements, each written by `fill`.
 pub(crate) fn filled<T>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
     let mut out = Vec::with_capacity(len);

@@ -542,6 +542,15 @@ fn attention_flex(qkv: &FlexTensor, dims: Dims) -> (FlexTensor, Vec<f32>) {
     (flex(out, shape, qkv.dtype()), lse)
 }
 
+/// The mean softmax cross-entropy of `logits` against `targets`, and each row's log-sum-exp:
+/// on bf16 bits, a row at a time, where `logits` is contiguous bf16.
+fn cross_entropy_of(logits: &FlexTensor, targets: &[usize]) -> (f32, Vec<f32>) {
+    match bf16_elements(logits) {
+        Some(bits) => rows::cross_entropy_bf16(bits, targets),
+        None => with_floats(logits, |l| rows::cross_entropy(l, targets)),
+    }
+}
+
 /// The elements of an integer tensor as indices.
 fn indices(t: &FlexTensor) -> Vec<usize> {
     let t = t.to_contiguous();
@@ -653,7 +662,7 @@ impl FusedOps for Flex {
         let targets = indices(&targets);
         let v = dims(&logits)[1];
         check_targets(&targets, v);
-        let (loss, _) = with_floats(&logits, |l| rows::cross_entropy(l, &targets));
+        let (loss, _) = cross_entropy_of(&logits, &targets);
         flex(vec![loss], Shape::from(vec![1]), logits.dtype())
     }
 }
@@ -801,9 +810,18 @@ impl Backward<Flex, 1> for CrossEntropyBackward {
         if let Some(parent) = parent {
             let (logits, targets, lse) = &ops.state;
             let g = floats(&grad)[0];
-            let dlogits = with_floats(logits, |l| rows::cross_entropy_backward(l, targets, lse, g));
             let shape = logits.layout().shape().clone();
-            grads.register::<Flex>(parent.id, flex(dlogits, shape, logits.dtype()));
+            let dlogits = match bf16_elements(logits) {
+                Some(l) => {
+                    bf16_tensor(rows::cross_entropy_backward_bf16(l, targets, lse, g), shape)
+                }
+                None => {
+                    let dlogits =
+                        with_floats(logits, |l| rows::cross_entropy_backward(l, targets, lse, g));
+                    flex(dlogits, shape, logits.dtype())
+                }
+            };
+            grads.register::<Flex>(parent.id, dlogits);
         }
     }
 }
@@ -891,7 +909,7 @@ impl<C: CheckpointStrategy> FusedOps for Autodiff<Flex, C> {
             .prepare::<C>([logits.node()])
             .compute_bound()
             .stateful();
-        let (loss, lse) = with_floats(&input, |l| rows::cross_entropy(l, &targets));
+        let (loss, lse) = cross_entropy_of(&input, &targets);
         let loss = flex(vec![loss], Shape::from(vec![1]), input.dtype());
         match prep {
             OpsKind::Tracked(prep) => prep.finish((input, targets, lse), loss),
@@ -1005,6 +1023,20 @@ mod tests {
             out.extend(rows::layer_norm_backward(&x, &w, &mean, &rstd, &dy));
             let targets: Vec<usize> = (0..120).map(|i| (i * 7) % 70).collect();
             let (loss, lse) = rows::cross_entropy(&x, &targets);
+            // Cross-entropy on bf16 bits, against widening, the f32 kernels and rounding.
+            let (loss_w, lse_w) = rows::cross_entropy(&widened(&xb), &targets);
+            let (loss_b, lse_b) = rows::cross_entropy_bf16(&xb, &targets);
+            assert_eq!(
+                (loss_b.to_bits(), bits(&lse_b)),
+                (loss_w.to_bits(), bits(&lse_w))
+            );
+            let dl = rows::cross_entropy_backward(&widened(&xb), &targets, &lse_w, 0.7);
+            let dl_b = rows::cross_entropy_backward_bf16(&xb, &targets, &lse_w, 0.7);
+            assert_eq!(
+                dl_b,
+                bf16::round(&dl),
+                "cross-entropy's gradient on bf16 bits"
+            );
             out.push(vec![loss]);
             out.push(rows::cross_entropy_backward(&x, &targets, &lse, 0.7));
             out.push(lse);

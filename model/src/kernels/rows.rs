@@ -7,7 +7,7 @@ use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
-use super::bf16::{bits_of, filled, round_into, value_of, widen_into};
+use super::bf16::{bits_of, filled, round_into, round_to, value_of, widen_into, widen_to};
 use super::simd::{LANES, dot, dot3, exp, max, multiversion, sum};
 
 /// Elements per parallel piece of an element-wise kernel.
@@ -331,6 +331,31 @@ pub(crate) fn cross_entropy(logits: &[f32], targets: &[usize]) -> (f32, Vec<f32>
     ((losses.iter().sum::<f64>() / rows as f64) as f32, lse)
 }
 
+/// [`cross_entropy`] of bf16 logits, with its bits: each row widened while it is in cache.
+pub(crate) fn cross_entropy_bf16(logits: &[u16], targets: &[usize]) -> (f32, Vec<f32>) {
+    let rows = targets.len();
+    let v = logits.len() / rows;
+    let mut lse = vec![0.0; rows];
+    let mut losses = vec![0.0f64; rows];
+    lse.par_chunks_mut(ROWS)
+        .zip(losses.par_chunks_mut(ROWS))
+        .zip(logits.par_chunks(ROWS * v).zip(targets.par_chunks(ROWS)))
+        .for_each(|((lse, loss), (logits, targets))| {
+            let mut row = vec![0.0; v];
+            for (i, bits) in logits.chunks_exact(v).enumerate() {
+                widen_to(bits, &mut row);
+                let one = i..i + 1;
+                cross_entropy_piece(
+                    &row,
+                    &targets[one.clone()],
+                    &mut lse[one.clone()],
+                    &mut loss[one],
+                );
+            }
+        });
+    ((losses.iter().sum::<f64>() / rows as f64) as f32, lse)
+}
+
 multiversion! {
     fn cross_entropy_backward_piece(
         logits: &[f32],
@@ -372,6 +397,44 @@ pub(crate) fn cross_entropy_backward(
         .zip(targets.par_chunks(ROWS).zip(lse.par_chunks(ROWS)))
         .for_each(|((out, logits), (targets, lse))| {
             cross_entropy_backward_piece(logits, targets, lse, scale, out)
+        });
+    dlogits
+}
+
+/// [`cross_entropy_backward`] of bf16 logits, rounded to bf16 bits, with the bits of
+/// widening the logits, [`cross_entropy_backward`] and rounding: a row at a time, in cache.
+pub(crate) fn cross_entropy_backward_bf16(
+    logits: &[u16],
+    targets: &[usize],
+    lse: &[f32],
+    grad: f32,
+) -> Vec<u16> {
+    let rows = targets.len();
+    let v = logits.len() / rows;
+    let scale = grad / rows as f32;
+    let mut dlogits = vec![0u16; logits.len()];
+    dlogits
+        .par_chunks_mut(ROWS * v)
+        .zip(logits.par_chunks(ROWS * v))
+        .zip(targets.par_chunks(ROWS).zip(lse.par_chunks(ROWS)))
+        .for_each(|((out, logits), (targets, lse))| {
+            let (mut row, mut grad) = (vec![0.0; v], vec![0.0; v]);
+            for (i, (bits, out)) in logits
+                .chunks_exact(v)
+                .zip(out.chunks_exact_mut(v))
+                .enumerate()
+            {
+                widen_to(bits, &mut row);
+                let one = i..i + 1;
+                cross_entropy_backward_piece(
+                    &row,
+                    &targets[one.clone()],
+                    &lse[one],
+                    scale,
+                    &mut grad,
+                );
+                round_to(&grad, out);
+            }
         });
     dlogits
 }
