@@ -27,7 +27,30 @@ use std::arch::x86_64::*;
 
 use rayon::prelude::*;
 
-use super::product::Out;
+use super::product::{In, Out};
+
+/// Where a product's sums go: f32 elements at a row stride, or bf16 bits at a row stride,
+/// each sum rounded to the nearest bf16 (ties to even) as it is done. A bf16 output's sums
+/// start from `init`'s element of their column where it is given, as an f32 output holding
+/// copies of `init` in every row would start them when accumulating (`init` is a row of `n`
+/// values, a linear layer's bias), and from zero elsewhere.
+#[derive(Clone, Copy)]
+pub(super) enum Dst {
+    F32(Out, isize),
+    Bf16 {
+        out: OutBits,
+        rs: isize,
+        init: Option<In<f32>>,
+    },
+}
+
+/// A bf16 output's pointer, shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+pub(super) struct OutBits(pub(super) *mut u16);
+// SAFETY: every task writes its own elements of the output.
+unsafe impl Send for OutBits {}
+// SAFETY: as above.
+unsafe impl Sync for OutBits {}
 
 /// Rows `lhs` is padded to: two tiles of the output block.
 pub(super) const ROWS: usize = 32;
@@ -81,7 +104,7 @@ pub(super) unsafe fn product(
     [m, n, k]: [usize; 3],
     a: &[u32],
     b: &[u32],
-    (out, rs): (Out, isize),
+    dst: Dst,
     beta: f32,
     accumulate: bool,
     parallel: bool,
@@ -89,7 +112,7 @@ pub(super) unsafe fn product(
     let pairs = k.div_ceil(2).next_multiple_of(PAIRS);
     let kc = if pairs > 2 * KC { KC } else { pairs };
     // SAFETY: as the caller guarantees.
-    unsafe { product_in_blocks([m, n, k], kc, a, b, (out, rs), beta, accumulate, parallel) }
+    unsafe { product_in_blocks([m, n, k], kc, a, b, dst, beta, accumulate, parallel) }
 }
 
 /// [`product`] over blocks of `kc` pairs of the inner dimension (a multiple of [`PAIRS`]):
@@ -103,7 +126,7 @@ unsafe fn product_in_blocks(
     kc: usize,
     a: &[u32],
     b: &[u32],
-    (out, rs): (Out, isize),
+    dst: Dst,
     beta: f32,
     accumulate: bool,
     parallel: bool,
@@ -134,7 +157,7 @@ unsafe fn product_in_blocks(
                     (pairs, ks),
                     a,
                     b,
-                    (out, rs),
+                    dst,
                     (beta, accumulate),
                     sums.as_mut_ptr(),
                 )
@@ -166,7 +189,7 @@ unsafe fn block(
     (pairs, ks): (usize, std::ops::Range<usize>),
     a: &[u32],
     b: &[u32],
-    (out, rs): (Out, isize),
+    dst: Dst,
     (beta, accumulate): (f32, bool),
     sums: *mut f32,
 ) {
@@ -194,14 +217,24 @@ unsafe fn block(
                     // SAFETY: the tile's 16 rows of 16 sums are in `sums`, as the caller
                     // guarantees.
                     unsafe { load_c(t, at_sums(i, j), sums_stride) }
-                } else if direct && accumulate {
-                    // SAFETY: 16 rows of 16 elements from (i, j) are in the output.
-                    unsafe {
-                        let p = out.0.offset(i as isize * rs + j as isize);
-                        load_c(t, p, rs * 4)
+                    continue;
+                }
+                match dst {
+                    Dst::F32(out, rs) if direct && accumulate => {
+                        // SAFETY: 16 rows of 16 elements from (i, j) are in the output.
+                        unsafe {
+                            let p = out.0.offset(i as isize * rs + j as isize);
+                            load_c(t, p, rs * 4)
+                        }
                     }
-                } else {
-                    zero_c(t);
+                    Dst::Bf16 {
+                        init: Some(init), ..
+                    } if direct && accumulate => {
+                        // SAFETY: 16 elements from j are in `init`; every row of the tile
+                        // loads them (a stride of 0).
+                        unsafe { load_c(t, init.0.add(j), 0) }
+                    }
+                    _ => zero_c(t),
                 }
             }
             for q in ks.clone().step_by(PAIRS) {
@@ -244,21 +277,26 @@ unsafe fn block(
                 if i >= m || j >= n {
                     continue;
                 }
-                // SAFETY: as for the loads; `edge` writes only the rows and columns in the
-                // output.
+                let shape = [(m - i).min(16), (n - j).min(16)];
+                // SAFETY: as for the loads; `edge` and `edge_bits` write only the rows and
+                // columns in the output.
                 unsafe {
-                    let p = out.0.offset(i as isize * rs + j as isize);
-                    if direct {
-                        store_c(t, p, rs * 4);
-                    } else {
-                        edge(
-                            t,
-                            p,
-                            rs,
-                            [(m - i).min(16), (n - j).min(16)],
-                            beta,
-                            accumulate,
-                        );
+                    match dst {
+                        Dst::F32(out, rs) => {
+                            let p = out.0.offset(i as isize * rs + j as isize);
+                            if direct {
+                                store_c(t, p, rs * 4);
+                            } else {
+                                edge(t, p, rs, shape, beta, accumulate);
+                            }
+                        }
+                        Dst::Bf16 { out, rs, init } => {
+                            let p = out.0.offset(i as isize * rs + j as isize);
+                            // The sums of a direct tile began from `init`; an edge tile's
+                            // add it after (as `edge` adds the output's).
+                            let add = init.filter(|_| accumulate && !direct);
+                            edge_bits(t, p, rs, shape, beta, add.map(|a| a.0.add(j)));
+                        }
                     }
                 }
             }
@@ -360,6 +398,58 @@ unsafe fn edge(t: usize, dst: *mut f32, rs: isize, [rows, cols]: [usize; 2], bet
     }
 }
 
+/// Output tile `t` written to the first `rows` rows and `cols` columns at `dst` (row stride
+/// `rs` elements) as bf16 bits: `beta` times the tile, plus `add`'s first `cols` values in
+/// every row where given (as [`edge`] adds the output's), each rounded to the nearest bf16
+/// (ties to even; NaN as `0x7fc0`), as [`super::bf16::bits_of`] rounds.
+///
+/// # Safety
+/// As for [`edge`]; `add` addresses `cols` values.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn edge_bits(
+    t: usize,
+    dst: *mut u16,
+    rs: isize,
+    [rows, cols]: [usize; 2],
+    beta: f32,
+    add: Option<*const f32>,
+) {
+    #[repr(align(64))]
+    struct Tile([f32; 256]);
+    let mut tile = Tile([0.0; 256]);
+    // SAFETY: `tile` holds 16 rows of 64 bytes.
+    unsafe { store_c(t, tile.0.as_mut_ptr(), 64) };
+    let mask = ((1u32 << cols) - 1) as __mmask16;
+    // SAFETY: `add` addresses the masked lanes, as the caller guarantees.
+    let add = add.map(|p| unsafe { _mm512_maskz_loadu_ps(mask, p) });
+    let (one, half, nan) = (
+        _mm512_set1_epi32(1),
+        _mm512_set1_epi32(0x7fff),
+        _mm512_set1_epi32(0x7fc0),
+    );
+    for (i, row) in tile.0.chunks_exact(16).take(rows).enumerate() {
+        // SAFETY: reads `row` (16 values); writes the first `cols` elements of output row i,
+        // in bounds as the caller guarantees.
+        unsafe {
+            let mut v = _mm512_loadu_ps(row.as_ptr());
+            if beta != 1.0 {
+                v = _mm512_mul_ps(v, _mm512_set1_ps(beta));
+            }
+            if let Some(add) = add {
+                v = _mm512_add_ps(v, add);
+            }
+            let b = _mm512_castps_si512(v);
+            let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), one);
+            let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, _mm512_add_epi32(half, odd)));
+            let r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v), nan);
+            let mut bits = [0u16; 16];
+            _mm256_storeu_si256(bits.as_mut_ptr().cast(), _mm512_cvtepi32_epi16(r));
+            std::ptr::copy_nonoverlapping(bits.as_ptr(), dst.offset(i as isize * rs), cols);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -403,7 +493,7 @@ mod tests {
                             kc,
                             &a,
                             &b,
-                            (Out(out.as_mut_ptr()), n as isize),
+                            Dst::F32(Out(out.as_mut_ptr()), n as isize),
                             beta,
                             accumulate,
                             parallel,

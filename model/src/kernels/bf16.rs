@@ -572,6 +572,53 @@ pub(crate) fn with_packed<R>(f: impl FnOnce(&mut Packed, &mut Packed) -> R) -> R
     r
 }
 
+/// [`product`] on AMX tiles into bf16 bits: `dst = round(init + lhs rhs)` with `init` a row
+/// of `n` values added to every row (a linear layer's bias), or `dst = round(lhs rhs)`,
+/// each element the bits [`product`] into an f32 output holding copies of `init` (with
+/// `accumulate`), or into any output (without), then [`bits_of`], would give. Returns
+/// `false`, writing nothing, where bf16 products do not run on AMX tiles or `k` is 0.
+///
+/// # Safety
+/// As for [`product`], `dst` addressing `m` rows of `n` bf16 at its row stride; `init` holds
+/// `n` values.
+pub(crate) unsafe fn product_bits(
+    [m, n, k]: [usize; 3],
+    (dst, rs): (*mut u16, isize),
+    init: Option<&[f32]>,
+    lhs: (Src, [isize; 2]),
+    rhs: (Src, [isize; 2]),
+    parallel: bool,
+) -> bool {
+    assert!(init.is_none_or(|init| init.len() >= n));
+    #[cfg(target_arch = "x86_64")]
+    if has_amx() && k > 0 {
+        if m == 0 || n == 0 {
+            return true;
+        }
+        use super::amx::{COLS, Dst, OutBits, PAIRS, ROWS as AMX_ROWS};
+        let rhs_t = (rhs.0, [rhs.1[1], rhs.1[0]]);
+        with_packed(|a, b| {
+            let a = pack_src::<1>([m, k], lhs, Pad::new(AMX_ROWS, PAIRS), a, parallel);
+            let b = pack_src::<16>([n, k], rhs_t, Pad::new(COLS, PAIRS), b, parallel);
+            let dst = Dst::Bf16 {
+                out: OutBits(dst),
+                rs,
+                init: init.map(|init| In(init.as_ptr())),
+            };
+            // SAFETY: as the caller guarantees; the process may use the tiles.
+            unsafe { super::amx::product([m, n, k], a, b, dst, 1.0, init.is_some(), parallel) }
+        });
+        return true;
+    }
+    let _ = ([m, n, k], dst, rs, lhs, rhs, parallel);
+    false
+}
+
+/// Whether [`product_bits`] runs here (bf16 products on AMX tiles).
+pub(crate) fn products_round_in_place() -> bool {
+    cfg!(target_arch = "x86_64") && has_amx()
+}
+
 /// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`, on the CPU's bf16
 /// instructions where it has them: `lhs` and `rhs` rounded to bf16 and the products summed
 /// in f32, on AMX tiles ([`super::amx`]) where [`has_amx`], else on `vdpbf16ps` where
@@ -609,7 +656,7 @@ pub(crate) unsafe fn product(
                     [m, n, k],
                     a,
                     b,
-                    (Out(dst.0), dst.1),
+                    super::amx::Dst::F32(Out(dst.0), dst.1),
                     beta,
                     accumulate,
                     parallel,

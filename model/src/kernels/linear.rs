@@ -164,6 +164,81 @@ pub(crate) fn backward(
             true,
         )
     });
+    let [dw, db] = weight_gradients(x, dy, [rows, d_in, d_out], how);
+    [dx, dw, db]
+}
+
+/// [`forward`] of bf16 operands in bf16, its output as bf16 bits rounded as the products
+/// finish (the bits of [`forward`] then rounding), where bf16 products round in place
+/// ([`bf16::products_round_in_place`]); `None` elsewhere.
+pub(crate) fn forward_bits(x: Matrix, w: Matrix, b: &[f32]) -> Option<Vec<u16>> {
+    let d_out = b.len();
+    let d_in = w.len() / d_out.max(1);
+    if !bf16::products_round_in_place() || d_in == 0 || d_out == 0 {
+        return None;
+    }
+    let rows = x.len() / d_in;
+    Some(bits_written_by(rows * d_out, |y| {
+        // SAFETY: as in `forward`; `y` is rows x d_out.
+        unsafe {
+            bf16::product_bits(
+                [rows, d_out, d_in],
+                (y, d_out as isize),
+                Some(b),
+                (x.src(), [d_in as isize, 1]),
+                (w.src(), [d_out as isize, 1]),
+                true,
+            )
+        }
+    }))
+}
+
+/// [`backward`] in bf16 with `dx` as bf16 bits rounded as its product finishes (the bits of
+/// [`backward`]'s `dx` rounded), where bf16 products round in place; `None` elsewhere.
+pub(crate) fn backward_bits(
+    x: Matrix,
+    w: Matrix,
+    dy: Matrix,
+    d_out: usize,
+) -> Option<(Vec<u16>, [Vec<f32>; 2])> {
+    let d_in = w.len() / d_out.max(1);
+    if !bf16::products_round_in_place() || d_in == 0 || d_out == 0 {
+        return None;
+    }
+    let rows = x.len() / d_in;
+    let dx = bits_written_by(rows * d_in, |dx| {
+        // SAFETY: as in `backward`.
+        unsafe {
+            bf16::product_bits(
+                [rows, d_in, d_out],
+                (dx, d_in as isize),
+                None,
+                (dy.src(), [d_out as isize, 1]),
+                (w.src(), [1, d_out as isize]),
+                true,
+            )
+        }
+    });
+    let dwdb = weight_gradients(x, dy, [rows, d_in, d_out], Precision::Bf16);
+    Some((dx, dwdb))
+}
+
+/// A buffer of `len` bf16 bits written entirely by `fill`, which says whether it wrote them.
+fn bits_written_by(len: usize, fill: impl FnOnce(*mut u16) -> bool) -> Vec<u16> {
+    let mut out = Vec::with_capacity(len);
+    assert!(fill(out.as_mut_ptr()), "bf16 products round in place here");
+    // SAFETY: `fill` wrote all `len` elements (the product covers the whole output).
+    unsafe { out.set_len(len) };
+    out
+}
+
+/// `[dW, db]` of [`forward`] given `dy`: `dW = x^T dy` and the column sums of `dy`.
+fn weight_gradients(
+    x: Matrix,
+    dy: Matrix,
+    [rows, d_in, d_out]: [usize; 3],
+    how: Precision,
+) -> [Vec<f32>; 2] {
     // dW = x^T dy.
     let dw = written_by(d_in * d_out, |dw| unsafe {
         product(
@@ -194,5 +269,56 @@ pub(crate) fn backward(
     for p in partials {
         add_rows(&mut db, &p);
     }
-    [dx, dw, db]
+    [dw, db]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Matrix, backward, backward_bits, forward, forward_bits};
+    use crate::kernels::bf16::{self, Precision};
+    use crate::kernels::tests::values;
+
+    #[test]
+    fn bf16_outputs_rounded_in_place_have_the_bits_of_rounding_after() {
+        if !bf16::products_round_in_place() {
+            eprintln!("skipped: bf16 products do not round in place here (no AMX tiles)");
+            return;
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        // Whole tiles only (their sums start from the bias), edges of tiles and tasks, and an
+        // inner dimension long enough to run in blocks (sums held between them).
+        for [rows, d_in, d_out] in [
+            [256, 64, 96],
+            [1, 1, 1],
+            [33, 47, 129],
+            [130, 200, 140],
+            [70, 2100, 50],
+        ] {
+            let x = bf16::round(&values(rows * d_in, 31, 2.0));
+            let (w16, w32) = (
+                bf16::round(&values(d_in * d_out, 32, 0.5)),
+                values(d_in * d_out, 33, 0.5),
+            );
+            let b = values(d_out, 34, 1.0);
+            let dy = bf16::round(&values(rows * d_out, 35, 1.0));
+            for w in [Matrix::Bf16(&w16), Matrix::F32(&w32)] {
+                let case = format!(
+                    "{rows} x {d_in} x {d_out}, weight {:?}",
+                    matches!(w, Matrix::F32(_))
+                );
+                let x = Matrix::Bf16(&x);
+                let want = bf16::round(&forward(x, w, &b, Precision::Bf16));
+                assert_eq!(forward_bits(x, w, &b).unwrap(), want, "{case}: y");
+                let [dx, dw, db] = backward(x, w, Matrix::Bf16(&dy), d_out, Precision::Bf16);
+                let (dx_bits, [dw_b, db_b]) =
+                    backward_bits(x, w, Matrix::Bf16(&dy), d_out).unwrap();
+                assert_eq!(dx_bits, bf16::round(&dx), "{case}: dx");
+                assert_eq!(
+                    (bits(&dw_b), bits(&db_b)),
+                    (bits(&dw), bits(&db)),
+                    "{case}: dW, db"
+                );
+            }
+        }
+    }
 }

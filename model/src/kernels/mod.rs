@@ -630,6 +630,14 @@ impl FusedOps for Flex {
     fn fused_linear(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) -> FlexTensor {
         let b = floats(&bias);
         let (shape, dtype) = (with_last(x.layout().shape(), b.len()), x.dtype());
+        if dtype == DType::BF16 {
+            let bits = with_matrix(&x, |x| {
+                with_matrix(&weight, |w| linear::forward_bits(x, w, &b))
+            });
+            if let Some(y) = bits {
+                return bf16_tensor(y, shape);
+            }
+        }
         let y = with_matrix(&x, |x| {
             with_matrix(&weight, |w| linear::forward(x, w, &b, precision(dtype)))
         });
@@ -682,13 +690,29 @@ impl Backward<Flex, 3> for LinearBackward {
             panic!("a linear layer's weight is [d_in, d_out]");
         };
         let how = precision(x.dtype());
-        let [dx, dw, db] = with_matrix(x, |xs| {
-            with_matrix(w, |ws| {
-                with_matrix(&dy, |dy| linear::backward(xs, ws, dy, d_out, how))
+        let shape = x.layout().shape().clone();
+        let bits = if x.dtype() == DType::BF16 {
+            with_matrix(x, |xs| {
+                with_matrix(w, |ws| {
+                    with_matrix(&dy, |dy| linear::backward_bits(xs, ws, dy, d_out))
+                })
             })
-        });
+        } else {
+            None
+        };
+        let (dx, [dw, db]) = match bits {
+            Some((dx, dwdb)) => (bf16_tensor(dx, shape), dwdb),
+            None => {
+                let [dx, dw, db] = with_matrix(x, |xs| {
+                    with_matrix(w, |ws| {
+                        with_matrix(&dy, |dy| linear::backward(xs, ws, dy, d_out, how))
+                    })
+                });
+                (flex(dx, shape, x.dtype()), [dw, db])
+            }
+        };
         if let Some(p) = px {
-            grads.register::<Flex>(p.id, flex(dx, x.layout().shape().clone(), x.dtype()));
+            grads.register::<Flex>(p.id, dx);
         }
         if let Some(p) = pw {
             let shape = Shape::from(vec![d_in, d_out]);
