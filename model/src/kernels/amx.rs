@@ -29,11 +29,11 @@ use rayon::prelude::*;
 
 use super::product::{In, Out};
 
-/// Where a product's sums go: f32 elements at a row stride, or bf16 bits at a row stride,
-/// each sum rounded to the nearest bf16 (ties to even) as it is done. A bf16 output's sums
-/// start from `init`'s element of their column where it is given, as an f32 output holding
-/// copies of `init` in every row would start them when accumulating (`init` is a row of `n`
-/// values, a linear layer's bias), and from zero elsewhere.
+/// Where a product's sums go: f32 elements at a row stride, or bf16 bits at a row stride.
+/// A bf16 output's elements are those an f32 output would hold, rounded to the nearest bf16
+/// (ties to even) as [`super::bf16::bits_of`] rounds, an f32 output that held copies of
+/// `init` (a row of `n` values, a linear layer's bias) in every row where it is given, and
+/// zeros elsewhere.
 #[derive(Clone, Copy)]
 pub(super) enum Dst {
     F32(Out, isize),
@@ -47,6 +47,12 @@ pub(super) enum Dst {
 /// A bf16 output's pointer, shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
 pub(super) struct OutBits(pub(super) *mut u16);
+impl OutBits {
+    /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
+    fn get(self) -> *mut u16 {
+        self.0
+    }
+}
 // SAFETY: every task writes its own elements of the output.
 unsafe impl Send for OutBits {}
 // SAFETY: as above.
@@ -146,6 +152,23 @@ unsafe fn product_in_blocks(
         } else {
             Vec::new()
         };
+        // A bf16 output's task writes its f32 output to `staged` (holding `init`'s values
+        // first where given), rounded into the bits once the sums are done.
+        let width = cols.len();
+        let mut staged = Vec::new();
+        let out = match dst {
+            Dst::F32(out, rs) => (out, rs, [0, 0]),
+            Dst::Bf16 { init, .. } => {
+                staged = match init {
+                    // SAFETY: `init` holds n values, as the caller guarantees.
+                    Some(init) => unsafe {
+                        std::slice::from_raw_parts(init.get().add(c0), width).repeat(rows.len())
+                    },
+                    None => vec![0.0f32; rows.len() * width],
+                };
+                (Out(staged.as_mut_ptr()), width as isize, [r0, c0])
+            }
+        };
         for k0 in (0..pairs).step_by(kc) {
             let ks = k0..(k0 + kc).min(pairs);
             // SAFETY: this task's rows and columns of the output are its own, and `sums`
@@ -157,11 +180,20 @@ unsafe fn product_in_blocks(
                     (pairs, ks),
                     a,
                     b,
-                    dst,
+                    out,
                     (beta, accumulate),
                     sums.as_mut_ptr(),
                 )
             };
+        }
+        if let Dst::Bf16 { out, rs, .. } = dst {
+            for (i, row) in rows.clone().zip(staged.chunks_exact(width)) {
+                // SAFETY: row i's columns `cols` of the output are this task's own.
+                let to = unsafe {
+                    std::slice::from_raw_parts_mut(out.get().offset(i as isize * rs).add(c0), width)
+                };
+                super::bf16::round_to(row, to);
+            }
         }
     };
     let tasks = row_tasks * col_tasks;
@@ -172,7 +204,8 @@ unsafe fn product_in_blocks(
     }
 }
 
-/// Rows `rows` and columns `cols` of the output, 32 x 32 at a time, over the pairs `ks` of
+/// Rows `rows` and columns `cols` of the output (whose first element is the one at `out`'s
+/// `[r_out, c_out]`, rows `rs` apart), 32 x 32 at a time, over the pairs `ks` of
 /// the inner dimension's `pairs`, the tiles configured for the call and released after it.
 /// Sums start from the output (or zero) where `ks` starts at 0, and from `sums` elsewhere;
 /// they go to the output where `ks` ends at `pairs`, and to `sums` elsewhere. `sums` holds
@@ -189,10 +222,15 @@ unsafe fn block(
     (pairs, ks): (usize, std::ops::Range<usize>),
     a: &[u32],
     b: &[u32],
-    dst: Dst,
+    (out, rs, [r_out, c_out]): (Out, isize, [usize; 2]),
     (beta, accumulate): (f32, bool),
     sums: *mut f32,
 ) {
+    // Element (i, j) of the output, its first element being (r_out, c_out).
+    let at_out = |i: usize, j: usize| {
+        out.0
+            .wrapping_offset((i - r_out) as isize * rs + (j - c_out) as isize)
+    };
     let (first, last) = (ks.start == 0, ks.end == pairs);
     let (r_base, c_base) = (rows.start, cols.start);
     let at_sums = |i: usize, j: usize| sums.wrapping_add((i - r_base) * TASK_COLS + j - c_base);
@@ -217,24 +255,14 @@ unsafe fn block(
                     // SAFETY: the tile's 16 rows of 16 sums are in `sums`, as the caller
                     // guarantees.
                     unsafe { load_c(t, at_sums(i, j), sums_stride) }
-                    continue;
-                }
-                match dst {
-                    Dst::F32(out, rs) if direct && accumulate => {
-                        // SAFETY: 16 rows of 16 elements from (i, j) are in the output.
-                        unsafe {
-                            let p = out.0.offset(i as isize * rs + j as isize);
-                            load_c(t, p, rs * 4)
-                        }
+                } else if direct && accumulate {
+                    // SAFETY: 16 rows of 16 elements from (i, j) are in the output.
+                    unsafe {
+                        let p = at_out(i, j);
+                        load_c(t, p, rs * 4)
                     }
-                    Dst::Bf16 {
-                        init: Some(init), ..
-                    } if direct && accumulate => {
-                        // SAFETY: 16 elements from j are in `init`; every row of the tile
-                        // loads them (a stride of 0).
-                        unsafe { load_c(t, init.0.add(j), 0) }
-                    }
-                    _ => zero_c(t),
+                } else {
+                    zero_c(t);
                 }
             }
             for q in ks.clone().step_by(PAIRS) {
@@ -277,26 +305,21 @@ unsafe fn block(
                 if i >= m || j >= n {
                     continue;
                 }
-                let shape = [(m - i).min(16), (n - j).min(16)];
-                // SAFETY: as for the loads; `edge` and `edge_bits` write only the rows and
-                // columns in the output.
+                // SAFETY: as for the loads; `edge` writes only the rows and columns in the
+                // output.
                 unsafe {
-                    match dst {
-                        Dst::F32(out, rs) => {
-                            let p = out.0.offset(i as isize * rs + j as isize);
-                            if direct {
-                                store_c(t, p, rs * 4);
-                            } else {
-                                edge(t, p, rs, shape, beta, accumulate);
-                            }
-                        }
-                        Dst::Bf16 { out, rs, init } => {
-                            let p = out.0.offset(i as isize * rs + j as isize);
-                            // The sums of a direct tile began from `init`; an edge tile's
-                            // add it after (as `edge` adds the output's).
-                            let add = init.filter(|_| accumulate && !direct);
-                            edge_bits(t, p, rs, shape, beta, add.map(|a| a.0.add(j)));
-                        }
+                    let p = at_out(i, j);
+                    if direct {
+                        store_c(t, p, rs * 4);
+                    } else {
+                        edge(
+                            t,
+                            p,
+                            rs,
+                            [(m - i).min(16), (n - j).min(16)],
+                            beta,
+                            accumulate,
+                        );
                     }
                 }
             }
@@ -394,58 +417,6 @@ unsafe fn edge(t: usize, dst: *mut f32, rs: isize, [rows, cols]: [usize; 2], bet
                 v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p));
             }
             _mm512_mask_storeu_ps(p, mask, v);
-        }
-    }
-}
-
-/// Output tile `t` written to the first `rows` rows and `cols` columns at `dst` (row stride
-/// `rs` elements) as bf16 bits: `beta` times the tile, plus `add`'s first `cols` values in
-/// every row where given (as [`edge`] adds the output's), each rounded to the nearest bf16
-/// (ties to even; NaN as `0x7fc0`), as [`super::bf16::bits_of`] rounds.
-///
-/// # Safety
-/// As for [`edge`]; `add` addresses `cols` values.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn edge_bits(
-    t: usize,
-    dst: *mut u16,
-    rs: isize,
-    [rows, cols]: [usize; 2],
-    beta: f32,
-    add: Option<*const f32>,
-) {
-    #[repr(align(64))]
-    struct Tile([f32; 256]);
-    let mut tile = Tile([0.0; 256]);
-    // SAFETY: `tile` holds 16 rows of 64 bytes.
-    unsafe { store_c(t, tile.0.as_mut_ptr(), 64) };
-    let mask = ((1u32 << cols) - 1) as __mmask16;
-    // SAFETY: `add` addresses the masked lanes, as the caller guarantees.
-    let add = add.map(|p| unsafe { _mm512_maskz_loadu_ps(mask, p) });
-    let (one, half, nan) = (
-        _mm512_set1_epi32(1),
-        _mm512_set1_epi32(0x7fff),
-        _mm512_set1_epi32(0x7fc0),
-    );
-    for (i, row) in tile.0.chunks_exact(16).take(rows).enumerate() {
-        // SAFETY: reads `row` (16 values); writes the first `cols` elements of output row i,
-        // in bounds as the caller guarantees.
-        unsafe {
-            let mut v = _mm512_loadu_ps(row.as_ptr());
-            if beta != 1.0 {
-                v = _mm512_mul_ps(v, _mm512_set1_ps(beta));
-            }
-            if let Some(add) = add {
-                v = _mm512_add_ps(v, add);
-            }
-            let b = _mm512_castps_si512(v);
-            let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), one);
-            let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, _mm512_add_epi32(half, odd)));
-            let r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v), nan);
-            let mut bits = [0u16; 16];
-            _mm256_storeu_si256(bits.as_mut_ptr().cast(), _mm512_cvtepi32_epi16(r));
-            std::ptr::copy_nonoverlapping(bits.as_ptr(), dst.offset(i as isize * rs), cols);
         }
     }
 }
