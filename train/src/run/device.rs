@@ -3,6 +3,9 @@
 
 use burn::tensor::Device;
 
+use ember_model::kernels::{self, Bf16Products};
+use ember_sharding::Compute;
+
 use crate::error::{CliResult, usage};
 use crate::run::config::DeviceKind;
 
@@ -170,12 +173,29 @@ fn fma_chains_avx2(iters: u64) -> f32 {
     lanes.iter().sum()
 }
 
-/// Peak FLOP/s used for MFU: `--peak-tflops` if given, else the CPU estimate for CPU backends;
-/// `None` for GPUs without `--peak-tflops` (their peak depends on dtype and card).
-pub fn peak_flops(kind: DeviceKind, peak_tflops: Option<f64>) -> Option<f64> {
+/// Peak FLOP/s used for MFU: `--peak-tflops` if given, else the CPU estimate for CPU backends
+/// (f32's, times [`cpu_bf16_speedup`] where the products run in bf16: `arithmetic`, the
+/// plan's module dtype); `None` for GPUs without `--peak-tflops` (their peak depends on
+/// dtype and card).
+pub fn peak_flops(kind: DeviceKind, peak_tflops: Option<f64>, arithmetic: Compute) -> Option<f64> {
     match (peak_tflops, kind) {
         (Some(t), _) => Some(t * 1e12),
-        (None, DeviceKind::Flex | DeviceKind::Ndarray) => Some(cpu_peak_flops()),
+        (None, DeviceKind::Flex | DeviceKind::Ndarray) => {
+            let bf16 = arithmetic == Compute::Bf16 && kind == DeviceKind::Flex;
+            Some(cpu_peak_flops() * if bf16 { cpu_bf16_speedup() } else { 1.0 })
+        }
         (None, DeviceKind::Wgpu | DeviceKind::Cuda(_) | DeviceKind::Rocm(_)) => None,
+    }
+}
+
+/// How many times f32's peak this CPU's bf16 products reach: 16 on AMX tiles (1,024 bf16
+/// FLOPs per cycle and core, against AVX-512 FMA's 64 in f32), the measured speedup of
+/// `vdpbf16ps` where the products run on it (2, its width, where not measured), and 1 where
+/// bf16 computes in f32 ([`kernels::bf16_products`]).
+pub fn cpu_bf16_speedup() -> f64 {
+    match kernels::bf16_products() {
+        Bf16Products::Amx => 16.0,
+        Bf16Products::Dot(speedup) => speedup.unwrap_or(2.0),
+        Bf16Products::F32(_) => 1.0,
     }
 }

@@ -331,6 +331,10 @@ impl Trainee for GptRun<'_, '_> {
     fn ranks(&self) -> usize {
         self.sharded.comm().topology().world_size()
     }
+
+    fn arithmetic(&self) -> ember_sharding::Compute {
+        self.sharded.plan().module_dtype
+    }
 }
 
 /// The sharded GPT of `c` over `comm`, its weights from `resume` (a verified checkpoint,

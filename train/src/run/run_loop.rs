@@ -46,6 +46,8 @@ pub trait Trainee {
     fn rank(&self) -> usize;
     /// Ranks training together.
     fn ranks(&self) -> usize;
+    /// The dtype its forward and backward compute in (the plan's module dtype).
+    fn arithmetic(&self) -> ember_sharding::Compute;
 }
 
 /// What a save did.
@@ -92,7 +94,7 @@ pub fn run(
     } else {
         None
     };
-    let peak = peak_flops(c.device, c.peak_tflops);
+    let peak = peak_flops(c.device, c.peak_tflops, trainee.arithmetic());
     let flops_per_token = c.model.train_flops_per_token(c.block_size);
     let bar = if writing {
         progress_bar(c.max_iters, first_step, rank)

@@ -136,7 +136,7 @@ fn summarise(
     let tokens = config.tokens_per_step() as f64;
     let tokens_per_s = tokens / median;
     let flops = config.model.train_flops_per_token(config.block_size) * tokens_per_s;
-    let peak = peak_flops(config.device, config.peak_tflops);
+    let peak = peak_flops(config.device, config.peak_tflops, arithmetic);
     Ok(TrainBench {
         preset: config.preset.clone(),
         device: config.device.to_string(),
