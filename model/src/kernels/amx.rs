@@ -104,8 +104,8 @@ static CONFIG: Config = Config {
 /// # Safety
 /// [`super::bf16::has_amx`]; `a` holds `m.next_multiple_of(ROWS)` rows of `pairs` pairs and
 /// `b` `n.next_multiple_of(COLS)` columns of them, `pairs` being `k.div_ceil(2)` padded to
-/// [`PAIRS`]; `dst` addresses `m` rows of `n` elements at row stride `dst.1`, written by no
-/// other thread.
+/// [`PAIRS`]; `dst` addresses `m` rows of `n` elements at its row stride, written by no
+/// other thread, and a bf16 output's `init` holds `n` values.
 pub(super) unsafe fn product(
     [m, n, k]: [usize; 3],
     a: &[u32],
@@ -188,11 +188,13 @@ unsafe fn product_in_blocks(
         }
         if let Dst::Bf16 { out, rs, .. } = dst {
             for (i, row) in rows.clone().zip(staged.chunks_exact(width)) {
-                // SAFETY: row i's columns `cols` of the output are this task's own.
+                // SAFETY: row i's columns `cols` of the output are this task's own (perhaps
+                // not yet initialised, so taken as such).
                 let to = unsafe {
-                    std::slice::from_raw_parts_mut(out.get().offset(i as isize * rs).add(c0), width)
+                    let at = out.get().offset(i as isize * rs).add(c0);
+                    std::slice::from_raw_parts_mut(at.cast::<std::mem::MaybeUninit<u16>>(), width)
                 };
-                super::bf16::round_to(row, to);
+                super::bf16::round_into(row, to);
             }
         }
     };

@@ -3,7 +3,8 @@
 //!
 //! Each (sequence, head) is one task: the scores of its `T` queries live in one `T x T`
 //! buffer, the softmax runs in place, and the output is written straight into the `[B, T, d]`
-//! layout the output projection reads. Only the saved log-sum-exp of each query's row goes
+//! layout the output projection reads (on bf16 bits, through the task's own f32 buffer of the
+//! head, widened from and rounded into the tensors). Only the saved log-sum-exp of each query's row goes
 //! from forward to backward, which recomputes the probabilities (as flash attention does).
 //! Query rows go in blocks of [`BLOCK`], and every product of a block (scores, output and
 //! their gradients) multiplies only the keys it can see, or, for a block of keys, only the
@@ -150,9 +151,10 @@ impl Head {
         }
     }
 
-    /// A head whose `T` rows of q, k and v lie side by side in `buf` (`[T, 3hd]`).
-    fn side_by_side(buf: &[f32], dims: Dims) -> Head {
-        let (q, hd) = (buf.as_ptr(), dims.hd);
+    /// A head whose `T` rows of q, k and v lie side by side at `buf` (`[T, 3hd]`; a pointer
+    /// from a mutable borrow where the head is written, as gradients are).
+    fn side_by_side(buf: *const f32, dims: Dims) -> Head {
+        let (q, hd) = (buf, dims.hd);
         Head {
             q,
             k: q.wrapping_add(hd),
@@ -256,7 +258,7 @@ pub(crate) fn forward_bf16(qkv: &[u16], dims: Dims) -> (Vec<u16>, Vec<f32>) {
         .enumerate()
         .for_each_init(scratch, |(s, buf, o), (task, lse)| {
             widen_head(qkv, dims, task, buf);
-            let head = Head::side_by_side(buf, dims);
+            let head = Head::side_by_side(buf.as_ptr(), dims);
             // SAFETY: the head and the output are this task's own buffers.
             unsafe { forward_head(Precision::Bf16, dims, head, (o.as_mut_ptr(), hd), s, lse) };
             let at = out_ptr.get().wrapping_add(dims.out_base(task));
@@ -444,8 +446,8 @@ pub(crate) fn backward_bf16(
                 widen_to(&out[at..at + hd], o);
                 widen_to(&dout[at..at + hd], g);
             }
-            let head = Head::side_by_side(buf, dims);
-            let grads = Head::side_by_side(grad, dims);
+            let head = Head::side_by_side(buf.as_ptr(), dims);
+            let grads = Head::side_by_side(grad.as_mut_ptr(), dims);
             let (o, g) = (od.as_ptr(), od[hd..].as_ptr());
             // SAFETY: every pointer addresses this task's own buffers.
             unsafe {

@@ -286,13 +286,15 @@ mod tests {
         }
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         // Whole tiles only (their sums start from the bias), edges of tiles and tasks, and an
-        // inner dimension long enough to run in blocks (sums held between them).
+        // inner dimension long enough to run in blocks (sums held between them), in one task
+        // and in several.
         for [rows, d_in, d_out] in [
             [256, 64, 96],
             [1, 1, 1],
             [33, 47, 129],
             [130, 200, 140],
             [70, 2100, 50],
+            [200, 2100, 150],
         ] {
             let x = bf16::round(&values(rows * d_in, 31, 2.0));
             let (w16, w32) = (

@@ -162,6 +162,11 @@ pub(crate) fn layer_norm_bf16(
     eps: f32,
 ) -> (Vec<u16>, [Vec<f32>; 2]) {
     let d = w.len();
+    assert!(
+        d > 0 && x.len() % d == 0,
+        "LayerNorm of {} values over rows of {d}",
+        x.len()
+    );
     let rows = x.len() / d;
     let (mut mean, mut rstd) = (vec![0.0; rows], vec![0.0; rows]);
     let y = filled(x.len(), |y| {
@@ -256,6 +261,11 @@ pub(crate) fn layer_norm_backward_bf16(
     dy: &[u16],
 ) -> (Vec<u16>, [Vec<f32>; 2]) {
     let d = w.len();
+    assert!(
+        d > 0 && x.len() % d == 0 && dy.len() == x.len(),
+        "LayerNorm's gradient of {} values over rows of {d}",
+        x.len()
+    );
     let mut partials = Vec::new();
     let dx = filled(x.len(), |dx| {
         partials = dx
@@ -334,6 +344,11 @@ pub(crate) fn cross_entropy(logits: &[f32], targets: &[usize]) -> (f32, Vec<f32>
 /// [`cross_entropy`] of bf16 logits, with its bits: each row widened while it is in cache.
 pub(crate) fn cross_entropy_bf16(logits: &[u16], targets: &[usize]) -> (f32, Vec<f32>) {
     let rows = targets.len();
+    assert!(
+        rows > 0 && logits.len() % rows == 0,
+        "cross-entropy of {} logits over {rows} targets",
+        logits.len()
+    );
     let v = logits.len() / rows;
     let mut lse = vec![0.0; rows];
     let mut losses = vec![0.0f64; rows];
@@ -410,6 +425,11 @@ pub(crate) fn cross_entropy_backward_bf16(
     grad: f32,
 ) -> Vec<u16> {
     let rows = targets.len();
+    assert!(
+        rows > 0 && logits.len() % rows == 0,
+        "cross-entropy of {} logits over {rows} targets",
+        logits.len()
+    );
     let v = logits.len() / rows;
     let scale = grad / rows as f32;
     let mut dlogits = vec![0u16; logits.len()];
