@@ -163,7 +163,7 @@ pub(crate) fn layer_norm_bf16(
 ) -> (Vec<u16>, [Vec<f32>; 2]) {
     let d = w.len();
     assert!(
-        d > 0 && x.len() % d == 0,
+        d > 0 && x.len().is_multiple_of(d),
         "LayerNorm of {} values over rows of {d}",
         x.len()
     );
@@ -262,7 +262,7 @@ pub(crate) fn layer_norm_backward_bf16(
 ) -> (Vec<u16>, [Vec<f32>; 2]) {
     let d = w.len();
     assert!(
-        d > 0 && x.len() % d == 0 && dy.len() == x.len(),
+        d > 0 && x.len().is_multiple_of(d) && dy.len() == x.len(),
         "LayerNorm's gradient of {} values over rows of {d}",
         x.len()
     );
@@ -345,7 +345,7 @@ pub(crate) fn cross_entropy(logits: &[f32], targets: &[usize]) -> (f32, Vec<f32>
 pub(crate) fn cross_entropy_bf16(logits: &[u16], targets: &[usize]) -> (f32, Vec<f32>) {
     let rows = targets.len();
     assert!(
-        rows > 0 && logits.len() % rows == 0,
+        rows > 0 && logits.len().is_multiple_of(rows),
         "cross-entropy of {} logits over {rows} targets",
         logits.len()
     );
@@ -426,7 +426,7 @@ pub(crate) fn cross_entropy_backward_bf16(
 ) -> Vec<u16> {
     let rows = targets.len();
     assert!(
-        rows > 0 && logits.len() % rows == 0,
+        rows > 0 && logits.len().is_multiple_of(rows),
         "cross-entropy of {} logits over {rows} targets",
         logits.len()
     );
