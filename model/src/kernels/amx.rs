@@ -30,8 +30,8 @@ use rayon::prelude::*;
 use super::product::{In, Out};
 
 /// Where a product's sums go: f32 elements at a row stride, or bf16 bits at a row stride.
-/// A bf16 output's elements are those an f32 output would hold, rounded to the nearest bf16
-/// (ties to even) as [`super::bf16::bits_of`] rounds, an f32 output that held copies of
+/// A bf16 output's elements are those an f32 output would hold, rounded by `round` (the
+/// caller's rounding to bf16, [`super::bf16::round_into`]), an f32 output that held copies of
 /// `init` (a row of `n` values, a linear layer's bias) in every row where it is given, and
 /// zeros elsewhere.
 #[derive(Clone, Copy)]
@@ -41,6 +41,7 @@ pub(super) enum Dst {
         out: OutBits,
         rs: isize,
         init: Option<In<f32>>,
+        round: fn(&[f32], &mut [std::mem::MaybeUninit<u16>]),
     },
 }
 
@@ -186,7 +187,7 @@ unsafe fn product_in_blocks(
                 )
             };
         }
-        if let Dst::Bf16 { out, rs, .. } = dst {
+        if let Dst::Bf16 { out, rs, round, .. } = dst {
             for (i, row) in rows.clone().zip(staged.chunks_exact(width)) {
                 // SAFETY: row i's columns `cols` of the output are this task's own (perhaps
                 // not yet initialised, so taken as such).
@@ -194,7 +195,7 @@ unsafe fn product_in_blocks(
                     let at = out.get().offset(i as isize * rs).add(c0);
                     std::slice::from_raw_parts_mut(at.cast::<std::mem::MaybeUninit<u16>>(), width)
                 };
-                super::bf16::round_into(row, to);
+                round(row, to);
             }
         }
     };

@@ -604,6 +604,7 @@ pub(crate) unsafe fn product_bits(
                 out: OutBits(dst),
                 rs,
                 init: init.map(|init| In(init.as_ptr())),
+                round: round_into,
             };
             // SAFETY: as the caller guarantees; the process may use the tiles.
             unsafe { super::amx::product([m, n, k], a, b, dst, 1.0, init.is_some(), parallel) }
