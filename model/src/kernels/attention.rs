@@ -50,20 +50,20 @@ impl Dims {
     }
 }
 
-/// A pointer that parallel tasks write through, each to its own disjoint elements.
-#[derive(Clone, Copy)]
-struct Shared(*mut f32);
-impl Shared {
+/// A pointer (to f32 values or bf16 bits) that parallel tasks write through, each to its own
+/// disjoint elements.
+struct Shared<T>(*mut T);
+impl<T> Shared<T> {
     /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
-    fn get(self) -> *mut f32 {
+    fn get(&self) -> *mut T {
         self.0
     }
 }
 
 // SAFETY: every task writes a disjoint set of elements (its own head's columns).
-unsafe impl Send for Shared {}
+unsafe impl<T> Send for Shared<T> {}
 // SAFETY: as above.
-unsafe impl Sync for Shared {}
+unsafe impl<T> Sync for Shared<T> {}
 
 multiversion! {
     /// Softmax of `row[..=i]` in place, zeros after it; returns the row's log-sum-exp.
@@ -246,7 +246,7 @@ pub(crate) fn forward_bf16(qkv: &[u16], dims: Dims) -> (Vec<u16>, Vec<f32>) {
     let d = dims.d();
     let mut out = vec![0u16; b * t * d];
     let mut lse = vec![0.0f32; b * h * t];
-    let out_ptr = SharedBits(out.as_mut_ptr());
+    let out_ptr = Shared(out.as_mut_ptr());
     let scratch = || {
         (
             vec![0.0f32; t * t],
@@ -271,21 +271,6 @@ pub(crate) fn forward_bf16(qkv: &[u16], dims: Dims) -> (Vec<u16>, Vec<f32>) {
         });
     (out, lse)
 }
-
-/// A bf16 output that parallel tasks write through, each to its own disjoint elements.
-#[derive(Clone, Copy)]
-struct SharedBits(*mut u16);
-impl SharedBits {
-    /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
-    fn get(self) -> *mut u16 {
-        self.0
-    }
-}
-
-// SAFETY: every task writes a disjoint set of elements (its own head's columns).
-unsafe impl Send for SharedBits {}
-// SAFETY: as above.
-unsafe impl Sync for SharedBits {}
 
 /// The gradients of one head's q, k and v into `grad` (laid out as `head`), given its output
 /// `out` and the output's gradient `dout` (`T` rows `o_stride` apart, `hd` columns) and each
@@ -428,7 +413,7 @@ pub(crate) fn backward_bf16(
     let Dims { b, t, hd, .. } = dims;
     let d = dims.d();
     let mut dqkv = vec![0u16; b * t * 3 * d];
-    let dqkv_ptr = SharedBits(dqkv.as_mut_ptr());
+    let dqkv_ptr = Shared(dqkv.as_mut_ptr());
     let scratch = || {
         let square = || vec![0.0f32; t * t];
         let rows = |width: usize| vec![0.0f32; t * width];
