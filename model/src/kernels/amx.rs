@@ -38,26 +38,12 @@ use super::product::{In, Out};
 pub(super) enum Dst {
     F32(Out, isize),
     Bf16 {
-        out: OutBits,
+        out: Out<u16>,
         rs: isize,
         init: Option<In<f32>>,
         round: fn(&[f32], &mut [std::mem::MaybeUninit<u16>]),
     },
 }
-
-/// A bf16 output's pointer, shared by tasks that write disjoint elements.
-#[derive(Clone, Copy)]
-pub(super) struct OutBits(pub(super) *mut u16);
-impl OutBits {
-    /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
-    fn get(self) -> *mut u16 {
-        self.0
-    }
-}
-// SAFETY: every task writes its own elements of the output.
-unsafe impl Send for OutBits {}
-// SAFETY: as above.
-unsafe impl Sync for OutBits {}
 
 /// Rows `lhs` is padded to: two tiles of the output block.
 pub(super) const ROWS: usize = 32;

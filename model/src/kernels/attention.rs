@@ -14,6 +14,7 @@
 use rayon::prelude::*;
 
 use super::bf16::{Precision, product_in, round_to, widen_to};
+use super::product::Out;
 use super::simd::{dot, exp, max, multiversion, sum};
 
 /// Query rows per block of the causal score computation.
@@ -49,21 +50,6 @@ impl Dims {
         seq * self.t * self.d() + head * self.hd
     }
 }
-
-/// A pointer (to f32 values or bf16 bits) that parallel tasks write through, each to its own
-/// disjoint elements.
-struct Shared<T>(*mut T);
-impl<T> Shared<T> {
-    /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
-    fn get(&self) -> *mut T {
-        self.0
-    }
-}
-
-// SAFETY: every task writes a disjoint set of elements (its own head's columns).
-unsafe impl<T> Send for Shared<T> {}
-// SAFETY: as above.
-unsafe impl<T> Sync for Shared<T> {}
 
 multiversion! {
     /// Softmax of `row[..=i]` in place, zeros after it; returns the row's log-sum-exp.
@@ -223,7 +209,7 @@ pub(crate) fn forward(qkv: &[f32], dims: Dims, how: Precision) -> (Vec<f32>, Vec
     let d = dims.d();
     let mut out = super::zeros(b * t * d);
     let mut lse = vec![0.0f32; b * h * t];
-    let out_ptr = Shared(out.as_mut_ptr());
+    let out_ptr = Out(out.as_mut_ptr());
     // One score buffer per piece of rayon's split, reused by its tasks.
     let scratch = || vec![0.0f32; t * t];
     lse.par_chunks_mut(t)
@@ -246,7 +232,7 @@ pub(crate) fn forward_bf16(qkv: &[u16], dims: Dims) -> (Vec<u16>, Vec<f32>) {
     let d = dims.d();
     let mut out = vec![0u16; b * t * d];
     let mut lse = vec![0.0f32; b * h * t];
-    let out_ptr = Shared(out.as_mut_ptr());
+    let out_ptr = Out(out.as_mut_ptr());
     let scratch = || {
         (
             vec![0.0f32; t * t],
@@ -383,7 +369,7 @@ pub(crate) fn backward(
     let Dims { b, t, .. } = dims;
     let d = dims.d();
     let mut dqkv = super::zeros(b * t * 3 * d);
-    let dqkv_ptr = Shared(dqkv.as_mut_ptr());
+    let dqkv_ptr = Out(dqkv.as_mut_ptr());
     // Probability and score-gradient buffers per piece of rayon's split.
     let scratch = || (vec![0.0f32; t * t], vec![0.0f32; t * t]);
     lse.par_chunks(t)
@@ -413,7 +399,7 @@ pub(crate) fn backward_bf16(
     let Dims { b, t, hd, .. } = dims;
     let d = dims.d();
     let mut dqkv = vec![0u16; b * t * 3 * d];
-    let dqkv_ptr = Shared(dqkv.as_mut_ptr());
+    let dqkv_ptr = Out(dqkv.as_mut_ptr());
     let scratch = || {
         let square = || vec![0.0f32; t * t];
         let rows = |width: usize| vec![0.0f32; t * width];

@@ -595,13 +595,13 @@ pub(crate) unsafe fn product_bits(
         if m == 0 || n == 0 {
             return true;
         }
-        use super::amx::{COLS, Dst, OutBits, PAIRS, ROWS as AMX_ROWS};
+        use super::amx::{COLS, Dst, PAIRS, ROWS as AMX_ROWS};
         let rhs_t = (rhs.0, [rhs.1[1], rhs.1[0]]);
         with_packed(|a, b| {
             let a = pack_src::<1>([m, k], lhs, Pad::new(AMX_ROWS, PAIRS), a, parallel);
             let b = pack_src::<16>([n, k], rhs_t, Pad::new(COLS, PAIRS), b, parallel);
             let dst = Dst::Bf16 {
-                out: OutBits(dst),
+                out: Out(dst),
                 rs,
                 init: init.map(|init| In(init.as_ptr())),
                 round: round_into,
@@ -789,7 +789,7 @@ fn pack<const WIDTH: usize, E: Element>(
     let filled = rows.next_multiple_of(WIDTH) * stride;
     let (out, past) = out.split_at_mut(filled);
     past.fill(0);
-    let (src, dst) = (In(p), Out(out.as_mut_ptr().cast()));
+    let (src, dst) = (In(p), Out(out.as_mut_ptr()));
     let at = |i: usize, q: usize| (i / WIDTH * stride + q) * WIDTH + i % WIDTH;
     // SAFETY (every read below): rows below `rows` and columns below `k` are in bounds, as the
     // caller guarantees.
@@ -804,10 +804,10 @@ fn pack<const WIDTH: usize, E: Element>(
         let cs = cs as usize;
         // SAFETY: as in the branch below.
         let all = unsafe { std::slice::from_raw_parts(p, (k - 1) * cs + rows) };
-        let dst = Out(out.as_mut_ptr().cast());
+        let dst = Out(out.as_mut_ptr());
         let task = |b: usize| {
             // SAFETY: the CPU has AVX-512; rows 32 b.. of `out` are this task's only.
-            unsafe { E::deal_rows(all, [cs, k, stride], 32 * b, dst.get().cast::<u32>()) };
+            unsafe { E::deal_rows(all, [cs, k, stride], 32 * b, dst.get()) };
         };
         if parallel && rows * k >= 1 << 15 {
             (0..rows.div_ceil(32)).into_par_iter().for_each(task);
@@ -824,13 +824,13 @@ fn pack<const WIDTH: usize, E: Element>(
         // SAFETY: element (i, c) is at `i + c cs` for i < rows and c < k, in bounds as the
         // caller guarantees (strides are not negative); the operand is only read.
         let all = unsafe { std::slice::from_raw_parts(p, (k - 1) * cs + rows) };
-        let dst = Out(out.as_mut_ptr().cast());
+        let dst = Out(out.as_mut_ptr());
         let deal = |q: usize| {
             let lo = &all[2 * q * cs..][..rows];
             let hi = (2 * q + 1 < k).then(|| &all[(2 * q + 1) * cs..][..rows]);
             // SAFETY: pair q of every panel's lanes, `at(i, q)` for i < rows.next_multiple_of
             // (16), is in `out` and written by this call only.
-            unsafe { E::deal_pairs(lo, hi, dst.get().cast::<u32>().add(q * 16), stride * 16) };
+            unsafe { E::deal_pairs(lo, hi, dst.get().add(q * 16), stride * 16) };
         };
         if parallel && rows * k >= 1 << 15 {
             (0..pairs).into_par_iter().with_min_len(16).for_each(deal);
@@ -868,7 +868,7 @@ fn pack<const WIDTH: usize, E: Element>(
     }
     let block = |b: usize| {
         let (i0, i1) = (b * NR, (b * NR + NR).min(rows));
-        let dst = dst.get().cast::<u32>();
+        let dst = dst.get();
         // SAFETY (every write below): `at(i, q)` for i < rows.next_multiple_of(WIDTH) and q <
         // stride is below `out.len()`, and only this block writes its rows' elements.
         let put = |i: usize, q: usize, v: u32| unsafe { *dst.add(at(i, q)) = v };

@@ -162,19 +162,20 @@ unsafe impl<E> Send for In<E> {}
 // SAFETY: as above.
 unsafe impl<E> Sync for In<E> {}
 
-/// The output pointer, shared by tasks that write disjoint elements.
+/// An output's pointer (to f32 values by default, or to bf16 bits or packed pairs), shared by
+/// tasks that write disjoint elements.
 #[derive(Clone, Copy)]
-pub(super) struct Out(pub(super) *mut f32);
-impl Out {
+pub(super) struct Out<E = f32>(pub(super) *mut E);
+impl<E> Out<E> {
     /// The pointer (a method, so that closures capture the `Sync` wrapper, not the field).
-    pub(super) fn get(self) -> *mut f32 {
+    pub(super) fn get(self) -> *mut E {
         self.0
     }
 }
-// SAFETY: every task writes its own rows of the output.
-unsafe impl Send for Out {}
+// SAFETY: every task writes its own elements of the output.
+unsafe impl<E> Send for Out<E> {}
 // SAFETY: as above.
-unsafe impl Sync for Out {}
+unsafe impl<E> Sync for Out<E> {}
 
 #[cfg(test)]
 mod tests {
