@@ -30,8 +30,8 @@ use rayon::prelude::*;
 use super::product::{In, Out};
 
 /// Where a product's sums go: f32 elements at a row stride, or bf16 bits at a row stride.
-/// A bf16 output's elements are those an f32 output would hold, rounded by `round` (the
-/// caller's rounding to bf16, [`super::bf16::round_into`]), an f32 output that held copies of
+/// A bf16 output's elements are those an f32 output would hold, rounded to the nearest bf16
+/// (ties to even) as [`super::bits::bits_of`] rounds, an f32 output that held copies of
 /// `init` (a row of `n` values, a linear layer's bias) in every row where it is given, and
 /// zeros elsewhere.
 #[derive(Clone, Copy)]
@@ -41,7 +41,6 @@ pub(super) enum Dst {
         out: Out<u16>,
         rs: isize,
         init: Option<In<f32>>,
-        round: fn(&[f32], &mut [std::mem::MaybeUninit<u16>]),
     },
 }
 
@@ -173,7 +172,7 @@ unsafe fn product_in_blocks(
                 )
             };
         }
-        if let Dst::Bf16 { out, rs, round, .. } = dst {
+        if let Dst::Bf16 { out, rs, .. } = dst {
             for (i, row) in rows.clone().zip(staged.chunks_exact(width)) {
                 // SAFETY: row i's columns `cols` of the output are this task's own (perhaps
                 // not yet initialised, so taken as such).
@@ -181,7 +180,7 @@ unsafe fn product_in_blocks(
                     let at = out.get().offset(i as isize * rs).add(c0);
                     std::slice::from_raw_parts_mut(at.cast::<std::mem::MaybeUninit<u16>>(), width)
                 };
-                round(row, to);
+                super::bits::round_into(row, to);
             }
         }
     };
@@ -413,7 +412,8 @@ unsafe fn edge(t: usize, dst: *mut f32, rs: isize, [rows, cols]: [usize; 2], bet
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::bf16::{bits_of, has_amx};
+    use crate::kernels::bf16::has_amx;
+    use crate::kernels::bits::bits_of;
     use crate::kernels::tests::values;
 
     /// The product over blocks of the inner dimension (sums held in the task's buffer between

@@ -13,7 +13,8 @@
 
 use rayon::prelude::*;
 
-use super::bf16::{Precision, product_in, round_to, widen_to};
+use super::bf16::{Precision, product_in};
+use super::bits::{round_to, widen_to};
 use super::product::Out;
 use super::simd::{dot, exp, max, multiversion, sum};
 

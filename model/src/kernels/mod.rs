@@ -27,6 +27,7 @@ mod attention_products;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod bf16;
+mod bits;
 #[cfg(feature = "cubecl")]
 mod cube;
 #[cfg(feature = "cubecl")]

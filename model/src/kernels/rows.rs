@@ -7,7 +7,8 @@ use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
-use super::bf16::{bits_of, filled, round_into, round_to, value_of, widen_into, widen_to};
+use super::bf16::filled;
+use super::bits::{bits_of, round_into, round_to, value_of, widen_into, widen_to};
 use super::simd::{LANES, dot, dot3, exp, max, multiversion, sum};
 
 /// Elements per parallel piece of an element-wise kernel.
