@@ -7,10 +7,12 @@
 //! and two of `rhs`: each step of 32 along the inner dimension loads four tiles and runs
 //! four products.
 //!
-//! The operands come packed by [`super::bf16`]: `lhs` as rows of pairs, padded to
-//! [`ROWS`] rows and [`PAIRS`] pairs (a tile's rows are its rows' 64-byte stretches);
-//! `rhs`'s transpose in panels of 16 columns (one tile row per pair, 64 bytes), padded to
-//! [`COLS`] columns and [`PAIRS`] pairs. The padding is zeros, so every tile is full and only
+//! The operands come packed by [`super::bf16`]: `lhs` as its tiles, padded to [`ROWS`] rows
+//! and [`PAIRS`] pairs (16 rows of 16 pairs, 1 KiB each, a band of 16 rows' tiles one after
+//! another along the inner dimension, so that a tile load reads one stretch of memory, which
+//! the CPU's prefetchers follow); `rhs`'s transpose in panels of 16 columns (one tile row per
+//! pair, 64 bytes), padded to [`COLS`] columns and [`PAIRS`] pairs. The padding is zeros, so
+//! every tile is full and only
 //! the output's edges are cut: an edge tile, or one scaled by `beta`, goes through a 1 KiB
 //! buffer. A long inner dimension runs in blocks of [`KC`] pairs, the sums waiting between
 //! blocks in a buffer of the task's output, and the kernel asks for `lhs`'s next tile rows
@@ -61,8 +63,7 @@ const TASK_COLS: usize = 128;
 /// while the task's output tiles run over them, and the sums wait between blocks in a
 /// buffer of the task's output (64 KiB).
 const KC: usize = 512;
-/// How many steps of [`PAIRS`] ahead of its tile loads the kernel asks for `lhs`'s lines:
-/// on gpt2's products on an Emerald Rapids core, 4 measured best of 2, 3, 4, 6 and 8.
+/// How many steps of [`PAIRS`] ahead of its tile loads the kernel asks for `lhs`'s tiles.
 const A_AHEAD: usize = 4;
 
 /// The tile configuration (palette 1): eight tiles of 16 rows of 64 bytes.
@@ -88,7 +89,8 @@ static CONFIG: Config = Config {
 /// when `parallel` and the product is large.
 ///
 /// # Safety
-/// [`super::bf16::has_amx`]; `a` holds `m.next_multiple_of(ROWS)` rows of `pairs` pairs and
+/// [`super::bf16::has_amx`]; `a` holds `m.next_multiple_of(ROWS)` rows of `pairs` pairs as
+/// tiles (`Pad::tiles` of [`super::bf16`]), and
 /// `b` `n.next_multiple_of(COLS)` columns of them, `pairs` being `k.div_ceil(2)` padded to
 /// [`PAIRS`]; `dst` addresses `m` rows of `n` elements at its row stride, written by no
 /// other thread, and a bf16 output's `init` holds `n` values.
@@ -225,12 +227,12 @@ unsafe fn block(
     let sums_stride = (TASK_COLS * 4) as isize;
     // SAFETY: the process may use the tiles; CONFIG is a valid palette-1 configuration.
     unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly)) };
-    let a_stride = pairs * 4;
     for c in cols.step_by(COLS) {
         // Panels of 16 columns: `pairs` rows of 64 bytes each.
         let b0 = b[c * pairs..].as_ptr();
         let b1 = b[(c + 16) * pairs..].as_ptr();
         for r in rows.clone().step_by(ROWS) {
+            // Bands of 16 rows: their tiles one after another.
             let a0 = a[r * pairs..].as_ptr();
             let a1 = a[(r + 16) * pairs..].as_ptr();
             // The four output tiles: rows r and r + 16, columns c and c + 16.
@@ -254,16 +256,16 @@ unsafe fn block(
                 }
             }
             for q in ks.clone().step_by(PAIRS) {
-                // The rows of `lhs`'s tiles lie a row of pairs apart, which the CPU's own
-                // prefetchers do not follow: ask for them `A_AHEAD` steps ahead (past the
-                // end of `a` too; a prefetch never faults).
-                for i in 0..16 {
-                    let ahead = i * pairs + q + A_AHEAD * PAIRS;
+                // Ask for `lhs`'s tiles `A_AHEAD` steps ahead of their loads (past the end
+                // of `a` too; a prefetch never faults).
+                for line in 0..16 {
+                    let ahead = (q + A_AHEAD * PAIRS + line) * 16;
                     _mm_prefetch::<_MM_HINT_T0>(a0.wrapping_add(ahead).cast());
                     _mm_prefetch::<_MM_HINT_T0>(a1.wrapping_add(ahead).cast());
                 }
-                // SAFETY: 16 rows of 16 pairs from pair q are in bounds of `a` (rows padded
-                // to 32, pairs to 16) and of both panels of `b`; the tiles are configured.
+                // SAFETY: the tiles of pairs q.. of both bands of `a` (rows padded to 32,
+                // pairs to 16) and of both panels of `b` are in bounds; the tiles are
+                // configured.
                 unsafe {
                     asm!(
                         "tileloadd tmm4, [{a0} + {sa}*1]",
@@ -274,11 +276,11 @@ unsafe fn block(
                         "tdpbf16ps tmm1, tmm4, tmm7",
                         "tdpbf16ps tmm2, tmm5, tmm6",
                         "tdpbf16ps tmm3, tmm5, tmm7",
-                        a0 = in(reg) a0.add(q),
-                        a1 = in(reg) a1.add(q),
+                        a0 = in(reg) a0.add(q * 16),
+                        a1 = in(reg) a1.add(q * 16),
                         b0 = in(reg) b0.add(q * 16),
                         b1 = in(reg) b1.add(q * 16),
-                        sa = in(reg) a_stride,
+                        sa = in(reg) 64usize,
                         sb = in(reg) 64usize,
                         options(nostack, readonly),
                     )

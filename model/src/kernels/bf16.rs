@@ -209,12 +209,22 @@ trait Element: Copy + Send + Sync {
     unsafe fn deal_pairs(lo: &[Self], hi: Option<&[Self]>, out: *mut u32, panel: usize);
     /// Rows `i0..i0 + 32` (fewer at the end) of an operand whose element (i, c) is
     /// `all[i + c cs]`, `k` columns, packed as rows of pairs `stride` apart from `out`, pairs
-    /// past `k` zero.
+    /// past `k` zero; or, with `tiles` ([`Pad::tiles`]: `i0` and `stride` multiples of 16),
+    /// as the tiles of their bands of 16 rows, rows past the operand's zero.
     ///
     /// # Safety
-    /// [`rows16_here`]; those rows of `stride` pairs are writable.
+    /// [`rows16_here`]; those rows of `stride` pairs (their bands, in tiles) are writable.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn deal_rows(all: &[Self], dims: [usize; 3], i0: usize, out: *mut u32);
+    unsafe fn deal_rows(all: &[Self], dims: [usize; 3], i0: usize, out: (*mut u32, bool));
+    /// One band of 16 rows (fewer at the end: `rows`) of an operand whose element (i, c) is
+    /// `p[i rs + c]`, `k` columns, packed as its tiles ([`Pad::tiles`]) of `stride` pairs
+    /// from `out`, pairs past `k` zero; the band's rows past `rows` are left as they are.
+    ///
+    /// # Safety
+    /// [`rows16_here`]; those elements are readable, and the band's `16 stride` pairs from
+    /// `out` are writable.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn deal_tiles(p: *const Self, dims: [usize; 4], out: *mut u32);
 }
 
 /// Whether [`rows16::deal_rows`] may run here: AVX-512 (F, BW and VL) and the crate's tests
@@ -282,8 +292,9 @@ mod rows16 {
         all: &[E],
         [cs, k, stride]: [usize; 3],
         i0: usize,
-        out: *mut u32,
+        (out, tiles): (*mut u32, bool),
     ) {
+        assert!(!tiles || (i0.is_multiple_of(16) && stride.is_multiple_of(16)));
         let rows = (all.len() - (k - 1) * cs - i0).min(32);
         let pairs = k.div_ceil(2);
         let p = all.as_ptr();
@@ -307,16 +318,53 @@ mod rows16 {
                     };
                     *v = _mm512_castsi512_ps(_mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi)));
                 }
-                for (r, t) in transpose(v).iter().take(n).enumerate() {
+                // Lanes past the operand's rows were loaded as zeros, so in tiles a band's
+                // rows past them are written as the padding.
+                for (r, t) in transpose(v)
+                    .iter()
+                    .take(if tiles { 16 } else { n })
+                    .enumerate()
+                {
+                    let at = if tiles {
+                        r0 * stride + q0 * 16 + r * 16
+                    } else {
+                        (r0 + r) * stride + q0
+                    };
                     // SAFETY: pairs q0.. (as many as `store` holds) of row r0 + r are
                     // writable, as the caller guarantees.
                     unsafe {
-                        _mm512_mask_storeu_epi32(
-                            out.add((r0 + r) * stride + q0).cast(),
-                            store,
-                            _mm512_castps_si512(*t),
-                        )
+                        _mm512_mask_storeu_epi32(out.add(at).cast(), store, _mm512_castps_si512(*t))
                     };
+                }
+            }
+        }
+    }
+
+    /// [`super::Element::deal_tiles`]: each line of a tile (a row's 32 elements) rounded
+    /// or taken as bits in two vectors and stored whole, tile after tile.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and VL; as for [`super::Element::deal_tiles`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn deal_tiles<E: Lanes>(
+        p: *const E,
+        [rs, k, rows, stride]: [usize; 4],
+        out: *mut u32,
+    ) {
+        assert!(rows <= 16 && stride.is_multiple_of(16));
+        for q in (0..stride).step_by(16) {
+            let c = 2 * q;
+            let n = k.saturating_sub(c).min(32);
+            let (lo, hi) = (first(n.min(16)), first(n.saturating_sub(16)));
+            for r in 0..rows {
+                let at = p.wrapping_add(r * rs + c);
+                // SAFETY: the masked elements, columns c.. below k of row r, are readable;
+                // line r of tile q / 16 is in the band, as the caller guarantees.
+                unsafe {
+                    let lo = _mm512_cvtepi32_epi16(E::lanes(at, lo));
+                    let hi = _mm512_cvtepi32_epi16(E::lanes(at.wrapping_add(16), hi));
+                    let line = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                    _mm512_storeu_si512(out.add(q * 16 + r * 16).cast(), line);
                 }
             }
         }
@@ -463,9 +511,14 @@ impl Element for f32 {
         deal_pairs_f32(lo, hi, Out32(out), panel)
     }
     #[cfg(target_arch = "x86_64")]
-    unsafe fn deal_rows(all: &[Self], dims: [usize; 3], i0: usize, out: *mut u32) {
+    unsafe fn deal_rows(all: &[Self], dims: [usize; 3], i0: usize, out: (*mut u32, bool)) {
         // SAFETY: as the caller guarantees.
         unsafe { rows16::deal_rows(all, dims, i0, out) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn deal_tiles(p: *const Self, dims: [usize; 4], out: *mut u32) {
+        // SAFETY: as the caller guarantees.
+        unsafe { rows16::deal_tiles(p, dims, out) }
     }
 }
 
@@ -483,9 +536,14 @@ impl Element for u16 {
         deal_pairs_bits(lo, hi, Out32(out), panel)
     }
     #[cfg(target_arch = "x86_64")]
-    unsafe fn deal_rows(all: &[Self], dims: [usize; 3], i0: usize, out: *mut u32) {
+    unsafe fn deal_rows(all: &[Self], dims: [usize; 3], i0: usize, out: (*mut u32, bool)) {
         // SAFETY: as the caller guarantees.
         unsafe { rows16::deal_rows(all, dims, i0, out) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn deal_tiles(p: *const Self, dims: [usize; 4], out: *mut u32) {
+        // SAFETY: as the caller guarantees.
+        unsafe { rows16::deal_tiles(p, dims, out) }
     }
 }
 
@@ -550,7 +608,7 @@ pub(crate) unsafe fn product_bits(
         use super::amx::{COLS, Dst, PAIRS, ROWS as AMX_ROWS};
         let rhs_t = (rhs.0, [rhs.1[1], rhs.1[0]]);
         with_packed(|a, b| {
-            let a = pack_src::<1>([m, k], lhs, Pad::new(AMX_ROWS, PAIRS), a, parallel);
+            let a = pack_src::<1>([m, k], lhs, Pad::tiles(AMX_ROWS, PAIRS), a, parallel);
             let b = pack_src::<16>([n, k], rhs_t, Pad::new(COLS, PAIRS), b, parallel);
             let dst = Dst::Bf16 {
                 out: Out(dst),
@@ -598,9 +656,9 @@ pub(crate) unsafe fn product(
     if has_amx() && k > 0 {
         use super::amx::{COLS, PAIRS, ROWS as AMX_ROWS};
         with_packed(|a, b| {
-            // Rows of lhs with their pairs in a row, as a tile's rows take them; columns of
-            // rhs in panels of 16 (a tile's 16 lanes of pairs).
-            let a = pack_src::<1>([m, k], lhs, Pad::new(AMX_ROWS, PAIRS), a, parallel);
+            // Rows of lhs in tiles of 16 rows of 16 pairs; columns of rhs in panels of 16 (a
+            // tile's 16 lanes of pairs).
+            let a = pack_src::<1>([m, k], lhs, Pad::tiles(AMX_ROWS, PAIRS), a, parallel);
             let b = pack_src::<16>([n, k], rhs_t, Pad::new(COLS, PAIRS), b, parallel);
             // SAFETY: as the caller guarantees; the process may use the tiles.
             unsafe {
@@ -679,16 +737,34 @@ const ROWS: usize = 64;
 const _: () = assert!(NR.is_multiple_of(MR));
 
 /// How far [`pack`] pads an operand with zeros: its rows to a multiple of `rows`, its pairs
-/// (of the inner dimension) to a multiple of `pairs`.
+/// (of the inner dimension) to a multiple of `pairs`; and whether its rows of pairs are laid
+/// out as AMX tiles.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Pad {
     rows: usize,
     pairs: usize,
+    tiles: bool,
 }
 
 impl Pad {
     pub(crate) const fn new(rows: usize, pairs: usize) -> Self {
-        Pad { rows, pairs }
+        Pad {
+            rows,
+            pairs,
+            tiles: false,
+        }
+    }
+
+    /// Rows of pairs laid out as the tiles [`super::amx::product`] loads: each band of 16
+    /// rows as its tiles of 16 pairs (1 KiB), one after another along the inner dimension.
+    /// Both multiples are multiples of 16.
+    pub(crate) const fn tiles(rows: usize, pairs: usize) -> Self {
+        assert!(rows.is_multiple_of(16) && pairs.is_multiple_of(16));
+        Pad {
+            rows,
+            pairs,
+            tiles: true,
+        }
     }
 
     /// `[rows, pairs]` of a packed `rows x k` operand.
@@ -720,8 +796,9 @@ fn pack_src<const WIDTH: usize>(
 /// Packs a `rows x k` operand (pointer and [row stride, column stride]) in bf16 pairs along
 /// `k`, in panels of `WIDTH` rows: with `[padded, stride] = pad.dims([rows, k])`, the pair of
 /// columns `2q` and `2q + 1` of row `i` goes to `out[(i / WIDTH * stride + q) * WIDTH + i %
-/// WIDTH]`. Every element of `out` (`padded * stride`) is written, padding with zeros. With
-/// `parallel`, pieces go to rayon's threads.
+/// WIDTH]`, or, in [`Pad::tiles`] (`WIDTH` 1), to `out[i / 16 * 16 stride + q / 16 * 256 + i
+/// % 16 * 16 + q % 16]`. Every element of `out` (`padded * stride`) is written, padding with
+/// zeros. With `parallel`, pieces go to rayon's threads.
 fn pack<const WIDTH: usize, E: Element>(
     [rows, k]: [usize; 2],
     (p, [rs, cs]): (*const E, [isize; 2]),
@@ -733,15 +810,31 @@ fn pack<const WIDTH: usize, E: Element>(
     let [padded, stride] = pad.dims([rows, k]);
     assert!(pad.rows.is_multiple_of(WIDTH) && NR.is_multiple_of(WIDTH));
     assert!(out.len() == padded * stride);
+    assert!(!pad.tiles || WIDTH == 1);
     if out.is_empty() {
         return;
     }
-    // Panels past the operand's rows are all padding.
-    let filled = rows.next_multiple_of(WIDTH) * stride;
+    let tiles = pad.tiles;
+    let at = |i: usize, q: usize| {
+        if tiles {
+            i / 16 * 16 * stride + q / 16 * 256 + i % 16 * 16 + q % 16
+        } else {
+            (i / WIDTH * stride + q) * WIDTH + i % WIDTH
+        }
+    };
+    // Panels (bands of tiles) past the operand's rows are all padding, as are the rows of
+    // the last band past them.
+    let filled = rows.next_multiple_of(if tiles { 16 } else { WIDTH }) * stride;
     let (out, past) = out.split_at_mut(filled);
     past.fill(0);
+    if tiles {
+        for i in rows..rows.next_multiple_of(16) {
+            for q in (0..stride).step_by(16) {
+                out[at(i, q)..][..16].fill(0);
+            }
+        }
+    }
     let (src, dst) = (In(p), Out(out.as_mut_ptr()));
-    let at = |i: usize, q: usize| (i / WIDTH * stride + q) * WIDTH + i % WIDTH;
     // SAFETY (every read below): rows below `rows` and columns below `k` are in bounds, as the
     // caller guarantees.
     let line = |from: isize, len: usize| unsafe {
@@ -757,8 +850,9 @@ fn pack<const WIDTH: usize, E: Element>(
         let all = unsafe { std::slice::from_raw_parts(p, (k - 1) * cs + rows) };
         let dst = Out(out.as_mut_ptr());
         let task = |b: usize| {
-            // SAFETY: the CPU has AVX-512; rows 32 b.. of `out` are this task's only.
-            unsafe { E::deal_rows(all, [cs, k, stride], 32 * b, dst.get()) };
+            // SAFETY: the CPU has AVX-512; rows 32 b.. of `out` (bands 2 b and 2 b + 1 in
+            // tiles) are this task's only.
+            unsafe { E::deal_rows(all, [cs, k, stride], 32 * b, (dst.get(), tiles)) };
         };
         if parallel && rows * k >= 1 << 15 {
             (0..rows.div_ceil(32)).into_par_iter().for_each(task);
@@ -795,7 +889,7 @@ fn pack<const WIDTH: usize, E: Element>(
         }
         return;
     }
-    if rs == 1 && cs != 1 {
+    if rs == 1 && cs != 1 && !tiles {
         // Each column's rows are contiguous: every panel is written in one pass from the
         // stretches of its rows in each pair of columns, panels in parallel.
         let cs = cs as usize;
@@ -826,6 +920,53 @@ fn pack<const WIDTH: usize, E: Element>(
         if cs == 1 {
             // Each row's columns are contiguous: pair neighbours, a panel's rows at a time,
             // and interleave them.
+            #[cfg(target_arch = "x86_64")]
+            if tiles && rows16_here() {
+                for b0 in (i0..i1).step_by(16) {
+                    let dims = [rs as usize, k, (i1 - b0).min(16), stride];
+                    // SAFETY: the CPU has AVX-512; rows b0.. below `rows` are in bounds;
+                    // their band, at `at(b0, 0)`, is this block's only.
+                    unsafe {
+                        E::deal_tiles(src.get().offset(b0 as isize * rs), dims, dst.add(at(b0, 0)))
+                    };
+                }
+                return;
+            }
+            if tiles {
+                // A band's rows go through `tmp` 256 pairs at a time, then out in whole
+                // tiles, so that `out` is written in order.
+                const CHUNK: usize = 256;
+                let mut tmp = vec![0u32; 16 * CHUNK];
+                for b0 in (i0..i1).step_by(16) {
+                    let band = b0..(b0 + 16).min(i1);
+                    for q0 in (0..stride).step_by(CHUNK) {
+                        let (width, filled) = (
+                            (stride - q0).min(CHUNK),
+                            pairs.saturating_sub(q0).min(CHUNK),
+                        );
+                        for (i, tmp) in band.clone().zip(tmp.chunks_exact_mut(CHUNK)) {
+                            let row = line(i as isize * rs, k);
+                            let src = &row[(2 * q0).min(k)..(2 * (q0 + CHUNK)).min(k)];
+                            E::pair_adjacent(src, &mut tmp[..filled]);
+                            if src.len() % 2 == 1 {
+                                tmp[filled - 1] = src[src.len() - 1].bits() as u32;
+                            }
+                            tmp[filled..width].fill(0);
+                        }
+                        for q in (q0..q0 + width).step_by(16) {
+                            for (i, tmp) in band.clone().zip(tmp.chunks_exact(CHUNK)) {
+                                // SAFETY: line q / 16 of row i's tile is in `out`, and only
+                                // this block writes its rows' elements.
+                                unsafe {
+                                    std::slice::from_raw_parts_mut(dst.add(at(i, q)), 16)
+                                        .copy_from_slice(&tmp[q - q0..][..16])
+                                };
+                            }
+                        }
+                    }
+                }
+                return;
+            }
             let mut tmp = vec![0u32; if WIDTH == 1 { 0 } else { WIDTH * pairs }];
             for p0 in (i0..i1).step_by(WIDTH) {
                 let p1 = (p0 + WIDTH).min(i1);
@@ -1195,6 +1336,7 @@ mod tests {
             (32, 33),
             (33, 65),
             (100, 300),
+            (20, 1001),
         ] {
             let cs = rows + 3;
             let mut all = values((k - 1) * cs + rows, 5, 3.0);
@@ -1235,6 +1377,62 @@ mod tests {
                     "bits, {rows} x {k}, parallel {parallel}"
                 );
                 assert_eq!(packed(1, false), plain, "bits plainly, {rows} x {k}");
+                // The same rows of pairs in tiles: from the transposed operand (in registers
+                // and plainly), from its rows (each row's elements contiguous), and from
+                // elements strided both ways.
+                let tiles = Pad::tiles(32, 16);
+                let [padded, _] = tiles.dims([rows, k]);
+                let mut expected = vec![0u32; padded * stride];
+                for (i, row) in plain.chunks_exact(stride).enumerate() {
+                    for (q, pair) in row.iter().enumerate() {
+                        expected[i / 16 * 16 * stride + q / 16 * 256 + i % 16 * 16 + q % 16] =
+                            *pair;
+                    }
+                }
+                let row_major: Vec<f32> = (0..rows * k).map(|e| all[e / k + e % k * cs]).collect();
+                let wide: Vec<f32> = (0..rows * (2 * k + 1))
+                    .map(|e| {
+                        row_major[(e / (2 * k + 1) * k + e % (2 * k + 1) / 2).min(rows * k - 1)]
+                    })
+                    .collect();
+                let in_tiles = |cap: u8, (src, strides): (&[f32], [isize; 2])| {
+                    crate::kernels::simd::LEVEL_CAP.with(|c| c.set(cap));
+                    let mut out = vec![u32::MAX; padded * stride];
+                    pack::<1, f32>(
+                        [rows, k],
+                        (src.as_ptr(), strides),
+                        tiles,
+                        &mut out,
+                        parallel,
+                    );
+                    let bits = round(src);
+                    let mut out_bits = vec![u32::MAX; padded * stride];
+                    pack::<1, u16>(
+                        [rows, k],
+                        (bits.as_ptr(), strides),
+                        tiles,
+                        &mut out_bits,
+                        parallel,
+                    );
+                    crate::kernels::simd::LEVEL_CAP.with(|c| c.set(3));
+                    assert_eq!(out, out_bits, "tiles of f32 and of bits, {rows} x {k}");
+                    out
+                };
+                for cap in [1, 3] {
+                    let case = format!("tiles, {rows} x {k}, parallel {parallel}, level {cap}");
+                    assert_eq!(
+                        in_tiles(cap, (&all, strides)),
+                        expected,
+                        "{case}, transposed"
+                    );
+                    assert_eq!(
+                        in_tiles(cap, (&row_major, [k as isize, 1])),
+                        expected,
+                        "{case}, rows"
+                    );
+                    let strided = [2 * k as isize + 1, 2];
+                    assert_eq!(in_tiles(cap, (&wide, strided)), expected, "{case}, strided");
+                }
             }
         }
     }
