@@ -15,8 +15,8 @@
 //! every tile is full and only
 //! the output's edges are cut: an edge tile, or one scaled by `beta`, goes through a 1 KiB
 //! buffer. A long inner dimension runs in blocks of [`KC`] pairs, the sums waiting between
-//! blocks in a buffer of the task's output, and the kernel asks for `lhs`'s next tile rows
-//! ahead of their loads. Each output element is one f32 sum over the inner dimension in
+//! blocks in a buffer of the task's output, and the kernel asks for `lhs`'s tiles a few
+//! steps ahead of their loads. Each output element is one f32 sum over the inner dimension in
 //! order, so the result depends neither on how the output is split between threads nor on
 //! the blocks.
 //!
@@ -63,7 +63,9 @@ const TASK_COLS: usize = 128;
 /// while the task's output tiles run over them, and the sums wait between blocks in a
 /// buffer of the task's output (64 KiB).
 const KC: usize = 512;
-/// How many steps of [`PAIRS`] ahead of its tile loads the kernel asks for `lhs`'s tiles.
+/// How many steps of [`PAIRS`] ahead of its tile loads the kernel asks for `lhs`'s tiles: 4
+/// measured best of 2, 3, 4, 6 and 8 when `lhs` was packed as rows of pairs, and asking
+/// for none was slower with tiles (BENCHMARKS); other distances are not measured for tiles.
 const A_AHEAD: usize = 4;
 
 /// The tile configuration (palette 1): eight tiles of 16 rows of 64 bytes.

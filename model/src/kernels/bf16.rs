@@ -330,7 +330,8 @@ mod rows16 {
                     } else {
                         (r0 + r) * stride + q0
                     };
-                    // SAFETY: pairs q0.. (as many as `store` holds) of row r0 + r are
+                    // SAFETY: pairs q0.. (as many as `store` holds) of row r0 + r (in tiles,
+                    // line r of tile q0 / 16 of the band, perhaps a padding row) are
                     // writable, as the caller guarantees.
                     unsafe {
                         _mm512_mask_storeu_epi32(out.add(at).cast(), store, _mm512_castps_si512(*t))
@@ -735,6 +736,8 @@ const KC: usize = 256;
 /// Rows per parallel task.
 const ROWS: usize = 64;
 const _: () = assert!(NR.is_multiple_of(MR));
+// [`pack`]'s blocks of `NR` rows are whole bands of AMX tiles.
+const _: () = assert!(NR.is_multiple_of(16));
 
 /// How far [`pack`] pads an operand with zeros: its rows to a multiple of `rows`, its pairs
 /// (of the inner dimension) to a multiple of `pairs`; and whether its rows of pairs are laid
@@ -842,9 +845,9 @@ fn pack<const WIDTH: usize, E: Element>(
     };
     #[cfg(target_arch = "x86_64")]
     if rs == 1 && cs != 1 && WIDTH == 1 && rows16_here() {
-        // A transposed operand packed into rows of pairs: 32 of its rows (columns of the
-        // operand as stored, 64 bytes of bf16 each) by 16 pairs at a time, transposed in
-        // registers, so that every cache line of the operand is read once.
+        // A transposed operand packed into rows of pairs (or their tiles): 32 of its rows
+        // (columns of the operand as stored, 64 bytes of bf16 each) by 16 pairs at a time,
+        // transposed in registers, so that every cache line of the operand is read once.
         let cs = cs as usize;
         // SAFETY: as in the branch below.
         let all = unsafe { std::slice::from_raw_parts(p, (k - 1) * cs + rows) };
@@ -1306,10 +1309,11 @@ mod tests {
     use crate::kernels::bits::value_of;
     use crate::kernels::tests::values;
 
-    /// A transposed operand packed in rows of pairs (AMX's lhs) through AVX-512 registers
-    /// gives the bits of the plain packing (`pair_columns`, one row per panel) at every edge:
-    /// rows past each block of 32 and 16, pairs past each block of 16, odd `k`, and values
-    /// that round in each way, ties, NaN, infinities and subnormals.
+    /// A transposed operand packed in rows of pairs through AVX-512 registers gives the bits
+    /// of the plain packing (`pair_columns`, one row per panel) at every edge: rows past each
+    /// block of 32 and 16, pairs past each block of 16, odd `k`, and values that round in each
+    /// way, ties, NaN, infinities and subnormals; packed as tiles (AMX's lhs), from it, from
+    /// its rows and from strided elements, the same pairs in the tiles' order.
     #[test]
     fn transposed_rows_pack_as_the_plain_packing() {
         if !rows16_here() {
@@ -1337,6 +1341,7 @@ mod tests {
             (33, 65),
             (100, 300),
             (20, 1001),
+            (100, 400),
         ] {
             let cs = rows + 3;
             let mut all = values((k - 1) * cs + rows, 5, 3.0);
