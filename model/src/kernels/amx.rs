@@ -64,8 +64,8 @@ const TASK_COLS: usize = 128;
 /// buffer of the task's output (64 KiB).
 const KC: usize = 512;
 /// How many steps of [`PAIRS`] ahead of its tile loads the kernel asks for `lhs`'s tiles: 4
-/// measured best of 2, 3, 4, 6 and 8 when `lhs` was packed as rows of pairs, and asking
-/// for none was slower with tiles (BENCHMARKS); other distances are not measured for tiles.
+/// measured best of 2, 3, 4, 6 and 8 when `lhs` was packed as rows of pairs; with tiles,
+/// asking for none was slower and 2 or 8 no faster (BENCHMARKS).
 const A_AHEAD: usize = 4;
 
 /// The tile configuration (palette 1): eight tiles of 16 rows of 64 bytes.
