@@ -920,56 +920,25 @@ fn pack<const WIDTH: usize, E: Element>(
         // SAFETY (every write below): `at(i, q)` for i < rows.next_multiple_of(WIDTH) and q <
         // stride is below `out.len()`, and only this block writes its rows' elements.
         let put = |i: usize, q: usize, v: u32| unsafe { *dst.add(at(i, q)) = v };
-        if cs == 1 {
+        #[cfg(target_arch = "x86_64")]
+        if cs == 1 && tiles && rows16_here() {
+            // Each row's columns are contiguous: a tile line (32 elements) at a time, tile
+            // after tile, so that `out` is written in order.
+            for b0 in (i0..i1).step_by(16) {
+                let dims = [rs as usize, k, (i1 - b0).min(16), stride];
+                // SAFETY: the CPU has AVX-512; rows b0.. below `rows` are in bounds;
+                // their band, at `at(b0, 0)`, is this block's only.
+                unsafe {
+                    E::deal_tiles(src.get().offset(b0 as isize * rs), dims, dst.add(at(b0, 0)))
+                };
+            }
+            return;
+        }
+        // Tiles from rows without AVX-512 (only where tests hold kernels to a lower level)
+        // go element by element below.
+        if cs == 1 && !tiles {
             // Each row's columns are contiguous: pair neighbours, a panel's rows at a time,
             // and interleave them.
-            #[cfg(target_arch = "x86_64")]
-            if tiles && rows16_here() {
-                for b0 in (i0..i1).step_by(16) {
-                    let dims = [rs as usize, k, (i1 - b0).min(16), stride];
-                    // SAFETY: the CPU has AVX-512; rows b0.. below `rows` are in bounds;
-                    // their band, at `at(b0, 0)`, is this block's only.
-                    unsafe {
-                        E::deal_tiles(src.get().offset(b0 as isize * rs), dims, dst.add(at(b0, 0)))
-                    };
-                }
-                return;
-            }
-            if tiles {
-                // A band's rows go through `tmp` 256 pairs at a time, then out in whole
-                // tiles, so that `out` is written in order.
-                const CHUNK: usize = 256;
-                let mut tmp = vec![0u32; 16 * CHUNK];
-                for b0 in (i0..i1).step_by(16) {
-                    let band = b0..(b0 + 16).min(i1);
-                    for q0 in (0..stride).step_by(CHUNK) {
-                        let (width, filled) = (
-                            (stride - q0).min(CHUNK),
-                            pairs.saturating_sub(q0).min(CHUNK),
-                        );
-                        for (i, tmp) in band.clone().zip(tmp.chunks_exact_mut(CHUNK)) {
-                            let row = line(i as isize * rs, k);
-                            let src = &row[(2 * q0).min(k)..(2 * (q0 + CHUNK)).min(k)];
-                            E::pair_adjacent(src, &mut tmp[..filled]);
-                            if src.len() % 2 == 1 {
-                                tmp[filled - 1] = src[src.len() - 1].bits() as u32;
-                            }
-                            tmp[filled..width].fill(0);
-                        }
-                        for q in (q0..q0 + width).step_by(16) {
-                            for (i, tmp) in band.clone().zip(tmp.chunks_exact(CHUNK)) {
-                                // SAFETY: line q / 16 of row i's tile is in `out`, and only
-                                // this block writes its rows' elements.
-                                unsafe {
-                                    std::slice::from_raw_parts_mut(dst.add(at(i, q)), 16)
-                                        .copy_from_slice(&tmp[q - q0..][..16])
-                                };
-                            }
-                        }
-                    }
-                }
-                return;
-            }
             let mut tmp = vec![0u32; if WIDTH == 1 { 0 } else { WIDTH * pairs }];
             for p0 in (i0..i1).step_by(WIDTH) {
                 let p1 = (p0 + WIDTH).min(i1);
@@ -1348,16 +1317,18 @@ mod tests {
             for (x, s) in all.iter_mut().step_by(7).zip(specials.iter().cycle()) {
                 *x = *s;
             }
-            let bits = round(&all);
             let pad = Pad::new(16, 16);
-            let [padded, stride] = pad.dims([rows, k]);
+            let [_, stride] = pad.dims([rows, k]);
             let strides = [1, cs as isize];
             for parallel in [false, true] {
-                let packed = |cap: u8, f32s: bool| {
-                    crate::kernels::simd::LEVEL_CAP.with(|c| c.set(cap));
+                // `src` packed at kernel level `cap`, from f32 or from its bf16 bits.
+                let pack_at = |cap: u8, pad: Pad, (src, strides): (&[f32], [isize; 2]), f32s| {
+                    let [padded, stride] = pad.dims([rows, k]);
                     let mut out = vec![u32::MAX; padded * stride];
+                    let bits = round(src);
+                    crate::kernels::simd::LEVEL_CAP.with(|c| c.set(cap));
                     if f32s {
-                        pack::<1, f32>([rows, k], (all.as_ptr(), strides), pad, &mut out, parallel);
+                        pack::<1, f32>([rows, k], (src.as_ptr(), strides), pad, &mut out, parallel);
                     } else {
                         pack::<1, u16>(
                             [rows, k],
@@ -1370,6 +1341,7 @@ mod tests {
                     crate::kernels::simd::LEVEL_CAP.with(|c| c.set(3));
                     out
                 };
+                let packed = |cap: u8, f32s: bool| pack_at(cap, pad, (&all, strides), f32s);
                 let plain = packed(1, true);
                 assert_eq!(
                     packed(3, true),
@@ -1400,27 +1372,10 @@ mod tests {
                         row_major[(e / (2 * k + 1) * k + e % (2 * k + 1) / 2).min(rows * k - 1)]
                     })
                     .collect();
-                let in_tiles = |cap: u8, (src, strides): (&[f32], [isize; 2])| {
-                    crate::kernels::simd::LEVEL_CAP.with(|c| c.set(cap));
-                    let mut out = vec![u32::MAX; padded * stride];
-                    pack::<1, f32>(
-                        [rows, k],
-                        (src.as_ptr(), strides),
-                        tiles,
-                        &mut out,
-                        parallel,
-                    );
-                    let bits = round(src);
-                    let mut out_bits = vec![u32::MAX; padded * stride];
-                    pack::<1, u16>(
-                        [rows, k],
-                        (bits.as_ptr(), strides),
-                        tiles,
-                        &mut out_bits,
-                        parallel,
-                    );
-                    crate::kernels::simd::LEVEL_CAP.with(|c| c.set(3));
-                    assert_eq!(out, out_bits, "tiles of f32 and of bits, {rows} x {k}");
+                let in_tiles = |cap: u8, src: (&[f32], [isize; 2])| {
+                    let out = pack_at(cap, tiles, src, true);
+                    let case = format!("tiles of f32 and of bits, {rows} x {k}");
+                    assert_eq!(out, pack_at(cap, tiles, src, false), "{case}");
                     out
                 };
                 for cap in [1, 3] {
