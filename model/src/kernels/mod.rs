@@ -42,6 +42,7 @@ mod linear;
 mod product;
 mod rows;
 mod simd;
+mod warm;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -72,6 +73,7 @@ pub use cube_gelu::CubeGeluOps;
 pub use cube_layer_norm::CubeLayerNormOps;
 #[cfg(feature = "cubecl")]
 pub use flash::FlashOps;
+pub use warm::{keepers, warm_threads};
 
 /// The fused operations, as a Burn backend extension.
 #[backend_extension(Flex, Autodiff)]

@@ -78,7 +78,7 @@ pub enum Output {
 /// Trains `trainee` from step `first_step` (with `tokens_seen` tokens behind it) to
 /// `c.max_iters`. Returns every step's report and the metrics lines it logged.
 pub fn run(
-    trainee: &mut impl Trainee,
+    trainee: &mut (impl Trainee + Send),
     c: &TrainConfig,
     first_step: u64,
     mut tokens_seen: u64,
@@ -107,8 +107,15 @@ pub fn run(
     let mut window = (0.0f64, 0u64);
     let mut stepped = Vec::new();
     let mut logged = Vec::new();
+    // One process on the CPU has the CPUs to itself: its steps run with rayon's other
+    // threads kept awake between their parallel ops (BENCHMARKS.md, "Threads kept awake").
+    let warm = !c.device.is_cubecl() && trainee.ranks() == 1;
     for step in first_step..c.max_iters {
-        let s = trainee.step(step)?;
+        let s = if warm {
+            ember_model::kernels::warm_threads(|| trainee.step(step))
+        } else {
+            trainee.step(step)
+        }?;
         crate::run::launch::RankRecords::stepped(step + 1);
         window.0 += s.step_s;
         window.1 += c.tokens_per_step() as u64;
