@@ -78,6 +78,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    ember_train::run::host_memory::one_arena();
     let cli = Cli::parse();
     // Under `ember launch`, every rank says when it starts and how it ends (a panic too).
     let records = ember_train::run::launch::RankRecords::get();
