@@ -1013,3 +1013,61 @@ fn bench_staging_measures_every_crossing() {
         }
     }
 }
+
+#[test]
+fn a_one_process_cpu_run_advises_its_heap_for_huge_pages() {
+    if !cfg!(all(target_os = "linux", target_env = "gnu"))
+        || !Path::new("/sys/kernel/mm/transparent_hugepage").exists()
+    {
+        eprintln!("skipped: no glibc heap or no transparent huge pages here");
+        return;
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ember"))
+        .args([
+            "bench",
+            "train",
+            "--presets",
+            "tiny",
+            "--steps",
+            "60",
+            "--warmup",
+            "1",
+        ])
+        .env("EMBER_CACHE_DIR", cache_dir())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let smaps = format!("/proc/{}/smaps", child.id());
+    // Whether a mapping of the heap carries the huge-page advice (`hg`) in this reading.
+    let advised = |text: &str| {
+        let mut heap = false;
+        text.lines().any(|line| {
+            if let Some(flags) = line.strip_prefix("VmFlags:") {
+                let hit = heap && flags.split_whitespace().any(|f| f == "hg");
+                heap = false;
+                hit
+            } else {
+                if line.contains('-') && line.ends_with("[heap]") {
+                    heap = true;
+                }
+                false
+            }
+        })
+    };
+    let start = Instant::now();
+    let mut seen = false;
+    while child.try_wait().unwrap().is_none() {
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "the run did not end"
+        );
+        seen |= std::fs::read_to_string(&smaps).is_ok_and(|t| advised(&t));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(child.wait().unwrap().success());
+    assert!(
+        seen,
+        "no stretch of the heap was advised for huge pages while it trained"
+    );
+}

@@ -77,6 +77,10 @@ enum Command {
     Selftest(SelftestArgs),
 }
 
+#[global_allocator]
+static ALLOCATOR: ember_train::run::host_memory::HostAllocator =
+    ember_train::run::host_memory::HostAllocator;
+
 fn main() -> ExitCode {
     ember_train::run::host_memory::one_arena();
     let cli = Cli::parse();

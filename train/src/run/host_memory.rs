@@ -1,6 +1,9 @@
 //! Host memory: every rank's peak resident memory as the OS reports it, and the allocator
 //! settings a run starts with.
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
 use anyhow::Result;
 use ember_comm::Comm;
 
@@ -34,6 +37,100 @@ pub fn one_arena() {
     // SAFETY: as in `set_thresholds`.
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
+}
+
+/// The `ember` binary's allocator: glibc's `malloc`, whose heap, once a one-process run on
+/// the CPU asks for it ([`set_allocator_for_training`]), is advised for transparent huge
+/// pages as it grows (`madvise(MADV_HUGEPAGE)` on each stretch `brk` adds, right after the
+/// allocation that grew it and before its caller writes there), much as glibc's
+/// `glibc.malloc.hugetlb=1` tunable does. A step's operands then span 2 MiB pages instead of
+/// thousands of 4 KiB ones, and the products' strided walks over them miss the TLB less.
+/// Against the same build without it (Emerald Rapids, the kernel's THP mode `madvise`, pairs
+/// of runs in turn): `small-cpu` 1.066x in f32 and 1.082x in bf16, `gpt2` (T 256, B 4) 1.033x
+/// and 1.051x; about 110 of `small-cpu`'s 148 MB resident in huge pages, its peak 1.6% higher.
+#[derive(Debug)]
+pub struct HostAllocator;
+
+/// Whether the heap's growth is advised for huge pages.
+static ADVISE_HEAP: AtomicBool = AtomicBool::new(false);
+/// The end of the heap as far as it has been advised (or was when advising began).
+static ADVISED_TO: AtomicUsize = AtomicUsize::new(0);
+/// What the heap grows by beyond a block that does not fit (glibc's default is 128 KiB): few,
+/// long stretches, of which `malloc` has written only the first page when they are advised.
+const TOP_PAD: i32 = 64 << 20;
+/// Blocks from this size up may grow the heap; smaller ones seldom do and are not checked.
+const GROWS_HEAP: usize = 64 << 10;
+
+// SAFETY: every call goes to `System` with the caller's arguments; `advise_heap` neither
+// allocates nor touches the blocks.
+unsafe impl GlobalAlloc for HostAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as the caller guarantees.
+        let p = unsafe { System.alloc(layout) };
+        if layout.size() >= GROWS_HEAP {
+            advise_heap();
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as the caller guarantees.
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if layout.size() >= GROWS_HEAP {
+            advise_heap();
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as the caller guarantees.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: as the caller guarantees.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if new_size >= GROWS_HEAP {
+            advise_heap();
+        }
+        p
+    }
+}
+
+/// Advises the heap's stretch past [`ADVISED_TO`] for huge pages, where asked to.
+fn advise_heap() {
+    if !ADVISE_HEAP.load(Ordering::Relaxed) {
+        return;
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: `sbrk(0)` only reads the current break.
+        let end = unsafe { libc::sbrk(0) } as usize;
+        // Where the heap shrank, what grows back is new; two threads at once at worst advise
+        // a stretch twice.
+        let from = ADVISED_TO.swap(end, Ordering::Relaxed);
+        // The page where the last stretch ended is already in use; advise whole pages after it.
+        let start = from.next_multiple_of(4096);
+        if start < end {
+            // SAFETY: `start..end` lies in the heap's mapping; the advice changes only how
+            // its pages are backed, never their contents.
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        }
+    }
+}
+
+/// Starts advising the heap's growth from here on for huge pages ([`HostAllocator`], where
+/// it is the process's allocator).
+fn advise_heap_from_now() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: `sbrk(0)` only reads the current break.
+        let end = unsafe { libc::sbrk(0) } as usize;
+        ADVISED_TO.fetch_max(end, Ordering::Relaxed);
+        ADVISE_HEAP.store(true, Ordering::Relaxed);
+        // SAFETY: as in `set_thresholds`.
+        unsafe { libc::mallopt(libc::M_TOP_PAD, TOP_PAD) };
     }
 }
 
@@ -72,6 +169,7 @@ pub fn set_allocator_for_training(world: usize, device_memory: bool) {
     let (mmap, trim) = if world > 1 {
         (8 << 20, 64 << 20)
     } else {
+        advise_heap_from_now();
         (32 << 20, 1 << 30)
     };
     set_thresholds(mmap, trim);
