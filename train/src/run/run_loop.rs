@@ -75,6 +75,19 @@ pub enum Output {
     Quiet,
 }
 
+/// `f(trainee)`, inside [`ember_model::kernels::warm_threads`] when `warm`.
+fn on_warm_threads<T: Send, R: Send>(
+    warm: bool,
+    trainee: &mut T,
+    f: impl FnOnce(&mut T) -> R + Send,
+) -> R {
+    if warm {
+        ember_model::kernels::warm_threads(|| f(trainee))
+    } else {
+        f(trainee)
+    }
+}
+
 /// Trains `trainee` from step `first_step` (with `tokens_seen` tokens behind it) to
 /// `c.max_iters`. Returns every step's report and the metrics lines it logged.
 pub fn run(
@@ -107,15 +120,12 @@ pub fn run(
     let mut window = (0.0f64, 0u64);
     let mut stepped = Vec::new();
     let mut logged = Vec::new();
-    // One process on the CPU has the CPUs to itself: its steps run with rayon's other
-    // threads kept awake between their parallel ops (BENCHMARKS.md, "Threads kept awake").
+    // One process on the CPU has the CPUs to itself: its steps and evaluations run with
+    // rayon's other threads kept awake between their parallel ops (BENCHMARKS.md, "Threads
+    // kept awake").
     let warm = !c.device.is_cubecl() && trainee.ranks() == 1;
     for step in first_step..c.max_iters {
-        let s = if warm {
-            ember_model::kernels::warm_threads(|| trainee.step(step))
-        } else {
-            trainee.step(step)
-        }?;
+        let s = on_warm_threads(warm, trainee, |t| t.step(step))?;
         crate::run::launch::RankRecords::stepped(step + 1);
         window.0 += s.step_s;
         window.1 += c.tokens_per_step() as u64;
@@ -128,7 +138,7 @@ pub fn run(
         let last = done == c.max_iters;
         let eval_now = c.eval_interval > 0 && (done.is_multiple_of(c.eval_interval) || last);
         let val_loss = if eval_now {
-            Some(trainee.val_loss()?)
+            Some(on_warm_threads(warm, trainee, |t| t.val_loss())?)
         } else {
             None
         };
