@@ -12,7 +12,9 @@
 //! (`sched_yield`), so that a thread outside the pool (I/O, a checkpoint writer) still runs.
 //!
 //! Keepers only pay where this process has the CPUs its pool's threads run on: the callers
-//! use it for single-process runs on the CPU.
+//! use it for single-process runs on the CPU. The closure allocates on a worker: with glibc,
+//! a process that runs it every step wants one arena for all its threads (`ember` sets it),
+//! or a worker's own arena returns the freed blocks to the kernel between calls.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -48,7 +48,7 @@ pub fn one_arena() {
 /// thousands of 4 KiB ones, and the products' strided walks over them miss the TLB less.
 /// Against the same build without it (Emerald Rapids, the kernel's THP mode `madvise`, pairs
 /// of runs in turn): `small-cpu` 1.066x in f32 and 1.082x in bf16, `gpt2` (T 256, B 4) 1.033x
-/// and 1.051x; about 110 of `small-cpu`'s 148 MB resident in huge pages, its peak 1.6% higher.
+/// and 1.051x; 110 of `small-cpu`'s 144.5 MiB resident in huge pages, its peak 1.6% higher.
 #[derive(Debug)]
 pub struct HostAllocator;
 
