@@ -83,6 +83,11 @@ static ALLOCATOR: ember_train::run::host_memory::HostAllocator =
 
 fn main() -> ExitCode {
     ember_train::run::host_memory::one_arena();
+    // A one-process CPU run's steps run on rayon's workers (`kernels::warm_threads`): with
+    // the main thread's stack size, not a spawned thread's 2 MiB.
+    let _ = rayon::ThreadPoolBuilder::new()
+        .stack_size(8 << 20)
+        .build_global();
     let cli = Cli::parse();
     // Under `ember launch`, every rank says when it starts and how it ends (a panic too).
     let records = ember_train::run::launch::RankRecords::get();

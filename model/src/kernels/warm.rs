@@ -7,9 +7,15 @@
 //! outside the pool hands each op to the pool and sleeps until it is done, so every op pays a
 //! wake-up or two: an empty parallel op from outside the pool took 16-95 us on a 2-core VM
 //! (BENCHMARKS.md, "Threads kept awake"). [`warm_threads`] runs a closure on one of the pool's
-//! workers and keeps each of the others polling for work until the closure returns. A keeper
-//! polls for a while, then gives its core to any other thread that wants it between polls
-//! (`sched_yield`), so that a thread outside the pool (I/O, a checkpoint writer) still runs.
+//! workers and keeps each of the others polling for work until the closure returns.
+//!
+//! A keeper starts only before the closure does: the closure's owner opens a door, asks every
+//! other worker for a keeper, waits a moment for them ([`ADMIT_WAIT`]) and closes the door
+//! before running the closure. A keeper started later could start on a worker waiting inside
+//! one of the closure's own tasks, and would hold that task until the closure returned, which
+//! waits for it. A keeper that has polled a while without finding work sleeps briefly between
+//! polls, leaving its core to other threads (a checkpoint writer); after a call it lingers a
+//! few thousand polls and keeps for the next call if one comes (the next step).
 //!
 //! Keepers only pay where this process has the CPUs its pool's threads run on: the callers
 //! use it for single-process runs on the CPU. The closure allocates on a worker: with glibc,
@@ -18,16 +24,36 @@
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
-/// Odd while a [`warm_threads`] call runs: its keepers poll while it keeps the value it had
-/// when they started.
+/// Odd while a [`warm_threads`] call runs, counting calls.
 static GENERATION: AtomicUsize = AtomicUsize::new(0);
-/// Keepers polling now.
+/// Keepers now (see [`keepers`]).
 static KEEPERS: AtomicUsize = AtomicUsize::new(0);
+/// Keepers admitted to the call whose door is open.
+static ADMITTED: AtomicUsize = AtomicUsize::new(0);
+/// Where keepers are admitted to a call.
+static DOOR: Mutex<Door> = Mutex::new(Door {
+    generation: 0,
+    open: false,
+    owner: None,
+});
 
-/// Polls without finding work after which a keeper yields its core between polls (a few
-/// hundred microseconds of polling).
+/// A call's door: keepers may join it while it is open, on any worker but the call's own.
+struct Door {
+    generation: usize,
+    open: bool,
+    owner: Option<usize>,
+}
+
+/// Polls without finding work after which a keeper sleeps [`BACKOFF`] between polls, or, with
+/// no call running, stops (each poll looks at every worker's queue).
 const SPINS: u32 = 1 << 12;
+/// A keeper's sleep between polls once it has found nothing for [`SPINS`] polls.
+const BACKOFF: Duration = Duration::from_micros(20);
+/// How long a call waits for its keepers before it starts without those not yet there.
+const ADMIT_WAIT: Duration = Duration::from_micros(300);
 
 thread_local! {
     /// Whether this thread is a keeper now (a second keeper reaching it returns at once).
@@ -41,6 +67,11 @@ thread_local! {
 /// Runs `f` on the calling thread, with no keepers, where the pool has one thread, where the
 /// caller is already one of the pool's workers, or while another call runs.
 pub fn warm_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    warm_threads_admitting(ADMIT_WAIT, f)
+}
+
+/// [`warm_threads`], waiting up to `admit` for the keepers.
+fn warm_threads_admitting<R: Send>(admit: Duration, f: impl FnOnce() -> R + Send) -> R {
     let threads = rayon::current_num_threads();
     if threads < 2 || rayon::current_thread_index().is_some() {
         return f();
@@ -52,47 +83,110 @@ pub fn warm_threads<R: Send>(f: impl FnOnce() -> R + Send) -> R {
         return f();
     };
     let generation = before + 1;
-    /// Odd to even when the call ends, however it ends: the keepers stop.
-    struct Release;
+    /// Odd to even, once, when the call ends however it ends: its keepers stop keeping it.
+    struct Release(usize);
     impl Drop for Release {
         fn drop(&mut self) {
-            GENERATION.fetch_add(1, Ordering::AcqRel);
+            let ended = self.0;
+            let _ =
+                GENERATION.compare_exchange(ended, ended + 1, Ordering::AcqRel, Ordering::Acquire);
         }
     }
-    let _release = Release;
+    // Where the closure below never ran.
+    let _release = Release(generation);
     rayon::scope(|_| {
+        let _release = Release(generation);
         let owner = rayon::current_thread_index();
-        rayon::spawn_broadcast(move |context| {
-            if Some(context.index()) != owner {
-                keep(generation);
-            }
-        });
+        {
+            let mut door = DOOR.lock().unwrap_or_else(PoisonError::into_inner);
+            *door = Door {
+                generation,
+                open: true,
+                owner,
+            };
+            ADMITTED.store(0, Ordering::Release);
+        }
+        rayon::spawn_broadcast(|_| keep());
+        let start = Instant::now();
+        while ADMITTED.load(Ordering::Acquire) < threads - 1 && start.elapsed() < admit {
+            std::hint::spin_loop();
+        }
+        DOOR.lock().unwrap_or_else(PoisonError::into_inner).open = false;
         f()
     })
 }
 
-/// How many keepers poll now.
+/// How many keepers there are now (the worker running a call may hold one of an earlier call
+/// under it, idle until the call returns).
 pub fn keepers() -> usize {
     KEEPERS.load(Ordering::Acquire)
 }
 
-/// Runs the pool's pending tasks on this worker, polling for more, while [`GENERATION`] is
-/// `generation`.
-fn keep(generation: usize) {
+/// Whether this worker may keep for call `generation`.
+enum Entry {
+    Admitted,
+    /// The call's door is not open yet.
+    NotYet,
+    /// Closed, ended, or this worker runs the call.
+    Refused,
+}
+
+/// Asks the door of call `generation` to admit this worker.
+fn check_in(generation: usize) -> Entry {
+    let door = DOOR.lock().unwrap_or_else(PoisonError::into_inner);
+    if door.generation < generation {
+        Entry::NotYet
+    } else if door.generation > generation
+        || !door.open
+        || rayon::current_thread_index() == door.owner
+    {
+        Entry::Refused
+    } else {
+        ADMITTED.fetch_add(1, Ordering::AcqRel);
+        Entry::Admitted
+    }
+}
+
+/// Runs the pool's pending tasks on this worker, polling for more, while the call it was
+/// admitted to runs, and into the next call where that admits it.
+fn keep() {
     if KEEPING.get() {
+        return;
+    }
+    let mut generation = GENERATION.load(Ordering::Acquire);
+    if generation.is_multiple_of(2) || !matches!(check_in(generation), Entry::Admitted) {
         return;
     }
     KEEPING.set(true);
     KEEPERS.fetch_add(1, Ordering::AcqRel);
     let mut idle = 0u32;
-    while GENERATION.load(Ordering::Acquire) == generation {
+    loop {
         if rayon::yield_now() == Some(rayon::Yield::Executed) {
             idle = 0;
-        } else if idle < SPINS {
-            idle += 1;
+            continue;
+        }
+        let now = GENERATION.load(Ordering::Acquire);
+        if now != generation {
+            if !now.is_multiple_of(2) {
+                match check_in(now) {
+                    Entry::Admitted => {
+                        generation = now;
+                        idle = 0;
+                        continue;
+                    }
+                    Entry::NotYet => {}
+                    Entry::Refused => break,
+                }
+            } else if idle >= SPINS {
+                // No call for a while.
+                break;
+            }
+        }
+        idle = idle.saturating_add(1);
+        if idle < SPINS {
             std::hint::spin_loop();
         } else {
-            std::thread::yield_now();
+            std::thread::sleep(BACKOFF);
         }
     }
     KEEPERS.fetch_sub(1, Ordering::AcqRel);
@@ -101,7 +195,7 @@ fn keep(generation: usize) {
 
 #[cfg(test)]
 mod tests {
-    use super::{keepers, warm_threads};
+    use super::{keepers, warm_threads, warm_threads_admitting};
     use rayon::prelude::*;
     use std::sync::Mutex;
     use std::time::{Duration, Instant};
@@ -109,16 +203,22 @@ mod tests {
     /// One test at a time claims the pool (a second call would run plainly).
     static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-    /// Waits up to 5 s for `keepers()` to read `want`.
-    fn keepers_reach(want: usize) -> bool {
+    /// Waits up to 5 s for `keepers()` to read `want`, or more with `at_least`.
+    fn keepers_reach_(want: usize, at_least: bool) -> bool {
         let start = Instant::now();
         while start.elapsed() < Duration::from_secs(5) {
-            if keepers() == want {
+            let now = keepers();
+            if now == want || (at_least && now > want) {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(1));
         }
         false
+    }
+
+    /// Waits up to 5 s for `keepers()` to read `want`.
+    fn keepers_reach(want: usize) -> bool {
+        keepers_reach_(want, false)
     }
 
     #[test]
@@ -129,22 +229,63 @@ mod tests {
             eprintln!("skipped: rayon's pool has one thread here, so nothing keeps");
             return;
         }
-        let (sum, on_worker, kept, nested) = warm_threads(|| {
+        // Admitting for up to 5 s: every other worker keeps before the closure starts.
+        let (sum, on_worker, kept, nested) = warm_threads_admitting(Duration::from_secs(5), || {
             let on_worker = rayon::current_thread_index().is_some();
-            let kept = keepers_reach(threads - 1);
+            // The worker running the closure may hold a keeper of an earlier call under it,
+            // idle until the closure returns.
+            let kept = keepers_reach_(threads - 1, true);
             let sum: u64 = (0..100_000u64).into_par_iter().map(|x| x * x).sum();
             // A call from inside runs its closure where it is, adding no keepers.
             let nested = warm_threads(|| (rayon::current_thread_index(), keepers()));
             (sum, on_worker, kept, nested)
         });
         assert!(on_worker, "the closure ran outside the pool");
-        assert!(kept, "{} of {} other workers kept", keepers(), threads - 1);
+        assert!(kept, "{} of {} other workers keep", keepers(), threads - 1);
         assert_eq!(sum, (0..100_000u64).map(|x| x * x).sum::<u64>());
         assert!(nested.0.is_some());
-        assert_eq!(nested.1, threads - 1);
+        assert!(nested.1 >= threads - 1);
         assert!(
             keepers_reach(0),
             "{} keepers still poll after the call",
+            keepers()
+        );
+    }
+
+    #[test]
+    fn calls_back_to_back_with_parallel_work_all_finish() {
+        let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        // On a thread of its own, so that a hang fails the test instead of stalling it.
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut total = 0u64;
+            for call in 0..2_000u64 {
+                total += warm_threads(|| {
+                    (0..64u64)
+                        .into_par_iter()
+                        .map(|x| {
+                            (0..64u64)
+                                .into_par_iter()
+                                .map(|y| x * y + call)
+                                .sum::<u64>()
+                        })
+                        .sum::<u64>()
+                });
+            }
+            done.send(total).unwrap();
+        });
+        let total = finished
+            .recv_timeout(Duration::from_secs(120))
+            .expect("2,000 calls did not finish in 120 s");
+        let one = |call: u64| -> u64 {
+            (0..64u64)
+                .flat_map(|x| (0..64u64).map(move |y| x * y + call))
+                .sum()
+        };
+        assert_eq!(total, (0..2_000u64).map(one).sum::<u64>());
+        assert!(
+            keepers_reach(0),
+            "{} keepers still poll after the calls",
             keepers()
         );
     }

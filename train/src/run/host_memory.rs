@@ -29,7 +29,8 @@ pub fn gather_u64(comm: &Comm, mine: u64) -> Result<Vec<u64>> {
 /// A one-process step on the CPU runs on rayon's workers (`kernels::warm_threads`). From
 /// their own arenas, the freed activations went back to the kernel between steps: `small-cpu`
 /// faulted about 1,140 pages in again per step (`perf stat -e page-faults`, 5 against 25
-/// steps), and none with one arena, which ran it 2.7% faster (8 pairs, Emerald Rapids).
+/// steps) and `gpt2` (T 256, B 4) about 60,000; with one arena about 5 and 60. `small-cpu`
+/// ran 2.7% faster with it (8 pairs, Emerald Rapids).
 /// Blocks are allocated per tensor, not per element, so threads seldom meet on the arena's
 /// lock.
 pub fn one_arena() {
@@ -43,7 +44,8 @@ pub fn one_arena() {
 /// The `ember` binary's allocator: glibc's `malloc`, whose heap, once a one-process run on
 /// the CPU asks for it ([`set_allocator_for_training`]), is advised for transparent huge
 /// pages as it grows (`madvise(MADV_HUGEPAGE)` on each stretch `brk` adds, right after the
-/// allocation that grew it and before its caller writes there), much as glibc's
+/// allocation of 64 KiB or more that grew it or followed smaller ones that did, before the
+/// caller writes there; `malloc` has written only its headers), much as glibc's
 /// `glibc.malloc.hugetlb=1` tunable does. A step's operands then span 2 MiB pages instead of
 /// thousands of 4 KiB ones, and the products' strided walks over them miss the TLB less.
 /// Against the same build without it (Emerald Rapids, the kernel's THP mode `madvise`, pairs
@@ -85,7 +87,10 @@ unsafe impl GlobalAlloc for HostAllocator {
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: as the caller guarantees.
-        unsafe { System.dealloc(ptr, layout) }
+        unsafe { System.dealloc(ptr, layout) };
+        if layout.size() >= GROWS_HEAP {
+            note_heap_end();
+        }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -93,6 +98,8 @@ unsafe impl GlobalAlloc for HostAllocator {
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if new_size >= GROWS_HEAP {
             advise_heap();
+        } else if layout.size() >= GROWS_HEAP {
+            note_heap_end();
         }
         p
     }
@@ -107,16 +114,32 @@ fn advise_heap() {
     {
         // SAFETY: `sbrk(0)` only reads the current break.
         let end = unsafe { libc::sbrk(0) } as usize;
-        // Where the heap shrank, what grows back is new; two threads at once at worst advise
-        // a stretch twice.
+        // Two threads at once at worst advise a stretch twice.
         let from = ADVISED_TO.swap(end, Ordering::Relaxed);
         // The page where the last stretch ended is already in use; advise whole pages after it.
-        let start = from.next_multiple_of(4096);
+        // SAFETY: `sysconf` only reads a constant of the system.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+        let start = from.next_multiple_of(page);
         if start < end {
-            // SAFETY: `start..end` lies in the heap's mapping; the advice changes only how
-            // its pages are backed, never their contents.
+            // SAFETY: the advice changes only how pages are backed, never their contents or
+            // the mapping; where the heap has shrunk meanwhile, the call fails (ENOMEM) and
+            // changes nothing.
             unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
         }
+    }
+}
+
+/// Lowers [`ADVISED_TO`] to the heap's end where the heap has shrunk (glibc trims its top past
+/// [`set_thresholds`]' threshold), so that what grows back is advised again.
+fn note_heap_end() {
+    if !ADVISE_HEAP.load(Ordering::Relaxed) {
+        return;
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: `sbrk(0)` only reads the current break.
+        let end = unsafe { libc::sbrk(0) } as usize;
+        ADVISED_TO.fetch_min(end, Ordering::Relaxed);
     }
 }
 
