@@ -17,6 +17,10 @@
 //! polls, leaving its core to other threads (a checkpoint writer); after a call it lingers a
 //! few thousand polls and keeps for the next call if one comes (the next step).
 //!
+//! A keeper holds whatever its worker was running when it started (a task of another thread
+//! that the worker was waiting inside) until it stops: a closure must not wait for tasks that
+//! other threads run on the pool meanwhile (`ember`'s run loop runs none).
+//!
 //! Keepers only pay where this process has the CPUs its pool's threads run on: the callers
 //! use it for single-process runs on the CPU. The closure allocates on a worker: with glibc,
 //! a process that runs it every step wants one arena for all its threads (`ember` sets it),
@@ -159,28 +163,30 @@ fn keep() {
     }
     KEEPING.set(true);
     KEEPERS.fetch_add(1, Ordering::AcqRel);
-    let mut idle = 0u32;
+    // Polls without finding work, and polls since the call kept last ended (work found or
+    // not: tasks of other threads do not keep a keeper going).
+    let (mut idle, mut after) = (0u32, 0u32);
     loop {
-        if rayon::yield_now() == Some(rayon::Yield::Executed) {
-            idle = 0;
-            continue;
-        }
         let now = GENERATION.load(Ordering::Acquire);
         if now != generation {
-            if !now.is_multiple_of(2) {
+            if now.is_multiple_of(2) {
+                after += 1;
+                if after > SPINS {
+                    break;
+                }
+            } else {
                 match check_in(now) {
                     Entry::Admitted => {
-                        generation = now;
-                        idle = 0;
-                        continue;
+                        (generation, idle, after) = (now, 0, 0);
                     }
                     Entry::NotYet => {}
                     Entry::Refused => break,
                 }
-            } else if idle >= SPINS {
-                // No call for a while.
-                break;
             }
+        }
+        if rayon::yield_now() == Some(rayon::Yield::Executed) {
+            idle = 0;
+            continue;
         }
         idle = idle.saturating_add(1);
         if idle < SPINS {
@@ -232,9 +238,11 @@ mod tests {
         // Admitting for up to 5 s: every other worker keeps before the closure starts.
         let (sum, on_worker, kept, nested) = warm_threads_admitting(Duration::from_secs(5), || {
             let on_worker = rayon::current_thread_index().is_some();
-            // The worker running the closure may hold a keeper of an earlier call under it,
-            // idle until the closure returns.
-            let kept = keepers_reach_(threads - 1, true);
+            // Every other worker was admitted before the closure started (the door is closed
+            // now); the worker running the closure may also hold a keeper of an earlier call
+            // under it, idle until the closure returns.
+            let admitted = super::ADMITTED.load(std::sync::atomic::Ordering::Acquire);
+            let kept = admitted == threads - 1 && keepers_reach_(threads - 1, true);
             let sum: u64 = (0..100_000u64).into_par_iter().map(|x| x * x).sum();
             // A call from inside runs its closure where it is, adding no keepers.
             let nested = warm_threads(|| (rayon::current_thread_index(), keepers()));

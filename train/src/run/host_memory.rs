@@ -88,9 +88,8 @@ unsafe impl GlobalAlloc for HostAllocator {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: as the caller guarantees.
         unsafe { System.dealloc(ptr, layout) };
-        if layout.size() >= GROWS_HEAP {
-            note_heap_end();
-        }
+        // Any free may let glibc trim the heap (the freed block merging into its top).
+        note_heap_end();
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -98,7 +97,7 @@ unsafe impl GlobalAlloc for HostAllocator {
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if new_size >= GROWS_HEAP {
             advise_heap();
-        } else if layout.size() >= GROWS_HEAP {
+        } else {
             note_heap_end();
         }
         p
@@ -121,16 +120,18 @@ fn advise_heap() {
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
         let start = from.next_multiple_of(page);
         if start < end {
-            // SAFETY: the advice changes only how pages are backed, never their contents or
-            // the mapping; where the heap has shrunk meanwhile, the call fails (ENOMEM) and
-            // changes nothing.
+            // SAFETY: the advice changes only how pages are backed, never their contents.
+            // Where the heap has shrunk meanwhile, the kernel advises the part still mapped
+            // (and whatever mapping may have taken the rest's place) and reports ENOMEM,
+            // which is ignored: harmless either way.
             unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
         }
     }
 }
 
 /// Lowers [`ADVISED_TO`] to the heap's end where the heap has shrunk (glibc trims its top past
-/// [`set_thresholds`]' threshold), so that what grows back is advised again.
+/// [`set_thresholds`]' threshold), so that what grows back is advised again. A read of a
+/// variable (`sbrk(0)`) and an atomic, on every free once advising has begun.
 fn note_heap_end() {
     if !ADVISE_HEAP.load(Ordering::Relaxed) {
         return;
@@ -139,7 +140,9 @@ fn note_heap_end() {
     {
         // SAFETY: `sbrk(0)` only reads the current break.
         let end = unsafe { libc::sbrk(0) } as usize;
-        ADVISED_TO.fetch_min(end, Ordering::Relaxed);
+        if end < ADVISED_TO.load(Ordering::Relaxed) {
+            ADVISED_TO.fetch_min(end, Ordering::Relaxed);
+        }
     }
 }
 
