@@ -32,12 +32,13 @@ pub fn gather_u64(comm: &Comm, mine: u64) -> Result<Vec<u64>> {
 /// steps) and `gpt2` (T 256, B 4) about 60,000; with one arena about 5 and 60. `small-cpu`
 /// ran 2.7% faster with it (8 pairs, Emerald Rapids).
 /// Blocks are allocated per tensor, not per element, so threads seldom meet on the arena's
-/// lock.
+/// lock. Also notes where the heap starts, for [`HostAllocator`].
 pub fn one_arena() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: as in `set_thresholds`.
+    // SAFETY: as in `set_thresholds`; `sbrk(0)` only reads the current break.
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 1);
+        HEAP_START.store(libc::sbrk(0) as usize, Ordering::Relaxed);
     }
 }
 
@@ -54,6 +55,8 @@ pub fn one_arena() {
 #[derive(Debug)]
 pub struct HostAllocator;
 
+/// The break when `main` started (about where the heap begins), or 0.
+static HEAP_START: AtomicUsize = AtomicUsize::new(0);
 /// Whether the heap's growth is advised for huge pages.
 static ADVISE_HEAP: AtomicBool = AtomicBool::new(false);
 /// The end of the heap as far as it has been advised (or was when advising began).
@@ -148,15 +151,37 @@ fn note_heap_end() {
 
 /// Starts advising the heap's growth from here on for huge pages ([`HostAllocator`], where
 /// it is the process's allocator).
+///
+/// The heap so far is advised too, and its free pages given back (`malloc_trim`): a run that
+/// first trained its tokenizer in the same process has a heap grown and freed before training
+/// starts, which the step's tensors then reuse without growing it; given back, its free
+/// stretches fault in again as huge pages where a whole 2 MiB of them is free.
 fn advise_heap_from_now() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         // SAFETY: `sbrk(0)` only reads the current break.
         let end = unsafe { libc::sbrk(0) } as usize;
-        ADVISED_TO.fetch_max(end, Ordering::Relaxed);
+        let start = match HEAP_START.load(Ordering::Relaxed) {
+            0 => end,
+            start => start,
+        };
+        // SAFETY: `sysconf` only reads a constant of the system.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+        let start = start.next_multiple_of(page);
+        if start < end {
+            // SAFETY: as in `advise_heap`.
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        }
+        // SAFETY: `malloc_trim` only gives free memory back, under glibc's lock; as in
+        // `set_thresholds` for `mallopt`.
+        unsafe {
+            libc::malloc_trim(0);
+            libc::mallopt(libc::M_TOP_PAD, TOP_PAD);
+        }
+        // SAFETY: `sbrk(0)` only reads the current break.
+        let end = unsafe { libc::sbrk(0) } as usize;
+        ADVISED_TO.store(end, Ordering::Relaxed);
         ADVISE_HEAP.store(true, Ordering::Relaxed);
-        // SAFETY: as in `set_thresholds`.
-        unsafe { libc::mallopt(libc::M_TOP_PAD, TOP_PAD) };
     }
 }
 
