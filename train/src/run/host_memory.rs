@@ -118,17 +118,28 @@ fn advise_heap() {
         let end = unsafe { libc::sbrk(0) } as usize;
         // Two threads at once at worst advise a stretch twice.
         let from = ADVISED_TO.swap(end, Ordering::Relaxed);
-        // The page where the last stretch ended is already in use; advise whole pages after it.
-        // SAFETY: `sysconf` only reads a constant of the system.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
-        let start = from.next_multiple_of(page);
-        if start < end {
-            // SAFETY: the advice changes only how pages are backed, never their contents.
-            // Where the heap has shrunk meanwhile, the kernel advises the part still mapped
-            // (and whatever mapping may have taken the rest's place) and reports ENOMEM,
-            // which is ignored: harmless either way.
-            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-        }
+        // The page where the last stretch ended is already in use.
+        advise_pages_from(from, end);
+    }
+}
+
+/// Advises the whole pages from the first page boundary at or after `from` up to `end` for
+/// huge pages; nothing where `end <= from` (the common case, so the page size is read only
+/// past it).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn advise_pages_from(from: usize, end: usize) {
+    if end <= from {
+        return;
+    }
+    // SAFETY: `sysconf` only reads a constant of the system.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+    let start = from.next_multiple_of(page);
+    if start < end {
+        // SAFETY: the advice changes only how pages are backed, never their contents. Where
+        // the heap has shrunk meanwhile, the kernel advises the part still mapped (and
+        // whatever mapping may have taken the rest's place) and reports ENOMEM, which is
+        // ignored: harmless either way.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
     }
 }
 
@@ -165,13 +176,7 @@ fn advise_heap_from_now() {
             0 => end,
             start => start,
         };
-        // SAFETY: `sysconf` only reads a constant of the system.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
-        let start = start.next_multiple_of(page);
-        if start < end {
-            // SAFETY: as in `advise_heap`.
-            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-        }
+        advise_pages_from(start, end);
         // SAFETY: `malloc_trim` only gives free memory back, under glibc's lock; as in
         // `set_thresholds` for `mallopt`.
         unsafe {
