@@ -96,13 +96,17 @@ pub(super) fn packs_lhs([ars, acs]: [isize; 2], n: usize) -> bool {
     acs != 1 && (ars != 1 || n > NR)
 }
 
-/// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`, on the calling
-/// thread: operands as in [`super::product::product`].
+/// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`, or, where `bias`
+/// is not null and `accumulate` is not set, `dst = bias + beta * lhs rhs` (`bias` a row of
+/// `n` values added to every row), on the calling thread: operands as in
+/// [`super::product::product`]. The bias is added where `accumulate` adds `dst`, so the bits
+/// are those of `dst` filled with copies of it and `accumulate`.
 ///
 /// # Safety
 /// [`available`]; every addressed element is in bounds, and no other thread writes `dst`'s
-/// elements.
+/// elements; a bias holds `n` values.
 #[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn product(
     [m, n, k]: [usize; 3],
     (c, ldc): (*mut f32, isize),
@@ -110,11 +114,23 @@ pub(super) unsafe fn product(
     (b, [brs, bcs]): (*const f32, [isize; 2]),
     beta: f32,
     accumulate: bool,
+    bias: *const f32,
 ) {
     if m == 0 || n == 0 {
         return;
     }
+    let bias = if accumulate { std::ptr::null() } else { bias };
     if k == 0 {
+        if !bias.is_null() {
+            for i in 0..m {
+                // SAFETY: row i's n elements and the bias's n are in bounds, as the caller
+                // guarantees.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bias, c.offset(i as isize * ldc), n);
+                }
+            }
+            return;
+        }
         if !accumulate {
             for i in 0..m {
                 // SAFETY: row i's n elements are in bounds, as the caller guarantees.
@@ -143,7 +159,13 @@ pub(super) unsafe fn product(
                 if pack_lhs {
                     pack_columns(a.offset(p0 as isize * acs), [m, depth], [ars, acs], ap);
                 }
-                let add = accumulate || p0 > 0;
+                let onto = if accumulate || p0 > 0 {
+                    Onto::Dst
+                } else if !bias.is_null() {
+                    Onto::Bias(bias)
+                } else {
+                    Onto::Zero
+                };
                 // This block of `lhs`, how tiles read it, and the distance between its rows.
                 let (block, lhs, row) = if acs == 1 {
                     (a.add(p0), Lhs::Rows(ars), ars)
@@ -162,13 +184,33 @@ pub(super) unsafe fn product(
                         for jr in (0..width).step_by(NR) {
                             let out = (c.offset(i0 as isize * ldc + (j0 + jr) as isize), ldc);
                             let shape = [rows, NR.min(width - jr), depth];
-                            tile(shape, (at, lhs), bp.add(jr * depth), out, beta, add);
+                            let onto = onto.at_column(j0 + jr);
+                            tile(shape, (at, lhs), bp.add(jr * depth), out, beta, onto);
                         }
                     }
                 }
             }
         }
     })
+}
+
+/// What a tile's sums are added to as they are stored: nothing, the output's values, or a
+/// row of values (the bias), the same for each of the tile's rows.
+#[derive(Clone, Copy)]
+enum Onto {
+    Zero,
+    Dst,
+    Bias(*const f32),
+}
+
+impl Onto {
+    /// The same for the tile whose first column is `j`.
+    fn at_column(self, j: usize) -> Onto {
+        match self {
+            Onto::Bias(b) => Onto::Bias(b.wrapping_add(j)),
+            onto => onto,
+        }
+    }
 }
 
 /// Lane masks of a tile row's vectors for its first `cols` columns.
@@ -354,7 +396,7 @@ unsafe fn pack_columns(
 }
 
 /// One tile: `[rows, cols, depth]` of the output at `out` from `lhs` read as `Lhs` says
-/// and a packed panel of `rhs`, scaled by `beta`, added to the output when `add`.
+/// and a packed panel of `rhs`, scaled by `beta`, added to what `onto` says.
 ///
 /// # Safety
 /// The CPU has AVX-512 F; `rows <= MR`, `cols <= NR`; the elements addressed are in bounds.
@@ -365,7 +407,7 @@ unsafe fn tile(
     panel: *const f32,
     out: (*mut f32, isize),
     beta: f32,
-    add: bool,
+    onto: Onto,
 ) {
     let vectors = cols.div_ceil(16);
     let masks = masks(cols);
@@ -373,14 +415,14 @@ unsafe fn tile(
         ($($r:literal)*) => {
             match (rows, vectors, lhs) {
                 $(
-                    ($r, 1, Lhs::Rows(s)) => micro::<$r, 1, true>(depth, a, s, panel, out, beta, add, masks),
-                    ($r, 2, Lhs::Rows(s)) => micro::<$r, 2, true>(depth, a, s, panel, out, beta, add, masks),
-                    ($r, 3, Lhs::Rows(s)) => micro::<$r, 3, true>(depth, a, s, panel, out, beta, add, masks),
-                    ($r, 4, Lhs::Rows(s)) => micro::<$r, 4, true>(depth, a, s, panel, out, beta, add, masks),
-                    ($r, 1, Lhs::Columns(s)) => micro::<$r, 1, false>(depth, a, s, panel, out, beta, add, masks),
-                    ($r, 2, Lhs::Columns(s)) => micro::<$r, 2, false>(depth, a, s, panel, out, beta, add, masks),
-                    ($r, 3, Lhs::Columns(s)) => micro::<$r, 3, false>(depth, a, s, panel, out, beta, add, masks),
-                    ($r, 4, Lhs::Columns(s)) => micro::<$r, 4, false>(depth, a, s, panel, out, beta, add, masks),
+                    ($r, 1, Lhs::Rows(s)) => micro::<$r, 1, true>(depth, a, s, panel, out, beta, onto, masks),
+                    ($r, 2, Lhs::Rows(s)) => micro::<$r, 2, true>(depth, a, s, panel, out, beta, onto, masks),
+                    ($r, 3, Lhs::Rows(s)) => micro::<$r, 3, true>(depth, a, s, panel, out, beta, onto, masks),
+                    ($r, 4, Lhs::Rows(s)) => micro::<$r, 4, true>(depth, a, s, panel, out, beta, onto, masks),
+                    ($r, 1, Lhs::Columns(s)) => micro::<$r, 1, false>(depth, a, s, panel, out, beta, onto, masks),
+                    ($r, 2, Lhs::Columns(s)) => micro::<$r, 2, false>(depth, a, s, panel, out, beta, onto, masks),
+                    ($r, 3, Lhs::Columns(s)) => micro::<$r, 3, false>(depth, a, s, panel, out, beta, onto, masks),
+                    ($r, 4, Lhs::Columns(s)) => micro::<$r, 4, false>(depth, a, s, panel, out, beta, onto, masks),
                 )*
                 _ => unreachable!("a tile is at most {MR} x {NR}"),
             }
@@ -404,7 +446,7 @@ unsafe fn micro<const R: usize, const W: usize, const ROWS: bool>(
     panel: *const f32,
     (c, ldc): (*mut f32, isize),
     beta: f32,
-    add: bool,
+    onto: Onto,
     masks: [u16; V],
 ) {
     // SAFETY: reads of the operands and the tile's output as the caller guarantees; the
@@ -444,14 +486,18 @@ unsafe fn micro<const R: usize, const W: usize, const ROWS: bool>(
             }
         }
         let beta = _mm512_set1_ps(beta);
+        let bias: [__m512; W] = std::array::from_fn(|h| match onto {
+            Onto::Bias(b) => _mm512_maskz_loadu_ps(masks[h], b.add(16 * h)),
+            _ => _mm512_setzero_ps(),
+        });
         for (i, acc) in acc.iter().enumerate() {
             let row = c.offset(i as isize * ldc);
             for (h, &acc) in acc.iter().enumerate() {
                 let to = row.add(16 * h);
-                let v = if add {
-                    _mm512_fmadd_ps(acc, beta, _mm512_maskz_loadu_ps(masks[h], to))
-                } else {
-                    _mm512_mul_ps(acc, beta)
+                let v = match onto {
+                    Onto::Dst => _mm512_fmadd_ps(acc, beta, _mm512_maskz_loadu_ps(masks[h], to)),
+                    Onto::Bias(_) => _mm512_fmadd_ps(acc, beta, bias[h]),
+                    Onto::Zero => _mm512_mul_ps(acc, beta),
                 };
                 _mm512_mask_storeu_ps(to, masks[h], v);
             }
@@ -547,6 +593,7 @@ mod tests {
                             (rhs.as_ptr(), rs),
                             0.5,
                             accumulate,
+                            std::ptr::null(),
                         )
                     };
                     let at = |v: &[f32], [rs, cs]: [isize; 2], i: usize, j: usize| {

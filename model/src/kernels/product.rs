@@ -25,7 +25,7 @@ const _: () = assert!(SPLIT_COLUMNS.is_multiple_of(avx512::NR));
 /// # Safety
 /// Every addressed element is in bounds; no other thread reads or writes `dst`'s elements.
 pub(crate) unsafe fn product(
-    [m, n, k]: [usize; 3],
+    mnk: [usize; 3],
     dst: (*mut f32, isize),
     lhs: (*const f32, [isize; 2]),
     rhs: (*const f32, [isize; 2]),
@@ -33,15 +33,88 @@ pub(crate) unsafe fn product(
     accumulate: bool,
     parallel: bool,
 ) {
+    let onto = if accumulate { Onto::Dst } else { Onto::Zero };
+    // SAFETY: as the caller guarantees.
+    unsafe { product_onto(mnk, dst, lhs, rhs, beta, onto, parallel) }
+}
+
+/// Whether [`product_with_bias`] runs here: on CPUs with AVX-512, whose product adds a bias
+/// as it stores its first sums.
+pub(crate) fn folds_bias() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx512::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `dst = bias + lhs rhs`, `bias` (`n` values) added to every row: what [`product`] with
+/// `dst` first filled with copies of `bias` and `accumulate` gives, bit for bit, without the
+/// pass that fills `dst` (the first block of the inner dimension adds the bias where it would
+/// read `dst`).
+///
+/// # Safety
+/// As for [`product`]; [`folds_bias`]; `bias` holds `n` values.
+pub(crate) unsafe fn product_with_bias(
+    mnk: [usize; 3],
+    dst: (*mut f32, isize),
+    lhs: (*const f32, [isize; 2]),
+    rhs: (*const f32, [isize; 2]),
+    bias: *const f32,
+    parallel: bool,
+) {
+    assert!(
+        folds_bias(),
+        "a bias folded into a product on a CPU without AVX-512"
+    );
+    // SAFETY: as the caller guarantees.
+    unsafe { product_onto(mnk, dst, lhs, rhs, 1.0, Onto::Bias(bias), parallel) }
+}
+
+/// What a product's sums are added to: nothing, the output's values, or a row of `n` values
+/// (the last on CPUs with AVX-512 only).
+#[derive(Clone, Copy)]
+enum Onto {
+    Zero,
+    Dst,
+    Bias(*const f32),
+}
+
+/// [`product`], its sums added onto `onto`.
+///
+/// # Safety
+/// As for [`product`]; with [`Onto::Bias`], the CPU has AVX-512 and the bias holds `n` values.
+unsafe fn product_onto(
+    [m, n, k]: [usize; 3],
+    dst: (*mut f32, isize),
+    lhs: (*const f32, [isize; 2]),
+    rhs: (*const f32, [isize; 2]),
+    beta: f32,
+    onto: Onto,
+    parallel: bool,
+) {
     let large = parallel && m * n * k >= PARALLEL_MACS;
+    let accumulate = matches!(onto, Onto::Dst);
     #[cfg(target_arch = "x86_64")]
     if avx512::available() {
+        let bias = match onto {
+            Onto::Bias(b) => In(b),
+            _ => In(std::ptr::null()),
+        };
         let threads = rayon::current_num_threads();
         let (out, out_rs) = (Out(dst.0), dst.1);
         let (a, b) = ((In(lhs.0), lhs.1), (In(rhs.0), rhs.1));
         // Rows r0.. and columns c0.. of the output, `[rows, cols]` of them, on this thread.
         let block = |[r0, c0]: [usize; 2], [rows, cols]: [usize; 2]| {
             let ((lhs, ls), (rhs, rs)) = (a, b);
+            // The bias of these columns.
+            let bias = match bias.get() {
+                b if b.is_null() => b,
+                b => b.wrapping_add(c0),
+            };
             // SAFETY: as the caller guarantees, for this block of `dst` and the rows of `lhs`
             // and columns of `rhs` it reads; the CPU has AVX-512.
             unsafe {
@@ -52,6 +125,7 @@ pub(crate) unsafe fn product(
                     (rhs.get().offset(c0 as isize * rs[1]), rs),
                     beta,
                     accumulate,
+                    bias,
                 )
             }
         };
@@ -74,6 +148,7 @@ pub(crate) unsafe fn product(
         }
         return;
     }
+    debug_assert!(!matches!(onto, Onto::Bias(_)), "a bias onto gemm's product");
     // SAFETY: as the caller guarantees.
     unsafe { with_gemm([m, n, k], dst, lhs, rhs, beta, accumulate, large) }
 }
@@ -179,9 +254,61 @@ unsafe impl<E> Sync for Out<E> {}
 
 #[cfg(test)]
 mod tests {
-    use super::product;
+    use super::{folds_bias, product, product_with_bias};
     use crate::kernels::simd::LEVEL_CAP;
     use crate::kernels::tests::values;
+
+    #[test]
+    fn a_bias_folded_into_the_product_has_the_bits_of_rows_filled_with_it_and_accumulated() {
+        if !folds_bias() {
+            eprintln!("skipped: this CPU has no AVX-512, so linear layers fill their bias first");
+            return;
+        }
+        // Columns around a tile's 64 and a thread's piece, inner dimensions of none, one block
+        // and more than one (of at most 768 steps), rows split by columns and by rows, on one
+        // thread and on two.
+        for mnk @ [m, n, k] in [[7, 65, 3], [96, 300, 100], [400, 60, 100], [13, 130, 0]]
+            .into_iter()
+            .chain([[50, 200, 1700]])
+        {
+            let (lhs, rhs, bias) = (
+                values(m * k, 31, 1.0),
+                values(k * n, 32, 1.0),
+                values(n, 33, 1.0),
+            );
+            for threads in [1, 2] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let (mut filled, mut folded) = (bias.repeat(m), vec![f32::NAN; m * n]);
+                // SAFETY: each operand spans its rows and columns at the strides given, the
+                // bias n values; the CPU folds a bias.
+                pool.install(|| unsafe {
+                    let operands = |dst: &mut Vec<f32>| {
+                        (
+                            (dst.as_mut_ptr(), n as isize),
+                            (lhs.as_ptr(), [k as isize, 1]),
+                            (rhs.as_ptr(), [n as isize, 1]),
+                        )
+                    };
+                    let (dst, l, r) = operands(&mut filled);
+                    product(mnk, dst, l, r, 1.0, true, true);
+                    let (dst, l, r) = operands(&mut folded);
+                    product_with_bias(mnk, dst, l, r, bias.as_ptr(), true);
+                });
+                for (i, (f, g)) in filled.iter().zip(&folded).enumerate() {
+                    assert_eq!(
+                        f.to_bits(),
+                        g.to_bits(),
+                        "{mnk:?} on {threads} threads: ({}, {}) is {g}, not {f}",
+                        i / n,
+                        i % n
+                    );
+                }
+            }
+        }
+    }
 
     /// `dst (+)= 0.5 lhs rhs` on a pool of `threads`, with `lhs` stored row-major or
     /// transposed (`lhs_t`) and `rhs` stored row-major or transposed (`rhs_t`), the kernels'
