@@ -77,6 +77,7 @@ pub(crate) unsafe fn product_with_bias(
 /// What a product's sums are added to: nothing, the output's values, or a row of `n` values
 /// (the last on CPUs with AVX-512 only).
 #[derive(Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 enum Onto {
     Zero,
     Dst,
