@@ -17,8 +17,6 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::product::Onto;
-
 /// Output rows per tile: one broadcast of `lhs` each per step.
 pub(super) const MR: usize = 6;
 /// 16-lane vectors per tile row.
@@ -98,37 +96,45 @@ pub(super) fn packs_lhs([ars, acs]: [isize; 2], n: usize) -> bool {
     acs != 1 && (ars != 1 || n > NR)
 }
 
-/// `dst = beta * lhs rhs` added onto what `onto` says (nothing, `dst` itself, or a bias row
-/// added to every row), on the calling thread: operands as in [`super::product::product`].
-/// A bias is added where [`Onto::Dst`] adds `dst`, so the bits are those of `dst` filled with
-/// copies of it and added onto.
+/// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`, or, where `bias`
+/// is not null and `accumulate` is not set, `dst = bias + beta * lhs rhs` (`bias` a row of
+/// `n` values added to every row), on the calling thread: operands as in
+/// [`super::product::product`]. The bias is added where `accumulate` adds `dst`, so the bits
+/// are those of `dst` filled with copies of it and `accumulate`.
 ///
 /// # Safety
 /// [`available`]; every addressed element is in bounds, and no other thread writes `dst`'s
 /// elements; a bias holds `n` values.
 #[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn product(
     [m, n, k]: [usize; 3],
     (c, ldc): (*mut f32, isize),
     (a, [ars, acs]): (*const f32, [isize; 2]),
     (b, [brs, bcs]): (*const f32, [isize; 2]),
     beta: f32,
-    onto: Onto,
+    accumulate: bool,
+    bias: *const f32,
 ) {
     if m == 0 || n == 0 {
         return;
     }
+    let bias = if accumulate { std::ptr::null() } else { bias };
     if k == 0 {
-        for i in 0..m {
-            // SAFETY: row i's n elements, and a bias's n, are in bounds, as the caller
-            // guarantees.
-            unsafe {
-                let row = c.offset(i as isize * ldc);
-                match onto {
-                    Onto::Zero => std::slice::from_raw_parts_mut(row, n).fill(0.0),
-                    Onto::Bias(bias) => std::ptr::copy_nonoverlapping(bias, row, n),
-                    Onto::Dst => {}
+        if !bias.is_null() {
+            for i in 0..m {
+                // SAFETY: row i's n elements and the bias's n are in bounds, as the caller
+                // guarantees.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bias, c.offset(i as isize * ldc), n);
                 }
+            }
+            return;
+        }
+        if !accumulate {
+            for i in 0..m {
+                // SAFETY: row i's n elements are in bounds, as the caller guarantees.
+                unsafe { std::slice::from_raw_parts_mut(c.offset(i as isize * ldc), n) }.fill(0.0);
             }
         }
         return;
@@ -153,8 +159,13 @@ pub(super) unsafe fn product(
                 if pack_lhs {
                     pack_columns(a.offset(p0 as isize * acs), [m, depth], [ars, acs], ap);
                 }
-                // Later blocks add onto the sums of the earlier ones.
-                let onto = if p0 > 0 { Onto::Dst } else { onto };
+                let onto = if accumulate || p0 > 0 {
+                    Onto::Dst
+                } else if !bias.is_null() {
+                    Onto::Bias(bias)
+                } else {
+                    Onto::Zero
+                };
                 // This block of `lhs`, how tiles read it, and the distance between its rows.
                 let (block, lhs, row) = if acs == 1 {
                     (a.add(p0), Lhs::Rows(ars), ars)
@@ -181,6 +192,25 @@ pub(super) unsafe fn product(
             }
         }
     })
+}
+
+/// What a tile's sums are added to as they are stored: nothing, the output's values, or a
+/// row of values (the bias), the same for each of the tile's rows.
+#[derive(Clone, Copy)]
+enum Onto {
+    Zero,
+    Dst,
+    Bias(*const f32),
+}
+
+impl Onto {
+    /// The same for the tile whose first column is `j`.
+    fn at_column(self, j: usize) -> Onto {
+        match self {
+            Onto::Bias(b) => Onto::Bias(b.wrapping_add(j)),
+            onto => onto,
+        }
+    }
 }
 
 /// Lane masks of a tile row's vectors for its first `cols` columns.
@@ -477,7 +507,7 @@ unsafe fn micro<const R: usize, const W: usize, const ROWS: bool>(
 
 #[cfg(test)]
 mod tests {
-    use super::{KC, KC_LARGE_L2, MR, NC, NR, Onto, PANELS, available, block_for, kc, product};
+    use super::{KC, KC_LARGE_L2, MR, NC, NR, PANELS, available, block_for, kc, product};
     use crate::kernels::tests::values;
 
     /// How an operand of `rows x cols` is stored: row-major, column-major, or with neither
@@ -562,7 +592,8 @@ mod tests {
                             (lhs.as_ptr(), ls),
                             (rhs.as_ptr(), rs),
                             0.5,
-                            if accumulate { Onto::Dst } else { Onto::Zero },
+                            accumulate,
+                            std::ptr::null(),
                         )
                     };
                     let at = |v: &[f32], [rs, cs]: [isize; 2], i: usize, j: usize| {

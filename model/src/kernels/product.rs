@@ -74,30 +74,14 @@ pub(crate) unsafe fn product_with_bias(
     unsafe { product_onto(mnk, dst, lhs, rhs, 1.0, Onto::Bias(bias), parallel) }
 }
 
-/// What a product's sums are added to as they are stored: nothing, the output's values, or
-/// a row of values added to every output row (a bias; on CPUs with AVX-512 only).
+/// What a product's sums are added to: nothing, the output's values, or a row of `n` values
+/// (the last on CPUs with AVX-512 only).
 #[derive(Clone, Copy)]
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(super) enum Onto {
+enum Onto {
     Zero,
     Dst,
     Bias(*const f32),
-}
-
-// SAFETY: a bias is only read, while the product that was given it runs.
-unsafe impl Send for Onto {}
-// SAFETY: as for `Send`.
-unsafe impl Sync for Onto {}
-
-#[cfg(target_arch = "x86_64")]
-impl Onto {
-    /// The same for the output's columns from `j` on.
-    pub(super) fn at_column(self, j: usize) -> Onto {
-        match self {
-            Onto::Bias(b) => Onto::Bias(b.wrapping_add(j)),
-            onto => onto,
-        }
-    }
 }
 
 /// [`product`], its sums added onto `onto`.
@@ -117,12 +101,21 @@ unsafe fn product_onto(
     let accumulate = matches!(onto, Onto::Dst);
     #[cfg(target_arch = "x86_64")]
     if avx512::available() {
+        let bias = match onto {
+            Onto::Bias(b) => In(b),
+            _ => In(std::ptr::null()),
+        };
         let threads = rayon::current_num_threads();
         let (out, out_rs) = (Out(dst.0), dst.1);
         let (a, b) = ((In(lhs.0), lhs.1), (In(rhs.0), rhs.1));
         // Rows r0.. and columns c0.. of the output, `[rows, cols]` of them, on this thread.
         let block = |[r0, c0]: [usize; 2], [rows, cols]: [usize; 2]| {
             let ((lhs, ls), (rhs, rs)) = (a, b);
+            // The bias of these columns.
+            let bias = match bias.get() {
+                b if b.is_null() => b,
+                b => b.wrapping_add(c0),
+            };
             // SAFETY: as the caller guarantees, for this block of `dst` and the rows of `lhs`
             // and columns of `rhs` it reads; the CPU has AVX-512.
             unsafe {
@@ -132,7 +125,8 @@ unsafe fn product_onto(
                     (lhs.get().offset(r0 as isize * ls[0]), ls),
                     (rhs.get().offset(c0 as isize * rs[1]), rs),
                     beta,
-                    onto.at_column(c0),
+                    accumulate,
+                    bias,
                 )
             }
         };
