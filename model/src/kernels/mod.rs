@@ -343,9 +343,13 @@ pub fn f32_products() -> String {
             Some(bytes) => format!("this CPU's {} KiB L2", bytes >> 10),
             None => "an L2 this CPU does not report".into(),
         };
+        let ahead = match avx512::panel_ahead() {
+            0 => String::new(),
+            steps => format!(", panels prefetched {steps} steps ahead"),
+        };
         return format!(
             "f32 products on ember's AVX-512 kernels (FMA, 6 x 64 register tiles, blocks of \
-             {} steps for {l2})",
+             {} steps{ahead} for {l2})",
             avx512::kc()
         );
     }
