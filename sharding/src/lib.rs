@@ -302,6 +302,7 @@ pub mod optim;
 pub mod params;
 pub mod plan;
 pub mod plumbing;
+mod reduce;
 mod rows;
 mod side;
 mod source;

@@ -963,8 +963,8 @@ fn impurity(what: &str, first: Tensor<1>, again: Tensor<1>) -> Result<Option<Str
     let tolerance = rounding_tolerance(first.dtype());
     let first = first.cast(DType::F32);
     let again = again.cast(DType::F32);
-    let scale = scalar(first.clone().abs().max())?;
-    let diff = scalar((first - again).abs().max())?;
+    let scale = scalar(crate::reduce::max(first.clone().abs()))?;
+    let diff = scalar(crate::reduce::max((first - again).abs()))?;
     // A forward that is not finite says nothing about purity (training diverged).
     if !scale.is_finite() || diff <= tolerance * scale {
         return Ok(None);

@@ -114,8 +114,8 @@ pub(crate) fn scale_by(t: Tensor<1>, factors: &[f64]) -> Tensor<1> {
 
 /// The sum of the squares of an f32 tensor's elements, accumulated in f64: in one pass on
 /// rayon's threads over pieces of fixed bounds whose sums are added in order, so the result
-/// does not depend on the thread count. Elsewhere it is Burn's `square` and `sum`, and the
-/// device's failure to compute it an error.
+/// does not depend on the thread count. Elsewhere it is Burn's `square` and a sum in stages
+/// ([`crate::reduce::sum`]), and the device's failure to compute it an error.
 pub(crate) fn sum_of_squares(t: &Tensor<1>) -> Result<f64, crate::error::ShardError> {
     if let Some(s) = flex(t).as_ref().and_then(|f| f.as_slice::<f32>()) {
         const LANES: usize = 8;
@@ -141,7 +141,7 @@ pub(crate) fn sum_of_squares(t: &Tensor<1>) -> Result<f64, crate::error::ShardEr
             .collect();
         return Ok(pieces.iter().sum());
     }
-    scalar(t.clone().square().sum())
+    scalar(crate::reduce::sum(t.clone().square()))
 }
 
 /// `parts` joined end to end as one f32 tensor, bf16 parts widened on the way: Burn's `cast`
