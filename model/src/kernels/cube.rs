@@ -1,9 +1,12 @@
 //! What ember's CubeCL kernels share: the element types a launch names, a grid of one cube per
-//! row beyond 65535 rows, and reductions over a cube in shared memory.
+//! row beyond 65535 rows, reductions over a cube in shared memory, and sums over many rows
+//! in blocks.
 
 use std::sync::Arc;
 
-use burn::tensor::DType;
+use burn::backend::Backend;
+use burn::backend::tensor::FloatTensor;
+use burn::tensor::{DType, Shape, Slice};
 use cubecl::CubeKernel;
 use cubecl::ir::{DeviceProperties, TargetProperties};
 use cubecl::prelude::*;
@@ -11,6 +14,35 @@ use cubecl::prelude::*;
 /// Units per row of the row kernels (cross-entropy, LayerNorm): they stride over the row,
 /// then reduce in shared memory.
 pub(crate) const ROW_UNITS: usize = 256;
+
+/// Rows of a `[rows, d]` tensor that one `sum_dim` over them takes, at most: Burn's
+/// `sum_dim` on wgpu (Burn 0.22 over lavapipe) is wrong along an axis of 65,536 or more.
+pub(crate) const SUM_ROWS: usize = 4096;
+
+/// `t` of `[rows, d]` summed over its rows, as `[1, d]`: blocks of [`SUM_ROWS`] rows first,
+/// then the blocks' sums, so that no axis Burn sums is longer than [`SUM_ROWS`]. At most
+/// [`SUM_ROWS`] rows, it is Burn's `sum_dim` alone.
+pub(crate) fn sum_rows<B: Backend>(
+    mut t: FloatTensor<B>,
+    mut rows: usize,
+    d: usize,
+) -> FloatTensor<B> {
+    while rows > SUM_ROWS {
+        let blocks = rows / SUM_ROWS;
+        let whole = blocks * SUM_ROWS;
+        let body = B::float_slice(t.clone(), &[Slice::from(0..whole), Slice::from(0..d)]);
+        let body = B::float_reshape(body, Shape::new([blocks, SUM_ROWS, d]));
+        let body = B::float_reshape(B::float_sum_dim(body, 1), Shape::new([blocks, d]));
+        t = if whole < rows {
+            let rest = B::float_slice(t, &[Slice::from(whole..rows), Slice::from(0..d)]);
+            B::float_cat(vec![body, B::float_sum_dim(rest, 0)], 0)
+        } else {
+            body
+        };
+        rows = blocks + usize::from(whole < rows);
+    }
+    B::float_sum_dim(t, 0)
+}
 
 /// CubeCL's element type of a Burn dtype, as a launch's `#[define]` takes it.
 pub(crate) fn elem_type(dtype: DType) -> ElemType {

@@ -181,7 +181,7 @@ impl<B: CubeGeluOps> Backward<B, 2> for BiasGeluBackward {
         let dx = B::cube_bias_gelu_backward(x, bias, dy);
         if let Some(pb) = pb {
             let rowed = B::float_reshape(dx.clone(), Shape::new([rows, d]));
-            let db = B::float_reshape(B::float_sum_dim(rowed, 0), Shape::new([d]));
+            let db = B::float_reshape(super::cube::sum_rows::<B>(rowed, rows, d), Shape::new([d]));
             grads.register::<B>(pb.id, db);
         }
         if let Some(px) = px {
