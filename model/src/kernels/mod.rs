@@ -322,7 +322,14 @@ pub fn softmax_cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tens
             logits.into_dispatch(),
             targets.into_dispatch(),
         ));
-        return rows.mean().cast(dtype);
+        let n = rows.dims()[0];
+        if n <= cube::SUM_ROWS {
+            return rows.mean().cast(dtype);
+        }
+        // Burn's own mean on wgpu is wrong past 524,288 rows: a sum in blocks, over n.
+        let column = rows.reshape([n, 1]).into_dispatch();
+        let sum = Tensor::<2>::from_dispatch(cube::sum_rows::<Dispatch>(column, n, 1));
+        return sum.reshape([1]).div_scalar(n as f64).cast(dtype);
     }
     composed_softmax_cross_entropy(logits, targets)
 }
