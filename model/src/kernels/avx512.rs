@@ -6,13 +6,14 @@
 //! broadcasts one element of `lhs` per row. `rhs` is packed, a block of [`kc`] x [`NC`] at a
 //! time (512 KiB, or 768 KiB where a core's L2 is 2 MiB or more: held in L2), into panels
 //! laid out in the order the tiles read them, which on such a CPU ask for a panel's lines
-//! [`PANEL_AHEAD`] steps before they read them; a transposed `rhs` is packed through 16 x 16 register transposes. `lhs` is read where it
-//! lies when its rows are contiguous, and otherwise packed once per block of the inner
-//! dimension into panels of [`MR`] rows where more than one tile column reads them: read in
-//! place, a transposed `lhs`'s steps lie a row stride apart, often a multiple of 4 KiB, and
-//! land on a few of L1's sets. Every output element is one f32 fused
-//! multiply-add chain over the inner dimension in order, a block of [`kc`] at a time, so the
-//! result does not depend on how the caller splits the output between threads.
+//! [`PANEL_AHEAD`] steps before they read them; a transposed `rhs` is packed through 16 x 16
+//! register transposes. `lhs` is read where it lies when its rows are contiguous, and
+//! otherwise packed once per block of the inner dimension into panels of [`MR`] rows where
+//! more than one tile column reads them: read in place, a transposed `lhs`'s steps lie a row
+//! stride apart, often a multiple of 4 KiB, and land on a few of L1's sets. Every output
+//! element is one f32 fused multiply-add chain over the inner dimension in order, a block of
+//! [`kc`] at a time, so the result does not depend on how the caller splits the output between
+//! threads.
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
@@ -36,10 +37,10 @@ const KC_LARGE_L2: usize = 768;
 /// Steps of the inner dimension a tile asks for its panel's lines ahead of reading them,
 /// where a core's L2 is 2 MiB or more: a step reads four lines of the panel, which sits in
 /// L2, and the core's own prefetchers fetch them too late. On an Emerald Rapids core, gpt2's
-/// products (T 256, B 4) took 6-8% less time at 12 steps than without, and its f32 training
-/// step 3.4% less (BENCHMARKS.md, "The panel's lines asked for ahead"); 6 and 8 were slower
-/// than 12, 16 and 24 no faster. Unmeasured on CPUs with less L2 (Zen 4 and Zen 5), which
-/// run the tiles as before.
+/// products (T 256, B 4) took 2.7-3.6% less time at 12 steps than without (medians of pairs),
+/// and its f32 training step 1.2-3.4% less (BENCHMARKS.md, "The panel's lines asked for
+/// ahead"); 6 and 8 were slower than 12, 16 and 24 no faster. Unmeasured on CPUs with less
+/// L2 (Zen 4 and Zen 5), which run the tiles as before.
 const PANEL_AHEAD: usize = 12;
 
 /// The most steps of the inner dimension per block on this CPU: [`KC_LARGE_L2`] where a
