@@ -7,13 +7,14 @@
 //! time (512 KiB, or 768 KiB where a core's L2 is 2 MiB or more: held in L2), into panels
 //! laid out in the order the tiles read them, which on such a CPU ask for a panel's lines
 //! [`PANEL_AHEAD`] steps before they read them; a transposed `rhs` is packed through 16 x 16
-//! register transposes. `lhs` is read where it lies when its rows are contiguous, and
-//! otherwise packed once per block of the inner dimension into panels of [`MR`] rows where
-//! more than one tile column reads them: read in place, a transposed `lhs`'s steps lie a row
-//! stride apart, often a multiple of 4 KiB, and land on a few of L1's sets. Every output
-//! element is one f32 fused multiply-add chain over the inner dimension in order, a block of
-//! [`kc`] at a time, so the result does not depend on how the caller splits the output between
-//! threads.
+//! register transposes. `lhs` is read where it lies when its rows are contiguous, and packed
+//! once per block of the inner dimension into panels of [`MR`] rows where neither stride is 1;
+//! a transposed `lhs` is packed so where more than one tile column reads it on a CPU with
+//! 2 MiB of L2 or more (read in place, its steps lie a row stride apart, often a multiple of
+//! 4 KiB, and land on a few of L1's sets), and read in place elsewhere, which was faster on
+//! Zen 5 ([`packs_transposed`]). Every output element is one f32 fused multiply-add chain
+//! over the inner dimension in order, a block of [`kc`] at a time, so the result does not
+//! depend on how the caller splits the output between threads or whether `lhs` is packed.
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
@@ -114,10 +115,40 @@ pub(super) fn available() -> bool {
 }
 
 /// Whether [`product`] packs an `lhs` of strides `[ars, acs]` for `n` output columns: where
-/// its rows are not contiguous and, if its columns are, its panels are read for more than one
-/// tile column (for one, each of its elements is read once either way).
+/// neither of its strides is 1, and where it is transposed (contiguous columns, a weight
+/// gradient's input) on CPUs that [`packs_transposed`], if its panels are read for more than
+/// one tile column (for one, each of its elements is read once either way).
 pub(super) fn packs_lhs([ars, acs]: [isize; 2], n: usize) -> bool {
-    acs != 1 && (ars != 1 || n > NR)
+    acs != 1 && (ars != 1 || (n > NR && packs_transposed()))
+}
+
+/// Whether a transposed `lhs` is packed on this CPU: where a core's L2 is 2 MiB or more.
+/// Read in place, a transposed `lhs`'s steps lie a row stride apart, often a multiple of
+/// 4 KiB; packed, a tile reads them from one stretch. On an Emerald Rapids core packing paid
+/// (BENCHMARKS.md, "f32 products on Intel: the transposed left operand packed"); on a Zen 5
+/// core (1 MiB of L2) reading in place was faster: gpt2's weight gradients (T 256, B 4) took
+/// 6-30% less time each, its 45 products in all 5.4% less (6 pairs; BENCHMARKS.md,
+/// "Zen 5 against c88c7b8").
+pub(super) fn packs_transposed() -> bool {
+    #[cfg(test)]
+    if let Some(packs) = PACK_TRANSPOSED.with(|p| p.get()) {
+        return packs;
+    }
+    static HERE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HERE.get_or_init(|| packs_transposed_for(ember_cpu::cpu().l2_bytes))
+}
+
+/// [`packs_transposed`] for a core's L2 of `l2` bytes.
+fn packs_transposed_for(l2: Option<usize>) -> bool {
+    large_l2(l2)
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The calling thread's choice for [`packs_transposed`] in this crate's unit tests, which
+    /// run both ways on one CPU; `None`, the CPU's.
+    pub(super) static PACK_TRANSPOSED: std::cell::Cell<Option<bool>> =
+        const { std::cell::Cell::new(None) };
 }
 
 /// `dst = beta * lhs rhs`, or `dst += beta * lhs rhs` when `accumulate`, or, where `bias`
@@ -556,8 +587,8 @@ unsafe fn micro<const R: usize, const W: usize, const ROWS: bool, const AHEAD: u
 #[cfg(test)]
 mod tests {
     use super::{
-        KC, KC_LARGE_L2, MR, NC, NR, PANEL_AHEAD, PANELS, ahead_for, available, block_for, kc,
-        panel_ahead, product,
+        KC, KC_LARGE_L2, MR, NC, NR, PACK_TRANSPOSED, PANEL_AHEAD, PANELS, ahead_for, available,
+        block_for, kc, packs_transposed, packs_transposed_for, panel_ahead, product,
     };
     use crate::kernels::tests::values;
 
@@ -582,22 +613,27 @@ mod tests {
     }
 
     #[test]
-    fn the_block_and_the_prefetch_follow_the_l2() {
-        // 1 MiB (Zen 4, Zen 5) and 1.25 MiB (Ice Lake) keep 512 steps and no prefetch; 2 MiB
-        // (Sapphire and Emerald Rapids) and more take 768 and prefetch; an unknown L2 is
-        // taken as small.
-        for (l2, want, ahead) in [
-            (Some(1 << 20), KC, 0),
-            (Some(1280 << 10), KC, 0),
-            (Some(2 << 20), KC_LARGE_L2, PANEL_AHEAD),
-            (Some(4 << 20), KC_LARGE_L2, PANEL_AHEAD),
-            (None, KC, 0),
+    fn the_block_the_prefetch_and_the_packing_follow_the_l2() {
+        // 1 MiB (Zen 4, Zen 5) and 1.25 MiB (Ice Lake) keep 512 steps, no prefetch and a
+        // transposed lhs in place; 2 MiB (Sapphire and Emerald Rapids) and more take 768,
+        // prefetch and pack it; an unknown L2 is taken as small.
+        for (l2, want, ahead, packs) in [
+            (Some(1 << 20), KC, 0, false),
+            (Some(1280 << 10), KC, 0, false),
+            (Some(2 << 20), KC_LARGE_L2, PANEL_AHEAD, true),
+            (Some(4 << 20), KC_LARGE_L2, PANEL_AHEAD, true),
+            (None, KC, 0, false),
         ] {
             assert_eq!(block_for(l2), want, "L2 of {l2:?} bytes");
             assert_eq!(ahead_for(l2), ahead, "L2 of {l2:?} bytes");
+            assert_eq!(packs_transposed_for(l2), packs, "L2 of {l2:?} bytes");
         }
         assert_eq!(kc(), block_for(ember_cpu::cpu().l2_bytes));
         assert_eq!(panel_ahead(), ahead_for(ember_cpu::cpu().l2_bytes));
+        assert_eq!(
+            packs_transposed(),
+            packs_transposed_for(ember_cpu::cpu().l2_bytes)
+        );
     }
 
     #[test]
@@ -636,24 +672,33 @@ mod tests {
                 let ldc = n + 3;
                 let before = values(m * ldc, 23, 1.0);
                 for accumulate in [false, true] {
-                    let mut out = before.clone();
-                    // SAFETY: the CPU has AVX-512; each operand spans its elements at its
-                    // strides, and `out` m rows of ldc.
-                    unsafe {
-                        product(
-                            [m, n, k],
-                            (out.as_mut_ptr(), ldc as isize),
-                            (lhs.as_ptr(), ls),
-                            (rhs.as_ptr(), rs),
-                            0.5,
-                            accumulate,
-                            std::ptr::null(),
-                        )
-                    };
+                    // A transposed `lhs` read in place and packed: the same bits.
+                    let [out, packed] = [false, true].map(|packs| {
+                        let mut out = before.clone();
+                        PACK_TRANSPOSED.with(|p| p.set(Some(packs)));
+                        // SAFETY: the CPU has AVX-512; each operand spans its elements at its
+                        // strides, and `out` m rows of ldc.
+                        unsafe {
+                            product(
+                                [m, n, k],
+                                (out.as_mut_ptr(), ldc as isize),
+                                (lhs.as_ptr(), ls),
+                                (rhs.as_ptr(), rs),
+                                0.5,
+                                accumulate,
+                                std::ptr::null(),
+                            )
+                        };
+                        PACK_TRANSPOSED.with(|p| p.set(None));
+                        out
+                    });
                     let at = |v: &[f32], [rs, cs]: [isize; 2], i: usize, j: usize| {
                         f64::from(v[(i as isize * rs + j as isize * cs) as usize])
                     };
                     let case = format!("{m}x{n}x{k} {lhs_layout:?} {rhs_layout:?} {accumulate}");
+                    for (i, (a, b)) in out.iter().zip(&packed).enumerate() {
+                        assert_eq!(a.to_bits(), b.to_bits(), "{case}: element {i} packed");
+                    }
                     for i in 0..m {
                         for j in 0..ldc {
                             let (got, was) = (out[i * ldc + j], before[i * ldc + j]);

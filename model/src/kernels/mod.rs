@@ -354,9 +354,14 @@ pub fn f32_products() -> String {
             0 => String::new(),
             steps => format!(", panels prefetched {steps} steps ahead"),
         };
+        let transposed = if avx512::packs_transposed() {
+            ", transposed left operands packed"
+        } else {
+            ", transposed left operands read in place"
+        };
         return format!(
             "f32 products on ember's AVX-512 kernels (FMA, 6 x 64 register tiles, blocks of \
-             {} steps{ahead} for {l2})",
+             {} steps{ahead}{transposed} for {l2})",
             avx512::kc()
         );
     }

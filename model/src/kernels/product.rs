@@ -256,6 +256,7 @@ unsafe impl<E> Sync for Out<E> {}
 #[cfg(test)]
 mod tests {
     use super::{folds_bias, product, product_with_bias};
+    use crate::kernels::avx512::PACK_TRANSPOSED;
     use crate::kernels::simd::LEVEL_CAP;
     use crate::kernels::tests::values;
 
@@ -313,7 +314,9 @@ mod tests {
 
     /// `dst (+)= 0.5 lhs rhs` on a pool of `threads`, with `lhs` stored row-major or
     /// transposed (`lhs_t`) and `rhs` stored row-major or transposed (`rhs_t`), the kernels'
-    /// level capped at `level` (2: the AVX-512 product where the CPU has it; 1: `gemm`'s).
+    /// level capped at `level` (2: the AVX-512 product where the CPU has it; 1: `gemm`'s),
+    /// the split chosen as on a CPU that packs a transposed `lhs` or not (`packs`).
+    #[allow(clippy::too_many_arguments)]
     fn on_threads(
         [m, n, k]: [usize; 3],
         [lhs, rhs, dst]: [&[f32]; 3],
@@ -321,6 +324,7 @@ mod tests {
         threads: usize,
         accumulate: bool,
         level: u8,
+        packs: bool,
     ) -> Vec<f32> {
         let mut dst = dst.to_vec();
         let pool = rayon::ThreadPoolBuilder::new()
@@ -340,6 +344,7 @@ mod tests {
         // SAFETY: every operand spans its `rows x columns` at the strides given.
         pool.install(|| unsafe {
             LEVEL_CAP.with(|c| c.set(level));
+            PACK_TRANSPOSED.with(|p| p.set(Some(packs)));
             product(
                 [m, n, k],
                 (dst.as_mut_ptr(), n as isize),
@@ -357,7 +362,7 @@ mod tests {
     fn a_product_split_over_threads_has_the_bits_of_one_call_and_the_f64_value() {
         // 300 columns split by columns (pieces of 192 and 108 on two threads, 128, 128 and 44
         // on three); 60 columns split by rows; 200 columns by columns, or by rows where `lhs`
-        // is transposed (and larger).
+        // is transposed (and larger) on a CPU that packs it (`avx512::packs_transposed`).
         for mnk @ [m, n, k] in [[96, 300, 100], [400, 60, 100], [300, 200, 100]] {
             assert!(m * n * k >= super::PARALLEL_MACS);
             let (lhs, rhs, before) = (
@@ -369,18 +374,22 @@ mod tests {
             let cases = [[false, false], [false, true], [true, false]]
                 .into_iter()
                 .flat_map(|layout| [false, true].map(|accumulate| (layout, accumulate)))
-                .flat_map(|case| [2, 1].map(|level| (level, case)));
-            for (level, (layout @ [lhs_t, rhs_t], accumulate)) in cases {
-                let one = on_threads(mnk, operands, layout, 1, accumulate, level);
+                .flat_map(|case| [2, 1].map(|level| (level, case)))
+                .flat_map(|case| [false, true].map(|packs| (packs, case)));
+            for (packs, (level, (layout @ [lhs_t, rhs_t], accumulate))) in cases {
+                let on =
+                    |threads| on_threads(mnk, operands, layout, threads, accumulate, level, packs);
+                let one = on(1);
                 for threads in [2, 3] {
-                    let split = on_threads(mnk, operands, layout, threads, accumulate, level);
+                    let split = on(threads);
                     let same = split
                         .iter()
                         .zip(&one)
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(
                         same,
-                        "{mnk:?} {layout:?} level {level}: {threads} threads, {accumulate}"
+                        "{mnk:?} {layout:?} level {level}, packs {packs}: {threads} threads, \
+                         {accumulate}"
                     );
                 }
                 let a = |r: usize, j: usize| {
