@@ -127,7 +127,7 @@ pub(super) fn packs_lhs([ars, acs]: [isize; 2], n: usize) -> bool {
 /// 4 KiB; packed, a tile reads them from one stretch. On an Emerald Rapids core packing paid
 /// (BENCHMARKS.md, "f32 products on Intel: the transposed left operand packed"); on a Zen 5
 /// core (1 MiB of L2) reading in place was faster: gpt2's weight gradients (T 256, B 4) took
-/// 6-30% less time each, its 45 products in all 5.4% less (6 pairs; BENCHMARKS.md,
+/// 6-30% less time each, its 147 products in all 5.4% less (6 pairs; BENCHMARKS.md,
 /// "Zen 5 against c88c7b8").
 pub(super) fn packs_transposed() -> bool {
     #[cfg(test)]
