@@ -22,6 +22,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ember_train::files::metrics::{StepMetrics, read_metrics};
 
+#[path = "support/jobs.rs"]
+mod jobs;
+
 const PARITY_TOL: f64 = 2e-5;
 /// The same runs' gradient norms, relative: a wrong mean (a factor) shows there even where
 /// Adam's clipped steps leave the losses as they are. Measured (Zen 5): 9.2e-8 at most over
@@ -48,8 +51,7 @@ fn run(np: usize, args: &[&str]) -> Output {
 fn run_with(np: usize, vars: &[(&str, &str)], args: &[&str]) -> Output {
     let _one = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
     let exe = env!("CARGO_BIN_EXE_ember");
-    let mut cmd = Command::new("timeout");
-    cmd.args(["--kill-after=5", "900"]);
+    let mut cmd = Command::new(if np > 0 { "mpirun" } else { exe });
     let tmp = std::env::temp_dir().join(format!(
         "ember-mpi-{}-{}",
         std::process::id(),
@@ -57,7 +59,7 @@ fn run_with(np: usize, vars: &[(&str, &str)], args: &[&str]) -> Output {
     ));
     if np > 0 {
         std::fs::create_dir_all(&tmp).unwrap();
-        cmd.args(["mpirun", "-np", &np.to_string(), "--oversubscribe"])
+        cmd.args(["-np", &np.to_string(), "--oversubscribe"])
             .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
             .args(["--mca", "orte_tmpdir_base"])
             .arg(&tmp)
@@ -65,16 +67,15 @@ fn run_with(np: usize, vars: &[(&str, &str)], args: &[&str]) -> Output {
         for (name, _) in vars {
             cmd.args(["-x", name]);
         }
+        cmd.arg(exe);
     }
-    let out = cmd
-        .arg(exe)
-        .args(args)
+    cmd.args(args)
         .envs(vars.iter().copied())
         .env("EMBER_CACHE_DIR", cache_dir())
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .output()
-        .expect("running mpirun (is openmpi-bin installed?)");
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    // A job past 15 minutes is hung: it ends, its stacks in its stderr.
+    let out = jobs::output_within(cmd, std::time::Duration::from_secs(900));
     let _ = std::fs::remove_dir_all(&tmp);
     out
 }
@@ -1074,8 +1075,8 @@ fn keep_last_deletes_older_checkpoints_only_after_a_new_one_is_complete() {
 fn run_split(dirs: [&Path; 2], args: &[&str]) -> (Output, f64) {
     let _one = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
     let exe = env!("CARGO_BIN_EXE_ember");
-    let mut cmd = Command::new("timeout");
-    cmd.args(["--kill-after=5", "120", "mpirun", "--oversubscribe"])
+    let mut cmd = Command::new("mpirun");
+    cmd.arg("--oversubscribe")
         .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
         .args(["-x", "RAYON_NUM_THREADS=1", "-x", "EMBER_CACHE_DIR"]);
     for (i, dir) in dirs.iter().enumerate() {
@@ -1085,12 +1086,10 @@ fn run_split(dirs: [&Path; 2], args: &[&str]) -> (Output, f64) {
         cmd.args(["-np", "1", "-wdir", p(dir), exe]).args(args);
     }
     let start = std::time::Instant::now();
-    let out = cmd
-        .env("EMBER_CACHE_DIR", cache_dir())
+    cmd.env("EMBER_CACHE_DIR", cache_dir())
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .output()
-        .expect("running mpirun");
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    let out = jobs::output_within(cmd, std::time::Duration::from_secs(120));
     (out, start.elapsed().as_secs_f64())
 }
 

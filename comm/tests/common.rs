@@ -12,6 +12,9 @@ use std::time::Duration;
 
 use ember_comm::{Bf16, Comm, CommConfig, PanicPolicy, Topology, TopologySource};
 
+#[path = "../../tests/support/jobs.rs"]
+mod jobs;
+
 /// Set in the ranks' environment: run the MPI body instead of launching.
 pub const CHILD_ENV: &str = "EMBER_MPI_CHILD";
 /// The topology the ranks should use.
@@ -40,7 +43,8 @@ fn session_dir() -> PathBuf {
     dir
 }
 
-/// Runs test `name` of this binary on `np` ranks under `mpirun`, killed after `limit`.
+/// Runs test `name` of this binary on `np` ranks under `mpirun`; a job past `limit` ends with
+/// its ranks' stacks in its stderr and exit status [`jobs::TIMED_OUT`].
 pub fn mpirun(
     name: &str,
     np: usize,
@@ -52,12 +56,8 @@ pub fn mpirun(
     // A failed job must not poison the lock for the tests after it.
     let _one_at_a_time = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
     let tmp = session_dir();
-    let mut cmd = Command::new("timeout");
-    // TERM first so mpirun can take its ranks down with it; KILL if it doesn't within 5 s.
-    cmd.arg("--kill-after=5")
-        .arg(limit.as_secs().to_string())
-        .arg("mpirun")
-        .args(["-np", &np.to_string(), "--oversubscribe"])
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["-np", &np.to_string(), "--oversubscribe"])
         .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
         .args(["--mca", "orte_tmpdir_base"])
         .arg(&tmp)
@@ -79,9 +79,7 @@ pub fn mpirun(
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .envs(env.iter().copied());
-    let out = cmd
-        .output()
-        .expect("running mpirun (is openmpi-bin installed?)");
+    let out = jobs::output_within(cmd, limit);
     let _ = std::fs::remove_dir_all(&tmp);
     out
 }

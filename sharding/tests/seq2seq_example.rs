@@ -295,12 +295,16 @@ fn the_seq2seq_example_trains_as_one_process_and_as_plain_burn() {
     }
     // A block that reads a parameter its unit does not declare: on every rank of the job, an
     // error naming the unit, the parameter and `using`, and the job ends (not at the 300 s
-    // timeout, which `run_job` would report as exit status 124).
+    // limit, which `run_job` would report as exit status `TIMED_OUT`).
     let spec = common::spec("1x2x1", "forgetful/0/0/4", 1, &None, &None);
     let out = common::run_job(TEST, CHILD, &spec, 2);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success(), "{stdout}");
-    assert_ne!(out.status.code(), Some(124), "the job hung: {stdout}");
+    assert_ne!(
+        out.status.code(),
+        Some(common::jobs::TIMED_OUT),
+        "the job hung: {stdout}"
+    );
     for rank in 0..2 {
         // After the test harness's own `test ... ` where a rank's first line follows it.
         let key = format!("ERROR rank {rank}: ");

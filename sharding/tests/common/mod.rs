@@ -4,6 +4,14 @@
 #![allow(dead_code)]
 
 use std::process::Command;
+use std::time::Duration;
+
+#[path = "../../../tests/support/jobs.rs"]
+pub mod jobs;
+
+/// How long one job may run: a cold start of eight wgpu ranks on two cores, compiling every
+/// kernel on lavapipe, takes 30-65 s; a job past this is hung, and fails with its stacks.
+const LIMIT: Duration = Duration::from_secs(300);
 
 /// Runs test `test` of this binary as `np` ranks under `mpirun` (as one process without
 /// `mpirun` when `np` is 0), with `spec` in the ranks' environment variable `child`; returns
@@ -20,8 +28,9 @@ pub fn run_ranks(test: &str, child: &str, spec: &str, np: usize) -> String {
     stdout
 }
 
-/// [`run_ranks`]'s job, whatever its outcome: its status and outputs. `timeout` ends it after
-/// 300 s (exit status 124), so a job that hangs fails the test instead of the test hanging.
+/// [`run_ranks`]'s job, whatever its outcome: its status and outputs. A job past [`LIMIT`] is
+/// ended with its processes' stacks in its stderr and exit status [`jobs::TIMED_OUT`], so a job that
+/// hangs fails the test, saying where it hung, instead of the test hanging.
 pub fn run_job(test: &str, child: &str, spec: &str, np: usize) -> std::process::Output {
     let exe = std::env::current_exe().expect("test binary path");
     // A session directory of its own, so jobs of other test binaries, or of a crashed run,
@@ -32,25 +41,26 @@ pub fn run_job(test: &str, child: &str, spec: &str, np: usize) -> std::process::
         fnv(spec)
     ));
     std::fs::create_dir_all(&tmp).expect("creating the mpirun session directory");
-    let mut command = Command::new("timeout");
-    // TERM first so mpirun can take its ranks down with it; KILL if it doesn't within 5 s.
-    command.args(["--kill-after=5", "300"]);
+    let mut command = if np > 0 {
+        Command::new("mpirun")
+    } else {
+        Command::new(&exe)
+    };
     if np > 0 {
         command
-            .args(["mpirun", "-np", &np.to_string(), "--oversubscribe"])
+            .args(["-np", &np.to_string(), "--oversubscribe"])
             .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
             .args(["--mca", "orte_tmpdir_base"])
             .arg(&tmp)
-            .args(["-x", "RAYON_NUM_THREADS=1", "-x", child]);
+            .args(["-x", "RAYON_NUM_THREADS=1", "-x", child])
+            .arg(&exe);
     }
-    let out = command
-        .arg(&exe)
+    command
         .args(["--exact", test, "--nocapture"])
         .env(child, spec)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .output()
-        .expect("running mpirun (is openmpi-bin installed?)");
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    let out = jobs::output_within(command, LIMIT);
     let _ = std::fs::remove_dir_all(&tmp);
     out
 }
