@@ -441,8 +441,10 @@ pub fn against_torch(
     rounds: usize,
 ) -> CliResult<Vec<PairedBench>> {
     let python = torch.python.as_str();
-    check_torch(python)?;
+    // A device PyTorch has no counterpart for is refused before the interpreter is tried:
+    // installing torch would not make that run.
     torch_device(base)?;
+    check_torch(python)?;
     let script = std::env::temp_dir().join(format!("ember-torch-gpt-{}.py", std::process::id()));
     std::fs::write(&script, TORCH_SCRIPT)
         .map_err(|e| anyhow::anyhow!("writing {}: {e}", script.display()))?;
