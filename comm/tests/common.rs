@@ -13,7 +13,7 @@ use std::time::Duration;
 use ember_comm::{Bf16, Comm, CommConfig, PanicPolicy, Topology, TopologySource};
 
 #[path = "../../tests/support/jobs.rs"]
-mod jobs;
+pub mod jobs;
 
 /// Set in the ranks' environment: run the MPI body instead of launching.
 pub const CHILD_ENV: &str = "EMBER_MPI_CHILD";

@@ -1,6 +1,7 @@
 //! Fault handling under real `mpirun`: a panicking rank, a killed rank and a collective that
 //! waits past the timeout (on one group or over a path of hops) must each end
-//! the whole job promptly, with a message that says why.
+//! the whole job promptly, with a message that says why; a job that hangs where no timeout
+//! of the library fires ends at the tests' own limit, saying where every rank was.
 
 mod common;
 
@@ -115,4 +116,57 @@ fn a_path_collective_past_the_timeout_aborts_naming_op_and_scope() {
     let path = ember_comm::Path::per_level(comm.topology());
     let _ = ember_comm::hier::all_gather_path(&comm, &[1.0f32; 64], &path);
     unreachable!("rank 0 never joins in time");
+}
+
+/// The tests' own limit (tests/support/jobs.rs), with the library's collective timeout far
+/// off: a hung job ends at the limit, fails with every rank's stacks in its stderr, and leaves
+/// no rank running.
+#[test]
+fn a_hung_job_ends_at_its_limit_with_every_ranks_stacks() {
+    const NAME: &str = "a_hung_job_ends_at_its_limit_with_every_ranks_stacks";
+    if !is_child() {
+        let start = Instant::now();
+        let out = mpirun(NAME, 2, "2x1x1", Duration::from_secs(8), &[]);
+        let secs = start.elapsed().as_secs_f64();
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(jobs::TIMED_OUT), "{text}");
+        assert!(text.contains("ran past its 8 s limit"), "{text}");
+        // mpirun and both ranks, each rank's threads by name (the test's thread is named
+        // after the test, cut to Linux's 15 characters).
+        assert!(text.matches("\n---- process ").count() >= 3, "{text}");
+        assert!(text.matches(&NAME[..15]).count() >= 2, "{text}");
+        if gdb() {
+            // Rank 0 inside the all-reduce rank 1 never joins, rank 1 in its sleep.
+            assert!(text.contains("all_reduce"), "{text}");
+            assert!(text.contains("sleep"), "{text}");
+        }
+        // Reading the stacks, TERM, and KILL 5 s after.
+        assert!(secs < 60.0, "took {secs:.1} s\n{text}");
+        let left: Vec<_> = std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|&pid| {
+                pid != std::process::id()
+                    && std::fs::read(format!("/proc/{pid}/cmdline"))
+                        .is_ok_and(|c| c.windows(NAME.len()).any(|w| w == NAME.as_bytes()))
+            })
+            .collect();
+        assert!(left.is_empty(), "ranks still running: {left:?}");
+        return;
+    }
+    let comm = child_comm_with(Duration::from_secs(600));
+    if comm.rank() == 1 {
+        std::thread::sleep(Duration::from_secs(600));
+    }
+    let _ = comm.world().all_reduce(&[1.0f32; 16], Reduce::Sum);
+    unreachable!("rank 1 never joins");
+}
+
+/// Whether `gdb` runs here (the stacks then hold frames, not only thread names).
+fn gdb() -> bool {
+    std::process::Command::new("gdb")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
 }
