@@ -23,7 +23,12 @@ pub fn output_within(mut command: Command, limit: Duration) -> Output {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("starting {:?}: {e}", command.get_program()));
+        .unwrap_or_else(|e| {
+            panic!(
+                "starting {:?}: {e} (for mpirun: is openmpi-bin installed?)",
+                command.get_program()
+            )
+        });
     let stdout = drain(child.stdout.take().expect("piped stdout"));
     let stderr = drain(child.stderr.take().expect("piped stderr"));
     let start = Instant::now();

@@ -10,7 +10,8 @@ use std::time::Duration;
 pub mod jobs;
 
 /// How long one job may run: a cold start of eight wgpu ranks on two cores, compiling every
-/// kernel on lavapipe, takes 30-65 s; a job past this is hung, and fails with its stacks.
+/// kernel on lavapipe, took 28-63 s on a Zen 5; a job past this is hung, and fails with its
+/// stacks.
 const LIMIT: Duration = Duration::from_secs(300);
 
 /// Runs test `test` of this binary as `np` ranks under `mpirun` (as one process without
@@ -29,8 +30,8 @@ pub fn run_ranks(test: &str, child: &str, spec: &str, np: usize) -> String {
 }
 
 /// [`run_ranks`]'s job, whatever its outcome: its status and outputs. A job past [`LIMIT`] is
-/// ended with its processes' stacks in its stderr and exit status [`jobs::TIMED_OUT`], so a job that
-/// hangs fails the test, saying where it hung, instead of the test hanging.
+/// ended with its processes' stacks in its stderr and exit status [`jobs::TIMED_OUT`], so a
+/// job that hangs fails the test, saying where it hung, instead of the test hanging.
 pub fn run_job(test: &str, child: &str, spec: &str, np: usize) -> std::process::Output {
     let exe = std::env::current_exe().expect("test binary path");
     // A session directory of its own, so jobs of other test binaries, or of a crashed run,
@@ -42,19 +43,18 @@ pub fn run_job(test: &str, child: &str, spec: &str, np: usize) -> std::process::
     ));
     std::fs::create_dir_all(&tmp).expect("creating the mpirun session directory");
     let mut command = if np > 0 {
-        Command::new("mpirun")
-    } else {
-        Command::new(&exe)
-    };
-    if np > 0 {
-        command
+        let mut mpirun = Command::new("mpirun");
+        mpirun
             .args(["-np", &np.to_string(), "--oversubscribe"])
             .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
             .args(["--mca", "orte_tmpdir_base"])
             .arg(&tmp)
             .args(["-x", "RAYON_NUM_THREADS=1", "-x", child])
             .arg(&exe);
-    }
+        mpirun
+    } else {
+        Command::new(&exe)
+    };
     command
         .args(["--exact", test, "--nocapture"])
         .env(child, spec)
