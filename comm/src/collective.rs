@@ -20,7 +20,7 @@
 //! | all-reduce < 64 KiB | recursive doubling (ring all-gather off powers of two) | latency-bound |
 //! | broadcast | MPI's blocking call (never inside a training step) | - |
 //!
-//! Every wait polls MPI without holding a core (see [`complete`]): it yields the core between
+//! Every wait polls MPI without holding a core (see `complete`): it yields the core between
 //! polls for the first 2 ms, then sleeps between them; on a machine whose cores the ranks
 //! share, a busy-polling wait takes the compute's time.
 //!

@@ -3,6 +3,10 @@
 //! (`cli/`); errors print one line and exit 2 (usage) or 1 (runtime), as `error.rs`
 //! classifies them.
 
+// The flags' doc comments are clap's `--help` text, not Markdown: `cuda[:I]` and `[cpu]` there
+// are what a user types, not links.
+#![allow(rustdoc::broken_intra_doc_links)]
+
 mod cli;
 
 use std::process::ExitCode;

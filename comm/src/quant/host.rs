@@ -9,7 +9,7 @@
 //! The reference computes `round_half_even(x / scale)`; a vector division costs ~10x a
 //! multiplication, so the fast path multiplies by `r = fl(1 / scale)` instead and falls back
 //! to the division for the lanes where that could change the integer. Why it is exact, for a
-//! normal scale in `[2^-100, 2^100]` (see [`recip_safe`]), with `u = 2^-24`, `q* = x / scale`
+//! normal scale in `[2^-100, 2^100]` (see `recip_safe`), with `u = 2^-24`, `q* = x / scale`
 //! (exact), `Q = fl(q*)` (what the reference rounds) and `|q*| <= QMAX / (1 - u) < 128`
 //! (`scale >= fl(amax / QMAX)`, rounded up to 16 bits, and `|x| <= amax`):
 //!
@@ -17,7 +17,7 @@
 //!    `|y - q*| <= (2u + u^2) |q*|` and `|y - Q| <= (3u + u^2) |q*| + 2^-149 < 2^-14`.
 //! 2. `a = fl(y + 3 * 2^10)` lies in `[2^11, 2^12)`, where the f32 grid is `2^-12`: it rounds `y`
 //!    to `z = F / 2^12` with `|z - y| <= 2^-13`, and `F = bits(a) - bits(3 * 2^10)` is that
-//!    fixed-point value as an integer ([`FINE_MAGIC`]). So `|z - Q| < 2^-13 + 2^-14 < 2^-12`.
+//!    fixed-point value as an integer (`FINE_MAGIC`). So `|z - Q| < 2^-13 + 2^-14 < 2^-12`.
 //! 3. `G = F + 2^11 + 1`. If `G mod 2^12` is neither 0 nor 1, `z` is at least one grid step
 //!    above the half-integer below it and two below the one above it, so `Q` (closer than a
 //!    step) lies strictly between the same half-integers and `round_half_even(Q)` is the

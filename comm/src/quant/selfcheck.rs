@@ -1,4 +1,4 @@
-//! The quantization kernels of one runtime against the scalar [`reference`], bit for bit:
+//! The quantization kernels of one runtime against the scalar [`reference`](mod@reference), bit for bit:
 //! quantized bytes and scales exactly, dequantized values exactly (any NaN matching any NaN:
 //! payloads are not specified). The cases cover lengths that aren't a multiple of the block,
 //! all-zero blocks, ±inf, NaN, -0, exact ties, subnormals, scales below the normal range,

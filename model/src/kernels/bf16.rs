@@ -81,7 +81,7 @@ pub fn has_bf16_dot() -> bool {
     }
 }
 
-/// Whether bf16 products run on AMX tiles ([`super::amx`]): this process may use them
+/// Whether bf16 products run on AMX tiles (`amx`): this process may use them
 /// ([`ember_cpu::amx`]), and neither `EMBER_AMX=0` (the `vdpbf16ps` path on the same CPU)
 /// nor `EMBER_BF16_DOT=0` (no bf16 instructions at all) is set.
 pub fn has_amx() -> bool {

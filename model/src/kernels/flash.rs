@@ -55,7 +55,7 @@ use super::cube::{Ahead, elem_type};
 pub trait FlashOps: Backend {
     /// Causal self-attention of a packed `[B, T, 3d]` projection into `[B, T, d]`, with
     /// `1 / sqrt(d / n_head)` scaling; differentiable where the backend is. `scores_cap` is
-    /// how the call runs ([`scores_cap`]): 0 on the flash kernels, else through the device's
+    /// how the call runs (`scores_cap`): 0 on the flash kernels, else through the device's
     /// products with a group's f32 scores up to that many bytes.
     #[fusion(default)]
     fn flash_attention(

@@ -14,7 +14,7 @@
 //! definitions are the same on every backend.
 //!
 //! A bf16 tensor is widened to f32 on entry and each result rounded back to bf16
-//! ([`bf16`]); the linear layers multiply in bf16 with f32 sums, on the CPU's bf16
+//! (`bf16`); the linear layers multiply in bf16 with f32 sums, on the CPU's bf16
 //! dot-product instructions where it has them.
 
 #[cfg(feature = "cubecl")]

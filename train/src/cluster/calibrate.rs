@@ -13,7 +13,7 @@ use serde::Serialize;
 /// The link profile of the cluster, for `ember plan --profile`.
 ///
 /// Link rates and latencies are what ember's own collectives reach over each tier under MPI
-/// ([`probe_links`]); the GCD level is shared memory inside one namespace, at the measured copy
+/// (`probe_links`); the GCD level is shared memory inside one namespace, at the measured copy
 /// rate. Compute and CPU costs are measured (`calibrate`).
 pub fn profile_toml(c: &Cluster) -> Result<String> {
     let rate = |tier: &str, shaped: f64| c.probed_mbit.get(tier).copied().unwrap_or(shaped);

@@ -57,9 +57,9 @@ pub struct Cluster {
     pub rtt_us: BTreeMap<String, f64>,
     /// Probed TCP throughput of one stream across one GPU link and across one uplink, Mbit/s.
     pub probed_mbit: BTreeMap<String, f64>,
-    /// The compute and CPU costs measured on this machine (see [`calibrate`]).
+    /// The compute and CPU costs measured on this machine (see `calibrate`).
     pub measured: Measured,
-    /// Each tier's links as MPI moves data over them (see [`probe_links`]).
+    /// Each tier's links as MPI moves data over them (see `probe_links`).
     #[serde(default)]
     pub mpi: Option<MpiProbe>,
 }

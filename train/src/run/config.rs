@@ -209,6 +209,8 @@ pub struct TrainOverrides {
     pub dtype: Option<Dtype>,
     /// Backend: flex, ndarray, wgpu, cuda[:I] or rocm[:I] (`cuda`/`rocm` alone: the rank's
     /// GPU on its node) [default: flex]
+    // clap's `--help` text, not Markdown: `cuda[:I]` is what a user types, not a link.
+    #[allow(rustdoc::broken_intra_doc_links)]
     #[arg(long)]
     pub device: Option<DeviceKind>,
     /// Seed of the initial weights, the batch order and dropout [default: 1337]

@@ -439,7 +439,7 @@ for p in job["products"]:
     print(json.dumps({"name": p["name"], "ms": times[len(times) // 2] * 1e3}), flush=True)
 "#;
 
-/// [`bench_cpu_products`]' products timed through `torch.mm` by `python` on `threads`
+/// `bench_cpu_products`' products timed through `torch.mm` by `python` on `threads`
 /// threads: the median milliseconds of each, in order.
 pub fn torch_mm(
     python: &str,
