@@ -196,7 +196,8 @@ fn hsdp_trains_like_zero3_and_resumes_exactly() -> Result<(), ShardError> {
             "{name} resumed at step 10"
         );
         // On wgpu at two nodes of one GCD pair, 4 ranks: every rank compiles its kernels on
-        // lavapipe, which took 181 s for 8 ranks on 2 cores of a Sapphire Rapids (73 s for 4).
+        // lavapipe: on 2 cores of a Sapphire Rapids 3 steps of `hsdp` took 181 s at 8 ranks
+        // with part of the kernels cached, `hsdp-accumulating` 73 s at 4.
         // Each rank takes its rows of the same global batch, so the losses are the 8 ranks'.
         #[cfg(feature = "wgpu")]
         {

@@ -11,7 +11,7 @@ pub mod jobs;
 
 /// How long one job may run: a cold start of eight wgpu ranks on two cores, compiling every
 /// kernel on lavapipe, took 28-63 s on a Zen 5 and ran past 300 s on a Sapphire Rapids (a
-/// second start there, with part of the kernels cached, 181 s; four ranks 73 s). A job past
+/// second start there, with part of the kernels cached, 181 s; 73 s at four ranks). A job past
 /// this is hung, and fails with its stacks.
 const LIMIT: Duration = Duration::from_secs(600);
 
