@@ -112,23 +112,29 @@ fn paths(t: usize) -> [CubeAttention; 3] {
     ]
 }
 
-/// Which of [`paths`] a check takes.
-#[derive(Clone, Copy, PartialEq)]
-enum Paths {
-    /// Every one.
-    All,
-    /// The flash kernels alone: the head sizes' edges are theirs, the products' inner
-    /// dimension is the device's matmul's. A shape new to the products costs that matmul's
-    /// autotune and its kernels' compiles, 40-70 s a shape on lavapipe with nothing cached
-    /// (Sapphire Rapids, 2 cores).
-    Flash,
-}
-
+/// [`check_on`] every one of [`paths`].
 fn check(b: usize, t: usize, heads: usize, hd: usize, dtype: DType, tol: f64) {
-    check_on(Paths::All, b, t, heads, hd, dtype, tol);
+    check_on(&paths(t), b, t, heads, hd, dtype, tol);
 }
 
-fn check_on(which: Paths, b: usize, t: usize, heads: usize, hd: usize, dtype: DType, tol: f64) {
+/// [`check_on`] the flash kernels alone, for shapes whose edges (head sizes) are theirs: the
+/// products' inner dimension is the device's matmul's, and a shape new to the products costs
+/// that matmul's autotune and its kernels' compiles, 14-76 s a shape on lavapipe with nothing
+/// cached (Sapphire Rapids, 2 cores).
+fn check_flash(b: usize, t: usize, heads: usize, hd: usize, dtype: DType, tol: f64) {
+    check_on(&[CubeAttention::Flash], b, t, heads, hd, dtype, tol);
+}
+
+/// Attention on each of `paths` against the composed op in f64 on flex.
+fn check_on(
+    paths: &[CubeAttention],
+    b: usize,
+    t: usize,
+    heads: usize,
+    hd: usize,
+    dtype: DType,
+    tol: f64,
+) {
     let d3 = 3 * heads * hd;
     let qkv = values(b * t * d3, 7 + t as u64, 1.5);
     let w = values(b * t * d3 / 3, 11, 1.0);
@@ -143,8 +149,7 @@ fn check_on(which: Paths, b: usize, t: usize, heads: usize, hd: usize, dtype: DT
         DType::F64,
         false,
     );
-    let count = if which == Paths::All { 3 } else { 1 };
-    for path in paths(t).into_iter().take(count) {
+    for &path in paths {
         set_cube_attention(path);
         let (y, g) = run(&qkv, &w, [b, t, d3], heads, wgpu(), dtype, true);
         let (ey, eg) = (rel_err(&y, &want_y), rel_err(&g, &want_g));
@@ -169,9 +174,9 @@ fn check_on(which: Paths, b: usize, t: usize, heads: usize, hd: usize, dtype: DT
 fn flash_attention_matches_the_composed_op_in_f32() {
     let _device = device_lock();
     check(2, 70, 3, 16, DType::F32, 1e-5);
-    check_on(Paths::Flash, 1, 50, 2, 32, DType::F32, 1e-5);
-    check_on(Paths::Flash, 1, 129, 2, 64, DType::F32, 1e-5);
-    check_on(Paths::Flash, 1, 40, 1, 80, DType::F32, 1e-5);
+    check_flash(1, 50, 2, 32, DType::F32, 1e-5);
+    check_flash(1, 129, 2, 64, DType::F32, 1e-5);
+    check_flash(1, 40, 1, 80, DType::F32, 1e-5);
     // Longer than a row kernel's units: the softmax strides over the row.
     check(1, 300, 2, 32, DType::F32, 1e-5);
     // Under 32 queries: the products take the sequence as one block, not two halves.
@@ -194,7 +199,7 @@ fn flash_attention_matches_the_composed_op_in_half_precision() {
             continue;
         }
         check(2, 70, 3, 16, dtype, tol);
-        check_on(Paths::Flash, 1, 129, 2, 64, dtype, tol);
+        check_flash(1, 129, 2, 64, dtype, tol);
         ran += 1;
     }
     eprintln!("{ran} half-precision dtypes checked");

@@ -148,10 +148,9 @@ fn launch_on(
     resume: Option<&Path>,
     save: Option<&Path>,
 ) -> Ran {
-    let ranks = topology
-        .split('x')
-        .map(|n| n.parse::<usize>().expect("a topology of numbers"))
-        .product();
+    let ranks = ember_comm::Topology::parse(topology)
+        .expect("a valid topology")
+        .world_size();
     let spec = common::spec(
         topology,
         layout,

@@ -1,8 +1,9 @@
-//! The quantization kernels of one runtime against the scalar [`reference`](mod@reference), bit for bit:
-//! quantized bytes and scales exactly, dequantized values exactly (any NaN matching any NaN:
-//! payloads are not specified). The cases cover lengths that aren't a multiple of the block,
-//! all-zero blocks, ±inf, NaN, -0, exact ties, subnormals, scales below the normal range,
-//! sums that cancel into the subnormal range and a buffer of more than 65535 cubes. The tests run it on every runtime of the build; `ember selftest` runs it on the
+//! The quantization kernels of one runtime against the scalar [`reference`](mod@reference),
+//! bit for bit: quantized bytes and scales exactly, dequantized values exactly (any NaN
+//! matching any NaN: payloads are not specified). The cases cover lengths that aren't a
+//! multiple of the block, all-zero blocks, ±inf, NaN, -0, exact ties, subnormals, scales below
+//! the normal range, sums that cancel into the subnormal range and a buffer of more than 65535
+//! cubes. The tests run it on every runtime of the build; `ember selftest` runs it on the
 //! device a run would use, so a GPU is checked by the binary that trains on it.
 
 use serde::Serialize;
