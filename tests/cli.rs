@@ -780,6 +780,13 @@ fn bench_against_torch_pairs_on_the_same_device() {
     assert!(r["params"][0].as_u64().unwrap() > 50304 * 64, "{r}");
     assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
     assert!(r["torch_compile_median_ms"].is_null(), "{r}");
+    // How much of the CPUs went elsewhere during each side's rounds, read from /proc/stat.
+    for side in ["ember_elsewhere", "torch_elsewhere"] {
+        for kind in ["others", "steal"] {
+            let share = r[side][kind].as_f64();
+            assert!(share.is_some_and(|s| (0.0..=1.0).contains(&s)), "{side}.{kind}: {r}");
+        }
+    }
 }
 
 /// `ember launch` refuses what is not a training job before starting anything, and does not

@@ -9,6 +9,7 @@ use ember_train::run::config::{DeviceKind, Dtype, TrainOverrides};
 use ember_train::run::shard_args::ShardArgs;
 use ember_train::tools::bench;
 use ember_train::tools::planning::load_profile;
+use ember_train::tools::sharing;
 use ember_train::units::parse_size;
 
 // Parsed once per process and matched at once: the size of its largest variant costs nothing.
@@ -395,6 +396,7 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
             args.rounds,
         )?;
         for r in &results {
+            warn_if_busy(&[r.ember_elsewhere, r.torch_elsewhere]);
             if args.json {
                 println!("{}", serde_json::to_string(r).map_err(anyhow::Error::new)?);
                 continue;
@@ -440,6 +442,12 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
                 spread(&r.torch_ms),
                 r.ratio
             );
+            if let Some(line) = elsewhere_line(&[
+                ("ember's rounds", r.ember_elsewhere),
+                ("PyTorch's", r.torch_elsewhere),
+            ]) {
+                println!("{:<10} {line}", "");
+            }
         }
         return Ok(());
     }
@@ -475,9 +483,49 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
                 r.mfu.map_or("n/a".into(), |m| format!("{:.1}%", m * 100.0)),
                 r.first_step_ms,
             );
+            if let Some(line) = elsewhere_line(&[("the run", r.elsewhere)]) {
+                println!("{:<10} {line}", "");
+            }
         }
+        warn_if_busy(&[r.elsewhere]);
     }
     Ok(())
+}
+
+/// "the CPUs: other processes took 0.4% and steal 0.0% during ember's rounds, ...": the most
+/// of the CPUs that went elsewhere in each of `shares` (none where nothing was measured).
+fn elsewhere_line(shares: &[(&str, Option<sharing::Sharing>)]) -> Option<String> {
+    let parts: Vec<String> = shares
+        .iter()
+        .filter_map(|(during, s)| {
+            s.map(|s| {
+                format!(
+                    "{:.1}% to other processes and {:.1}% stolen during {during}",
+                    s.others * 100.0,
+                    s.steal * 100.0
+                )
+            })
+        })
+        .collect();
+    (!parts.is_empty()).then(|| format!("the CPUs, at most: {}", parts.join("; ")))
+}
+
+/// A warning on standard error where more than [`sharing::QUIET_BELOW`] of the CPUs went to
+/// other processes or the hypervisor in a round: figures from a busy machine are suspect.
+fn warn_if_busy(shares: &[Option<sharing::Sharing>]) {
+    let worst = shares
+        .iter()
+        .flatten()
+        .map(|s| s.elsewhere())
+        .fold(0.0, f64::max);
+    if worst > sharing::QUIET_BELOW {
+        eprintln!(
+            "[ember] warning: up to {:.0}% of the CPUs went to other processes or were stolen \
+             by the hypervisor during a round: these times are only as good as the machine was \
+             quiet; rerun with nothing else running (on a VM, steal is the host's doing)",
+            worst * 100.0
+        );
+    }
 }
 
 pub fn bench_matmul(args: BenchMatmulArgs) -> CliResult<()> {

@@ -19,6 +19,7 @@ use crate::run::run_loop::{self, Output, Stepped};
 use crate::run::setup::{Purpose, RunArgs, RunSetup};
 use crate::run::shard_args::ShardArgs;
 use crate::tools::planning::estimate;
+use crate::tools::sharing::{self, Sharing};
 use ember_sharding::plan::profile::Profile;
 
 /// One benchmark result.
@@ -61,6 +62,9 @@ pub struct TrainBench {
     /// Bytes the device's memory pools held from the driver after the last step, in use or
     /// kept for reuse (CubeCL devices).
     pub device_reserved_bytes: Option<u64>,
+    /// How much of the CPUs went to other processes and to the hypervisor while the preset
+    /// was set up and stepped (Linux).
+    pub elsewhere: Option<Sharing>,
     /// The model's shape.
     #[serde(skip)]
     pub model: ember_model::GptConfig,
@@ -82,6 +86,7 @@ pub fn bench_train(
             ..Default::default()
         }
         .overridden_by(base);
+        let before = sharing::sample();
         let mut setup = bench_setup(comm, settings, steps + warmup)?;
         let shard = ShardArgs::default().resolve(comm.topology(), setup.config.dtype)?;
         let config = setup.config.clone();
@@ -94,6 +99,9 @@ pub fn bench_train(
         bench.first_step_ms = stepped.first().map_or(f64::NAN, |s| s.step_s * 1e3);
         bench.device_reserved_bytes =
             ember_sharding::plumbing::memory::device_bytes_reserved(&device);
+        bench.elsewhere = sharing::sample()
+            .zip(before)
+            .and_then(|(after, before)| after.since(&before));
         out.push(bench);
     }
     Ok(out)
@@ -155,6 +163,7 @@ fn summarise(
         first_step_ms: f64::NAN,
         kernel_cache: kernel_cache(config.device),
         device_reserved_bytes: None,
+        elsewhere: None,
         model: config.model.clone(),
     })
 }
@@ -417,6 +426,11 @@ pub struct PairedBench {
     pub ratio_compile: Option<f64>,
     /// Peak device memory under `torch.compile`, bytes (GPU).
     pub torch_compile_peak_device_bytes: Option<u64>,
+    /// The most of the CPUs that went to other processes or the hypervisor in one of
+    /// ember's rounds (Linux).
+    pub ember_elsewhere: Option<Sharing>,
+    /// The same over PyTorch's rounds (eager and compiled).
+    pub torch_elsewhere: Option<Sharing>,
 }
 
 /// How `--against-torch` runs the reference.
@@ -573,12 +587,26 @@ fn pair(
     let mut compile_ms = Vec::new();
     let mut paired = None;
     let mut compiled = None;
+    let (mut ember_shares, mut torch_shares) = (Vec::new(), Vec::new());
+    // `job`'s run, and how much of the CPUs went elsewhere meanwhile (sampled after the
+    // interpreter is reaped, so that its time counts as the reference's own).
+    let mut timed = |compile: bool, e: &TrainBench| -> CliResult<serde_json::Value> {
+        let before = sharing::sample();
+        let t = job.run(e, compile)?;
+        torch_shares.extend(
+            sharing::sample()
+                .zip(before)
+                .and_then(|(after, before)| after.since(&before)),
+        );
+        Ok(t)
+    };
     for _ in 0..rounds {
         let e = bench_train(comm, &[preset.to_string()], base, steps, warmup)?.remove(0);
-        let t = job.run(&e, false)?;
+        ember_shares.extend(e.elsewhere);
+        let t = timed(false, &e)?;
         let field = |t: &serde_json::Value, k: &str| t[k].as_f64().unwrap_or(f64::NAN);
         if torch.compile {
-            let c = job.run(&e, true)?;
+            let c = timed(true, &e)?;
             compile_ms.push(field(&c, "step_ms_median"));
             compiled = Some(c);
         }
@@ -616,5 +644,7 @@ fn pair(
         torch_compile_median_ms: cm,
         ratio_compile: cm.map(|c| c / em),
         torch_compile_peak_device_bytes: compiled.as_ref().and_then(peak),
+        ember_elsewhere: sharing::worst(&ember_shares),
+        torch_elsewhere: sharing::worst(&torch_shares),
     })
 }
