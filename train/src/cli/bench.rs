@@ -396,9 +396,9 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
             args.rounds,
         )?;
         for r in &results {
-            warn_if_busy(&[r.ember_elsewhere, r.torch_elsewhere]);
             if args.json {
                 println!("{}", serde_json::to_string(r).map_err(anyhow::Error::new)?);
+                warn_if_busy(&[r.ember_elsewhere, r.torch_elsewhere]);
                 continue;
             }
             let spread = |v: &[f64]| {
@@ -448,6 +448,7 @@ pub fn bench_train(args: BenchTrainArgs) -> CliResult<()> {
             ]) {
                 println!("{:<10} {line}", "");
             }
+            warn_if_busy(&[r.ember_elsewhere, r.torch_elsewhere]);
         }
         return Ok(());
     }
