@@ -784,7 +784,10 @@ fn bench_against_torch_pairs_on_the_same_device() {
     for side in ["ember_elsewhere", "torch_elsewhere"] {
         for kind in ["others", "steal"] {
             let share = r[side][kind].as_f64();
-            assert!(share.is_some_and(|s| (0.0..=1.0).contains(&s)), "{side}.{kind}: {r}");
+            assert!(
+                share.is_some_and(|s| (0.0..=1.0).contains(&s)),
+                "{side}.{kind}: {r}"
+            );
         }
     }
 }
