@@ -939,32 +939,39 @@ fn pack<const WIDTH: usize, E: Element>(
         if cs == 1 && !tiles {
             // Each row's columns are contiguous: pair neighbours, a panel's rows at a time,
             // and interleave them.
-            let mut tmp = vec![0u32; if WIDTH == 1 { 0 } else { WIDTH * pairs }];
-            for p0 in (i0..i1).step_by(WIDTH) {
-                let p1 = (p0 + WIDTH).min(i1);
-                // SAFETY: the panel of rows p0.. is `WIDTH * stride` elements from
-                // `at(p0, 0)`, in bounds and written by this block only.
-                let panel =
-                    unsafe { std::slice::from_raw_parts_mut(dst.add(at(p0, 0)), WIDTH * stride) };
-                let (panel, tail) = panel.split_at_mut(WIDTH * pairs);
-                tail.fill(0);
-                let rows_out = if WIDTH == 1 {
-                    &mut *panel
-                } else {
-                    &mut tmp[..]
-                };
-                for (i, out) in (p0..p1).zip(rows_out.chunks_exact_mut(pairs)) {
-                    let row = line(i as isize * rs, k);
-                    E::pair_adjacent(row, out);
-                    if k % 2 == 1 {
-                        out[pairs - 1] = row[k - 1].bits() as u32;
+            PAIRED_ROWS.with_borrow_mut(|tmp| {
+                let len = if WIDTH == 1 { 0 } else { WIDTH * pairs };
+                if tmp.len() < len {
+                    tmp.resize(len, 0);
+                }
+                let tmp = &mut tmp[..len];
+                for p0 in (i0..i1).step_by(WIDTH) {
+                    let p1 = (p0 + WIDTH).min(i1);
+                    // SAFETY: the panel of rows p0.. is `WIDTH * stride` elements from
+                    // `at(p0, 0)`, in bounds and written by this block only.
+                    let panel = unsafe {
+                        std::slice::from_raw_parts_mut(dst.add(at(p0, 0)), WIDTH * stride)
+                    };
+                    let (panel, tail) = panel.split_at_mut(WIDTH * pairs);
+                    tail.fill(0);
+                    let rows_out = if WIDTH == 1 {
+                        &mut *panel
+                    } else {
+                        &mut tmp[..]
+                    };
+                    for (i, out) in (p0..p1).zip(rows_out.chunks_exact_mut(pairs)) {
+                        let row = line(i as isize * rs, k);
+                        E::pair_adjacent(row, out);
+                        if k % 2 == 1 {
+                            out[pairs - 1] = row[k - 1].bits() as u32;
+                        }
+                    }
+                    if WIDTH > 1 {
+                        tmp[(p1 - p0) * pairs..].fill(0);
+                        lanes_of::<WIDTH>(tmp, pairs, panel);
                     }
                 }
-                if WIDTH > 1 {
-                    tmp[(p1 - p0) * pairs..].fill(0);
-                    lanes_of::<WIDTH>(&tmp, pairs, panel);
-                }
-            }
+            });
             return;
         }
         let value = |i: usize, c: usize| line(i as isize * rs + c as isize * cs, 1)[0];
@@ -993,6 +1000,13 @@ fn pack<const WIDTH: usize, E: Element>(
     } else {
         (0..rows.div_ceil(NR)).for_each(block);
     }
+}
+
+thread_local! {
+    /// [`pack`]'s rows of pairs of one panel before they are turned into its lanes, kept
+    /// between products: allocated per block of rows, they met on the allocator's one lock
+    /// from both threads in attention's per-head products, and the threads queued there.
+    static PAIRED_ROWS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// A panel's rows of pairs turned into its lanes per pair: `panel[q * W + i] = rows[i *

@@ -3,12 +3,13 @@
 //! tensor ops; GELU also on bf16 bits. Work is split in fixed-size pieces, so results do not
 //! depend on the number of threads.
 
+use std::cell::RefCell;
 use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
 use super::bf16::filled;
-use super::bits::{bits_of, round_into, round_to, value_of, widen_into, widen_to};
+use super::bits::{bits_of, round_into, round_to, value_of, widen_to};
 use super::simd::{LANES, dot, dot3, exp, max, multiversion, sum};
 
 /// Elements per parallel piece of an element-wise kernel.
@@ -148,9 +149,37 @@ pub(crate) fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f32) -> [Vec<f32>
     [y, mean, rstd]
 }
 
-/// A piece of bf16 bits widened to f32, in a buffer of its own.
-fn widened(bits: &[u16]) -> Vec<f32> {
-    filled(bits.len(), |out| widen_into(bits, out))
+thread_local! {
+    /// This thread's f32 buffers for one piece of rows of a bf16 row kernel, kept between
+    /// pieces: allocated per piece (a few per 16 rows), both threads met on the allocator's
+    /// one lock and queued there.
+    static SCRATCH: RefCell<[Vec<f32>; 3]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
+}
+
+/// `f` on three f32 buffers of `len` values each: the first zeroed, the other two as a
+/// previous piece left them (for [`widen_to`] to overwrite). This thread's [`SCRATCH`],
+/// or new buffers where a caller on this thread already holds it.
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32], &mut [f32], &mut [f32]) -> R) -> R {
+    SCRATCH.with(|scratch| {
+        let mut own;
+        let mut held = scratch.try_borrow_mut();
+        let bufs = match held.as_deref_mut() {
+            Ok(bufs) => bufs,
+            Err(_) => {
+                own = [Vec::new(), Vec::new(), Vec::new()];
+                &mut own
+            }
+        };
+        for b in bufs.iter_mut() {
+            if b.len() < len {
+                b.resize(len, 0.0);
+            }
+        }
+        let [a, b, c] = bufs;
+        let (a, b, c) = (&mut a[..len], &mut b[..len], &mut c[..len]);
+        a.fill(0.0);
+        f(a, b, c)
+    })
 }
 
 /// [`layer_norm`] of bf16 bits, rounded to bf16 bits: each piece of rows widened, normalised
@@ -175,9 +204,11 @@ pub(crate) fn layer_norm_bf16(
             .zip(x.par_chunks(ROWS * d))
             .zip(mean.par_chunks_mut(ROWS).zip(rstd.par_chunks_mut(ROWS)))
             .for_each(|((y, x), (mean, rstd))| {
-                let mut piece = vec![0.0; x.len()];
-                layer_norm_piece(&widened(x), w, b, eps, &mut piece, mean, rstd);
-                round_into(&piece, y);
+                with_scratch(x.len(), |piece, wide, _| {
+                    widen_to(x, wide);
+                    layer_norm_piece(wide, w, b, eps, piece, mean, rstd);
+                    round_into(piece, y);
+                })
             })
     });
     (y, [mean, rstd])
@@ -275,10 +306,12 @@ pub(crate) fn layer_norm_backward_bf16(
             .zip(mean.par_chunks(ROWS).zip(rstd.par_chunks(ROWS)))
             .map(|((dx, (x, dy)), (mean, rstd))| {
                 let (mut dw, mut db) = (vec![0.0; d], vec![0.0; d]);
-                let mut piece = vec![0.0; x.len()];
-                let (x, dy) = (widened(x), widened(dy));
-                layer_norm_backward_piece(&x, w, mean, rstd, &dy, &mut piece, &mut dw, &mut db);
-                round_into(&piece, dx);
+                with_scratch(x.len(), |piece, wx, wdy| {
+                    widen_to(x, wx);
+                    widen_to(dy, wdy);
+                    layer_norm_backward_piece(wx, w, mean, rstd, wdy, piece, &mut dw, &mut db);
+                    round_into(piece, dx);
+                });
                 (dw, db)
             })
             .collect::<Vec<_>>();
