@@ -31,8 +31,10 @@ pub fn gather_u64(comm: &Comm, mine: u64) -> Result<Vec<u64>> {
 /// faulted about 1,140 pages in again per step (`perf stat -e page-faults`, 5 against 25
 /// steps) and `gpt2` (T 256, B 4) about 60,000; with one arena about 5 and 60. `small-cpu`
 /// ran 2.7% faster with it (8 pairs, Emerald Rapids).
-/// Blocks are allocated per tensor, not per element, so threads seldom meet on the arena's
-/// lock. Also notes where the heap starts, for [`HostAllocator`].
+/// Blocks are allocated per tensor, not per element, and the kernels keep their per-piece
+/// buffers per thread: threads that met on the arena's lock for those sleep on it and queue
+/// (BENCHMARKS.md, "Zen 5 at 10e49bf"). Also notes where the heap starts, for
+/// [`HostAllocator`].
 pub fn one_arena() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: as in `set_thresholds`; `sbrk(0)` only reads the current break.
