@@ -940,11 +940,7 @@ fn pack<const WIDTH: usize, E: Element>(
             // Each row's columns are contiguous: pair neighbours, a panel's rows at a time,
             // and interleave them.
             PAIRED_ROWS.with_borrow_mut(|tmp| {
-                let len = if WIDTH == 1 { 0 } else { WIDTH * pairs };
-                if tmp.len() < len {
-                    tmp.resize(len, 0);
-                }
-                let tmp = &mut tmp[..len];
+                let tmp = tmp.take(if WIDTH == 1 { 0 } else { WIDTH * pairs });
                 for p0 in (i0..i1).step_by(WIDTH) {
                     let p1 = (p0 + WIDTH).min(i1);
                     // SAFETY: the panel of rows p0.. is `WIDTH * stride` elements from
@@ -1006,7 +1002,7 @@ thread_local! {
     /// [`pack`]'s rows of pairs of one panel before they are turned into its lanes, kept
     /// between products: allocated per block of rows, they met on the allocator's one lock
     /// from both threads in attention's per-head products, and the threads queued there.
-    static PAIRED_ROWS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static PAIRED_ROWS: std::cell::RefCell<Packed> = std::cell::RefCell::new(Packed::default());
 }
 
 /// A panel's rows of pairs turned into its lanes per pair: `panel[q * W + i] = rows[i *

@@ -156,20 +156,11 @@ thread_local! {
     static SCRATCH: RefCell<[Vec<f32>; 3]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
 }
 
-/// `f` on three f32 buffers of `len` values each: the first zeroed, the other two as a
-/// previous piece left them (for [`widen_to`] to overwrite). This thread's [`SCRATCH`],
-/// or new buffers where a caller on this thread already holds it.
+/// `f` on this thread's [`SCRATCH`] as three f32 buffers of `len` values each: the first
+/// zeroed, the other two as a previous piece left them (for [`widen_to`] to overwrite). `f`
+/// runs leaf kernels only (no parallel op), so no other use of them can start inside it.
 fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32], &mut [f32], &mut [f32]) -> R) -> R {
-    SCRATCH.with(|scratch| {
-        let mut own;
-        let mut held = scratch.try_borrow_mut();
-        let bufs = match held.as_deref_mut() {
-            Ok(bufs) => bufs,
-            Err(_) => {
-                own = [Vec::new(), Vec::new(), Vec::new()];
-                &mut own
-            }
-        };
+    SCRATCH.with_borrow_mut(|bufs| {
         for b in bufs.iter_mut() {
             if b.len() < len {
                 b.resize(len, 0.0);

@@ -99,9 +99,7 @@ pub fn bench_train(
         bench.first_step_ms = stepped.first().map_or(f64::NAN, |s| s.step_s * 1e3);
         bench.device_reserved_bytes =
             ember_sharding::plumbing::memory::device_bytes_reserved(&device);
-        bench.elsewhere = sharing::sample()
-            .zip(before)
-            .and_then(|(after, before)| after.since(&before));
+        bench.elsewhere = sharing::since(before);
         out.push(bench);
     }
     Ok(out)
@@ -593,11 +591,7 @@ fn pair(
     let mut timed = |compile: bool, e: &TrainBench| -> CliResult<serde_json::Value> {
         let before = sharing::sample();
         let t = job.run(e, compile)?;
-        torch_shares.extend(
-            sharing::sample()
-                .zip(before)
-                .and_then(|(after, before)| after.since(&before)),
-        );
+        torch_shares.extend(sharing::since(before));
         Ok(t)
     };
     for _ in 0..rounds {

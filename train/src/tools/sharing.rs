@@ -6,8 +6,8 @@
 //! Read from Linux's `/proc/stat` (each CPU's time by kind, in clock ticks; those this
 //! process may run on, its affinity) and this process's own CPU time (`getrusage`, its
 //! threads and its children once reaped) at both ends of the interval: what those CPUs spent
-//! busy beyond this process's own time went to others. Ticks are sampled at 100 Hz, so an interval of a second on 2 CPUs reads to about
-//! 1% of the machine.
+//! busy beyond this process's own time went to others. Ticks are sampled at 100 Hz, so an
+//! interval of a second on 2 CPUs reads to about 1% of the machine.
 
 use serde::Serialize;
 
@@ -116,14 +116,14 @@ fn own_seconds() -> Option<f64> {
     Some(seconds(libc::RUSAGE_SELF)? + seconds(libc::RUSAGE_CHILDREN)?)
 }
 
-/// Clock ticks per second of `/proc/stat`.
-#[cfg(target_os = "linux")]
+/// Clock ticks per second of `/proc/stat` (Linux's usual 100 where it cannot tell).
 fn ticks_per_second() -> f64 {
+    #[cfg(target_os = "linux")]
     // SAFETY: sysconf only reads a configuration value.
-    match unsafe { libc::sysconf(libc::_SC_CLK_TCK) } {
-        hz if hz > 0 => hz as f64,
-        _ => 100.0,
+    if let hz @ 1.. = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } {
+        return hz as f64;
     }
+    100.0
 }
 
 /// The CPUs' time and this process's now; `None` off Linux or where `/proc/stat` cannot be
@@ -149,12 +149,18 @@ impl Sample {
     /// passed. A child that ends inside the interval counts as this process's own once it is
     /// reaped, so sample after reaping the children whose time is the benchmark's.
     pub fn since(&self, earlier: &Sample) -> Option<Sharing> {
-        #[cfg(target_os = "linux")]
-        let hz = ticks_per_second();
-        #[cfg(not(target_os = "linux"))]
-        let hz = 100.0;
-        share(earlier.ticks, self.ticks, (self.own_s - earlier.own_s) * hz)
+        share(
+            earlier.ticks,
+            self.ticks,
+            (self.own_s - earlier.own_s) * ticks_per_second(),
+        )
     }
+}
+
+/// Where the CPUs' time went from `before` (a [`sample`]) to now; `None` where either end
+/// could not be read or no tick passed.
+pub fn since(before: Option<Sample>) -> Option<Sharing> {
+    sample()?.since(&before?)
 }
 
 /// [`Sample::since`] from the counters at both ends and this process's own ticks between.
